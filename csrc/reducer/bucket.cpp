@@ -1,0 +1,42 @@
+#include "bucket.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+namespace fastddp {
+
+int64_t Bucket::bytes() const { return flat.numel() * static_cast<int64_t>(flat.element_size()); }
+
+std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
+                                 const std::vector<std::vector<size_t>>& plan) {
+  std::vector<Bucket> buckets(plan.size());
+  for (size_t b = 0; b < plan.size(); ++b) {
+    Bucket& bucket = buckets[b];
+    TORCH_CHECK(!plan[b].empty(), "fastddp: bucket ", b, " of the plan is empty");
+    const at::Tensor& first = params.at(plan[b].front());
+    int64_t total = 0;
+    for (size_t index : plan[b]) {
+      const at::Tensor& p = params.at(index);
+      TORCH_CHECK(p.scalar_type() == first.scalar_type() && p.device() == first.device(),
+                  "fastddp: bucket ", b, " mixes ", first.scalar_type(), " on ", first.device(),
+                  " with ", p.scalar_type(), " on ", p.device(), " (parameter ", index, ")");
+      bucket.params.push_back(index);
+      bucket.offsets.push_back(total);
+      bucket.numels.push_back(p.numel());
+      total += p.numel();
+    }
+    bucket.flat = at::empty({total}, first.options().requires_grad(false));
+    for (size_t k = 0; k < bucket.params.size(); ++k) {
+      const at::Tensor& p = params[bucket.params[k]];
+      if (p.is_non_overlapping_and_dense()) {
+        bucket.views.push_back(bucket.flat.as_strided(p.sizes(), p.strides(), bucket.offsets[k]));
+      } else {
+        bucket.views.push_back(
+            bucket.flat.narrow(0, bucket.offsets[k], bucket.numels[k]).view(p.sizes()));
+      }
+    }
+  }
+  return buckets;
+}
+
+}  // namespace fastddp

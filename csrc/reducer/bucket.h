@@ -1,0 +1,41 @@
+// A bucket: one flat gradient buffer shared by several parameters, reduced by
+// a single collective.
+#pragma once
+
+#include <ATen/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace c10d {
+class Work;
+}
+
+namespace fastddp {
+
+struct Bucket {
+  // Contiguous buffer of the parameters' dtype, on their device.
+  at::Tensor flat;
+  // Parameter indices (into the reducer's parameter list), in buffer order.
+  std::vector<size_t> params;
+  // views[k] aliases `flat` for params[k], with that parameter's shape and,
+  // for dense parameters, its strides (so channels_last grads stay
+  // channels_last, as torch's grad layout contract asks).
+  std::vector<at::Tensor> views;
+  std::vector<int64_t> offsets;  // in elements
+  std::vector<int64_t> numels;
+
+  // Per backward: gradients still missing, and the collective in flight.
+  size_t pending = 0;
+  c10::intrusive_ptr<c10d::Work> work;
+
+  int64_t bytes() const;
+};
+
+// Allocates the buckets of a plan over `params`. Every bucket must hold
+// parameters of a single dtype and device.
+std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
+                                 const std::vector<std::vector<size_t>>& plan);
+
+}  // namespace fastddp

@@ -1,0 +1,320 @@
+"""fastddp.DistributedDataParallel: torch DDP's interface over fastddp's C++ reducer."""
+
+import contextlib
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.join import Joinable
+
+from fastddp import _C
+from fastddp._module_sync import broadcast_tensors, verify_param_shapes
+
+_MIB = 1024 * 1024
+_DEFAULT_BUCKET_CAP_MB = 25
+_DEFAULT_FIRST_BUCKET_BYTES = 1 * _MIB
+# Initial buckets when gradients arrive in an unknown order (torch does the same:
+# one bucket per dtype/device until the first backward shows the real order).
+_NO_LIMIT = 2**63 - 1
+
+
+def _not_yet(argument: str, why: str) -> NotImplementedError:
+    return NotImplementedError(f"fastddp.DistributedDataParallel: {argument} is not supported yet ({why})")
+
+
+class DistributedDataParallel(nn.parallel.DistributedDataParallel):
+    """Drop-in replacement for :class:`torch.nn.parallel.DistributedDataParallel`.
+
+    Takes every argument torch DDP 2.11-2.15 takes, with the same defaults, and
+    trains to the same numbers. Gradient bucketing, the hooks on the autograd
+    graph, the overlapped allreduce and the write-back run in C++
+    (``fastddp._C.Reducer``). Arguments that fastddp does not implement yet raise
+    NotImplementedError; none is silently ignored.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids=None,
+        output_device=None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params=None,
+        param_to_hook_all_reduce=None,
+        mixed_precision=None,
+        device_mesh=None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: list[int] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+        lazy_bucket_allocation: bool = False,
+    ):
+        # torch DDP's __init__ would build torch's reducer; only the module and
+        # Joinable parts of the base classes are wanted.
+        nn.Module.__init__(self)
+        Joinable.__init__(self)
+        _reject_unsupported(
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            delay_all_reduce_named_params=delay_all_reduce_named_params,
+            param_to_hook_all_reduce=param_to_hook_all_reduce,
+            mixed_precision=mixed_precision,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+            lazy_bucket_allocation=lazy_bucket_allocation,
+        )
+        if check_reduction:
+            warnings.warn(
+                "The `check_reduction` argument in `DistributedDataParallel` module is "
+                "deprecated. Please avoid using it.",
+                FutureWarning,
+                stacklevel=2,
+            )
+        self.process_group = _resolve_group(process_group, device_mesh)
+        if device_mesh is not None:
+            self.device_mesh = device_mesh
+
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        names, params = _params_for_reducer(module, self.parameters_to_ignore)
+        self._module_parameters = [
+            p for n, p in module.named_parameters() if n not in self.parameters_to_ignore
+        ]
+        _check_module(module, self._module_parameters, params)
+
+        self.device_type = self._module_parameters[0].device.type
+        self.device = self._module_parameters[0].device
+        self.is_multi_device_module = False
+        self.device_ids, self.output_device = _resolve_device_ids(
+            device_ids, output_device, self.device_type
+        )
+        self.module = module
+        self.dim = dim
+        self.static_graph = False
+        self.find_unused_parameters = False
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.batched_grad_copy = batched_grad_copy
+        self.mixed_precision = None
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        if forward_sync_buffers is not None:
+            self.forward_sync_buffers, init_sync_buffers = forward_sync_buffers, True
+        else:
+            sync = broadcast_buffers if broadcast_buffers is not None else True
+            self.forward_sync_buffers, init_sync_buffers = sync, sync
+        self.modules_buffers = [
+            b for n, b in module.named_buffers() if n not in self.parameters_to_ignore
+        ]
+
+        caps = [int(mb * _MIB) for mb in bucket_cap_mb_list] if bucket_cap_mb_list else []
+        cap_mb = max(bucket_cap_mb_list) if caps else (
+            bucket_cap_mb if bucket_cap_mb is not None else _DEFAULT_BUCKET_CAP_MB)
+        self.bucket_bytes_cap = int(cap_mb * _MIB)
+        if caps:
+            initial_limits, rebuild_limits = caps, caps
+        else:
+            first = _DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else self.bucket_bytes_cap
+            initial_limits, rebuild_limits = [_NO_LIMIT], [first, self.bucket_bytes_cap]
+
+        world = self.process_group.size()
+        if init_sync and world > 1:
+            with torch.no_grad():
+                verify_param_shapes(self.process_group, names, params, self.device)
+                states = [p.detach() for p in self._module_parameters]
+                if init_sync_buffers:
+                    states += [b.detach() for b in self.modules_buffers]
+                broadcast_tensors(self.process_group, states, src=0)
+
+        self._reducer = None
+        if world > 1:
+            plan, _ = _C.compute_bucket_assignment_by_size(params, initial_limits)
+            self._reducer = _C.Reducer(
+                params, names, list(reversed(plan)), self.process_group,
+                gradient_as_bucket_view, rebuild_limits,
+            )
+        # At world size 1 there is nothing to average: no reducer, no hooks,
+        # no flat buffers, and forward is the bare module's.
+
+    # Buffers sync follows torch 2.13+: broadcast_buffers is an alias.
+    @property
+    def broadcast_buffers(self) -> bool:
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.device_ids:
+            inputs, kwargs = _move_inputs(inputs, kwargs, self.device_type, self.device_ids[0])
+        reducer = self._reducer
+        if reducer is None:
+            return self.module(*inputs, **kwargs)
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled:
+            reducer.before_forward()
+        if self.require_forward_param_sync and self.forward_sync_buffers and self.modules_buffers:
+            with torch.no_grad():
+                broadcast_tensors(self.process_group, self.modules_buffers, src=0)
+        output = self.module(*inputs, **kwargs)
+        if grad_enabled and self.require_backward_grad_sync:
+            self.require_forward_param_sync = True
+            reducer.after_forward(True)
+        else:
+            self.require_forward_param_sync = False
+            if grad_enabled:
+                reducer.after_forward(False)
+        return output
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradients accumulate locally inside; the first synchronized backward
+        after it reduces their sum."""
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    def bucket_plan(self) -> list[list[str]]:
+        """Parameter names per bucket, in launch order (empty at world size 1)."""
+        if self._reducer is None:
+            return []
+        names = _params_for_reducer(self.module, self.parameters_to_ignore)[0]
+        return [[names[i] for i in bucket] for bucket in self._reducer.bucket_plan()]
+
+    # torch DDP features that later fastddp work implements. Each raises rather
+    # than falling through to torch's code, which expects torch's reducer.
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        raise _not_yet("register_comm_hook", "communication hooks come with the comm-hook registry")
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        raise _not_yet("_register_builtin_comm_hook", "communication hooks come with the comm-hook registry")
+
+    def _register_fused_optim(self, optim: Any, *args: Any, **kwargs: Any) -> None:
+        raise _not_yet("_register_fused_optim", "it needs communication hooks")
+
+    def join(self, *args: Any, **kwargs: Any):
+        raise _not_yet("join()", "uneven inputs come with the rest of DDP's contract")
+
+    def join_hook(self, **kwargs: Any):
+        raise _not_yet("join_hook", "uneven inputs come with the rest of DDP's contract")
+
+    def _set_static_graph(self) -> None:
+        raise _not_yet("_set_static_graph()", "static_graph comes with the rest of DDP's contract")
+
+    def _get_ddp_logging_data(self) -> dict:
+        raise _not_yet("_get_ddp_logging_data()", "use bucket_plan() for the bucket layout")
+
+
+def _reject_unsupported(**arguments: Any) -> None:
+    reasons = {
+        "find_unused_parameters": "unused-parameter detection is not implemented yet",
+        "static_graph": "static graphs are not implemented yet",
+        "delay_all_reduce_named_params": "delayed allreduce is not implemented yet",
+        "param_to_hook_all_reduce": "delayed allreduce is not implemented yet",
+        "mixed_precision": "DDP's experimental mixed_precision is not implemented yet; "
+        "cast the module (model.to(dtype)) instead",
+        "skip_all_reduce_unused_params": "it needs find_unused_parameters",
+        "lazy_bucket_allocation": "buckets are allocated at construction",
+    }
+    for name, value in arguments.items():
+        if value not in (None, False):
+            raise _not_yet(f"{name}={value!r}", reasons[name])
+
+
+def _resolve_group(process_group, device_mesh) -> dist.ProcessGroup:
+    if process_group is not None and device_mesh is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+    if device_mesh is not None:
+        if device_mesh.ndim != 1:
+            raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+        if device_mesh._get_root_mesh() != device_mesh:
+            raise _not_yet("device_mesh sliced from a larger mesh", "DDP + tensor parallel")
+        return device_mesh.get_group(mesh_dim=0)
+    if process_group is not None:
+        return process_group
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "fastddp.DistributedDataParallel needs a process group, but none is initialized: "
+            "call torch.distributed.init_process_group() first (torchrun sets up its "
+            "environment), or pass process_group=."
+        )
+    return dist.distributed_c10d._get_default_group()
+
+
+def _params_for_reducer(module: nn.Module, ignore: set[str]) -> tuple[list[str], list[torch.Tensor]]:
+    """Parameters that require grad, in registration order, each once (a tied
+    parameter under its first name), as torch DDP orders them."""
+    names, params, seen = [], [], set()
+    for module_name, sub in module.named_modules():
+        for param_name, p in sub.named_parameters(recurse=False):
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            if not p.requires_grad or name in ignore or id(p) in seen:
+                continue
+            seen.add(id(p))
+            names.append(name)
+            params.append(p)
+    return names, params
+
+
+def _check_module(module: nn.Module, all_params: list[torch.Tensor], params: list[torch.Tensor]) -> None:
+    if not params:
+        raise RuntimeError(
+            "DistributedDataParallel is not needed when a module doesn't have any parameter "
+            "that requires a gradient."
+        )
+    first_on: dict[torch.device, str] = {}
+    for name, p in module.named_parameters():
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            raise RuntimeError(
+                f"fastddp: parameter {name!r} is uninitialized (a lazy module). Run a dummy "
+                "forward pass to initialize it before wrapping the module."
+            )
+        first_on.setdefault(p.device, name)
+    if len(first_on) > 1:
+        where = ", ".join(f"{name!r} on {dev}" for dev, name in first_on.items())
+        raise ValueError(
+            f"fastddp: the module's parameters are on several devices ({where}). "
+            "fastddp.DistributedDataParallel needs every parameter on one device per process; "
+            "move the module with module.to(device) first."
+        )
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
+            raise _not_yet(
+                f"sparse gradients (module {name!r} has sparse=True)",
+                "construct it with sparse=False",
+            )
+
+
+def _resolve_device_ids(device_ids, output_device, device_type: str):
+    if device_ids is not None and len(device_ids) > 1:
+        raise ValueError("device_ids can only be None or contain a single element.")
+    if not device_ids or device_type == "cpu":
+        if device_ids or output_device:
+            raise ValueError(
+                "DistributedDataParallel device_ids and output_device arguments only work with "
+                f"single-device GPU modules or CPU modules, but got device_ids {device_ids}, "
+                f"output_device {output_device}, and module parameters on {device_type}."
+            )
+        return None, None
+    from torch._utils import _get_device_index
+
+    ids = [_get_device_index(x, True) for x in device_ids]
+    out = _get_device_index(output_device if output_device is not None else device_ids[0], True)
+    return ids, out
+
+
+def _move_inputs(inputs: tuple, kwargs: dict, device_type: str, index: int) -> tuple[tuple, dict]:
+    from torch.distributed.utils import _to_kwargs
+
+    moved, moved_kwargs = _to_kwargs(inputs, kwargs, torch.device(device_type, index), True)
+    return moved[0], moved_kwargs[0]

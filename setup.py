@@ -1,0 +1,147 @@
+"""Builds fastddp._C against the torch that is already installed.
+
+torch is deliberately not a build requirement: pip would build against a fresh
+copy of torch instead of the user's. Install with
+``pip install --no-build-isolation .``.
+
+CUDA is decided from the installed torch and the toolkit, never from whether a
+GPU is visible: sources are built with CUDA when ``torch.version.cuda`` is set
+and nvcc is found. FASTDDP_CUDA=0/1 overrides.
+"""
+
+import glob
+import os
+import shutil
+import sys
+
+from setuptools import setup
+
+
+
+def _guess_cuda_home() -> None:
+    """torch guesses CUDA_HOME from the nvcc on PATH, which may be a wrapper
+    script outside the toolkit; prefer a folder that really holds the headers."""
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    candidates = []
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    candidates.append("/usr/local/cuda")
+    for home in candidates:
+        if os.path.exists(os.path.join(home, "include", "cuda_runtime.h")):
+            os.environ["CUDA_HOME"] = home
+            return
+
+
+_guess_cuda_home()
+
+try:
+    import torch
+    from torch.utils import cpp_extension
+except ImportError:  # pragma: no cover - a message for people, not a code path
+    sys.exit(
+        "fastddp builds against an installed PyTorch (2.11-2.15): install torch first, "
+        "then run `pip install --no-build-isolation .`"
+    )
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# A short default keeps a GPU-less build fast; H100/H200 are sm_90.
+DEFAULT_ARCH_LIST = "9.0"
+
+
+def say(message: str) -> None:
+    print(f"[fastddp setup] {message}", flush=True)
+
+
+def find_nvcc() -> str | None:
+    home = cpp_extension.CUDA_HOME
+    if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+        return os.path.join(home, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def decide_cuda() -> tuple[bool, str]:
+    forced = os.environ.get("FASTDDP_CUDA")
+    if forced not in (None, "", "0", "1"):
+        sys.exit(f"FASTDDP_CUDA must be 0 or 1, got {forced!r}")
+    if forced == "0":
+        return False, "FASTDDP_CUDA=0"
+    if torch.version.cuda is None:
+        if forced == "1":
+            sys.exit("FASTDDP_CUDA=1 but the installed torch is a CPU build (torch.version.cuda is None)")
+        return False, "the installed torch is a CPU build (torch.version.cuda is None)"
+    nvcc = find_nvcc()
+    if nvcc is None:
+        if forced == "1":
+            sys.exit("FASTDDP_CUDA=1 but nvcc was not found (set CUDA_HOME or put nvcc on PATH)")
+        return False, f"torch has CUDA {torch.version.cuda} but nvcc was not found"
+    why = "FASTDDP_CUDA=1" if forced == "1" else f"torch.version.cuda={torch.version.cuda}"
+    return True, f"{why}, nvcc at {nvcc}"
+
+
+def sources(with_cuda: bool) -> list[str]:
+    """Every .cpp under csrc/; .cu files and cuda/ folders only with CUDA."""
+    found = []
+    for path in sorted(glob.glob("csrc/**/*", recursive=True)):
+        is_cuda = path.endswith(".cu") or f"{os.sep}cuda{os.sep}" in path
+        if path.endswith((".cpp", ".cu")) and (with_cuda or not is_cuda):
+            found.append(path)
+    return found
+
+
+def nvtx_include() -> str | None:
+    home = cpp_extension.CUDA_HOME
+    if home and os.path.exists(os.path.join(home, "include", "nvtx3", "nvToolsExt.h")):
+        return os.path.join(home, "include")
+    return None
+
+
+def make_extension():
+    with_cuda, why = decide_cuda()
+    say(f"torch {torch.__version__} at {os.path.dirname(torch.__file__)}")
+    say(f"CUDA {'on' if with_cuda else 'off'}: {why}")
+    macros = [("FASTDDP_TORCH_VERSION", f'"{torch.__version__}"')]
+    cxx_flags = ["-O3", "-Wall", "-Wno-unused-parameter"]
+    include_dirs = [os.path.join(HERE, "csrc")]
+    kwargs = {}
+    if with_cuda:
+        macros += [("FASTDDP_WITH_CUDA", None), ("FASTDDP_CUDA_VERSION", f'"{torch.version.cuda}"')]
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+            os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCH_LIST
+        say(f"TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '(visible GPUs)')}")
+        nvtx = nvtx_include()
+        if nvtx:
+            macros.append(("FASTDDP_WITH_NVTX", None))
+            include_dirs.append(nvtx)
+        say(f"NVTX {'on' if nvtx else 'off (nvtx3 headers not found)'}")
+        kwargs["extra_compile_args"] = {"cxx": cxx_flags, "nvcc": ["-O3", "--use_fast_math"]}
+        ext_type = cpp_extension.CUDAExtension
+    else:
+        say("NVTX off (needs CUDA)")
+        kwargs["extra_compile_args"] = {"cxx": cxx_flags}
+        ext_type = cpp_extension.CppExtension
+    srcs = sources(with_cuda)
+    say(f"sources: {' '.join(srcs)}")
+    return ext_type(
+        name="fastddp._C",
+        sources=srcs,
+        include_dirs=include_dirs,
+        define_macros=macros,
+        **kwargs,
+    )
+
+
+class BuildExtension(cpp_extension.BuildExtension):
+    """Keeps objects in build/ so that a rebuild (editable installs use a fresh
+    temporary folder otherwise) only recompiles what changed."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        self.build_temp = os.path.join(HERE, "build", "temp")
+
+
+setup(
+    ext_modules=[make_extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)
