@@ -1,0 +1,55 @@
+# fastddp's two commands (see README.md):
+#   make run    the main job: a 2-process torchrun training with fastddp, then torch DDP side by side
+#   make test   Catch2 and pytest suites, with their summary lines
+# Both start with `make install`, which installs only what is missing and
+# rebuilds fastddp._C only when a source changed.
+
+PYTHON ?= python3
+# The CUDA 13.0 build of torch, so that CI compiles every CUDA source; an
+# existing torch (2.11-2.15) is kept as it is.
+TORCH_SPEC ?= torch==2.14.1
+MAX_JOBS ?= 2
+SUDO := $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
+BUILD_STAMP := build/.fastddp-built
+SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
+
+.PHONY: install deps test test-cpp test-python run bench clean
+
+install: deps $(BUILD_STAMP)
+
+deps:
+	@command -v cmake >/dev/null && command -v ninja >/dev/null && [ -f /usr/include/catch2/catch.hpp ] \
+	  || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq catch2 cmake ninja-build; }
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH_SPEC)"
+	@$(PYTHON) -c "import setuptools, wheel, pytest" 2>/dev/null \
+	  || $(PYTHON) -m pip install -q setuptools wheel pytest
+	@$(PYTHON) -c "import torch; print('[make] torch', torch.__version__, 'CUDA', torch.version.cuda)"
+
+$(BUILD_STAMP): $(SOURCES)
+	@mkdir -p build
+	MAX_JOBS=$(MAX_JOBS) $(PYTHON) -m pip install --no-build-isolation -v -e . > build/pip-install.log 2>&1 \
+	  || { tail -n 80 build/pip-install.log; exit 1; }
+	@grep -E '\[fastddp setup\]' build/pip-install.log || true
+	@$(PYTHON) -c "import fastddp; print('[make] fastddp build:', fastddp.build_info())"
+	@touch $@
+
+test: install test-cpp test-python
+
+test-cpp:
+	cmake -S . -B build/cpp -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+	cmake --build build/cpp
+	cd build/cpp && ctest --output-on-failure
+
+test-python:
+	$(PYTHON) -m pytest tests/python -q -p no:cacheprovider
+
+run: install
+	$(PYTHON) -m torch.distributed.run --standalone \
+	  --nproc_per_node=$$($(PYTHON) -c "import torch; print(torch.cuda.device_count() or 2)") \
+	  -m fastddp.demo $(ARGS)
+
+bench: install
+	$(PYTHON) benchmarks/step_time.py $(ARGS)
+
+clean:
+	rm -rf build python/fastddp/_C*.so python/*.egg-info
