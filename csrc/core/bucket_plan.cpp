@@ -30,6 +30,7 @@ BucketPlan plan_buckets(const std::vector<TensorSpec>& tensors,
                                 " entries for " + std::to_string(tensors.size()) + " tensors");
   }
 
+  std::vector<bool> seen(order.empty() ? 0 : tensors.size(), false);
   std::vector<std::pair<std::vector<size_t>, size_t>> closed;
   // A handful of (dtype, device) groups at most: a linear scan beats a map.
   std::vector<OpenBucket> open;
@@ -37,10 +38,11 @@ BucketPlan plan_buckets(const std::vector<TensorSpec>& tensors,
   for (size_t i = 0; i < tensors.size(); ++i) {
     const TensorSpec& t = tensors[i];
     const size_t index = order.empty() ? i : order[i];
-    if (index >= tensors.size()) {
-      throw std::invalid_argument("plan_buckets: order[" + std::to_string(i) +
-                                  "] = " + std::to_string(index) + " is out of range");
+    if (index >= tensors.size() || (!order.empty() && seen[index])) {
+      throw std::invalid_argument("plan_buckets: order[" + std::to_string(i) + "] = " +
+                                  std::to_string(index) + " is out of range or repeated");
     }
+    if (!order.empty()) seen[index] = true;
     if (t.sparse) {
       closed.emplace_back(std::vector<size_t>{index}, 0);
       continue;
@@ -92,15 +94,13 @@ BucketPlan plan_buckets_from_ready_order(const std::vector<TensorSpec>& tensors,
                                 std::to_string(ready_order.size()) + " ready parameters for " +
                                 std::to_string(tensors.size()) + " parameters");
   }
-  std::vector<bool> seen(tensors.size(), false);
   std::vector<TensorSpec> ordered;
   ordered.reserve(tensors.size());
   for (size_t index : ready_order) {
-    if (index >= tensors.size() || seen[index]) {
+    if (index >= tensors.size()) {
       throw std::invalid_argument("plan_buckets_from_ready_order: index " +
-                                  std::to_string(index) + " is out of range or repeated");
+                                  std::to_string(index) + " is out of range");
     }
-    seen[index] = true;
     ordered.push_back(tensors[index]);
   }
   return plan_buckets(ordered, size_limits, ready_order);
