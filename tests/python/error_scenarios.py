@@ -1,0 +1,79 @@
+"""Misuse scenarios, run on every rank of a harness world: each must raise a clear
+Python exception on every rank, at the same point, so that no rank hangs in a
+collective that another rank never reaches."""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.nn.parallel.distributed import _MixedPrecision
+
+import fastddp
+from scenarios import mlp, vector_batch
+
+
+class SplitAcrossDevices(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.local = nn.Linear(4, 4)
+        self.remote = nn.Parameter(torch.zeros(4, device="meta"))
+
+
+def several_devices() -> None:
+    fastddp.DistributedDataParallel(SplitAcrossDevices())
+
+
+def shapes_differ() -> None:
+    # Rank 1 builds a wider hidden layer than the other ranks.
+    width = 16 if dist.get_rank() == 1 else 8
+    fastddp.DistributedDataParallel(nn.Sequential(nn.Linear(4, width), nn.Linear(width, 2)))
+
+
+def second_backward() -> None:
+    model = fastddp.DistributedDataParallel(mlp())
+    inputs, _ = vector_batch(0)
+    loss = model(inputs).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+
+
+def sparse_embedding() -> None:
+    fastddp.DistributedDataParallel(nn.Sequential(nn.Embedding(10, 4, sparse=True),
+                                                  nn.Linear(4, 2)))
+
+
+def unsupported_argument(argument: str) -> None:
+    values = {
+        "find_unused_parameters": True,
+        "static_graph": True,
+        "mixed_precision": _MixedPrecision(param_dtype=torch.float16),
+    }
+    if argument == "register_comm_hook":
+        model = fastddp.DistributedDataParallel(mlp())
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+    else:
+        fastddp.DistributedDataParallel(mlp(), **{argument: values[argument]})
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(8, 16)
+        self.used = nn.Linear(16, 4)
+        self.unused = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.trunk(x))
+        return self.used(h), self.unused(h)
+
+
+def forward_after_partial_backward(implementation: str) -> None:
+    """The loss ignores one head, so its parameters never get a grad and the reduction
+    never finishes; the next forward must say so (torch DDP does, with this text)."""
+    wrap = TorchDDP if implementation == "torch" else fastddp.DistributedDataParallel
+    torch.manual_seed(0)
+    model = wrap(TwoHeads())
+    inputs, _ = vector_batch(0)
+    model(inputs)[0].sum().backward()
+    model(inputs)

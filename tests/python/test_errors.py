@@ -1,0 +1,57 @@
+"""Misuse raises a clear Python exception, on every rank, without hanging."""
+
+import pytest
+import torch.distributed as dist
+from torch import nn
+
+import error_scenarios
+import fastddp
+
+PRIOR_REDUCTION = "Expected to have finished reduction in the prior iteration"
+
+
+def test_no_process_group():
+    # The test process itself never joins a process group; only the harness ranks do.
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        fastddp.DistributedDataParallel(nn.Linear(2, 2))
+
+
+def test_parameters_on_several_devices(world):
+    for message in world.expect_error(error_scenarios.several_devices, ValueError):
+        assert "'local.weight' on cpu" in message and "'remote' on meta" in message, message
+
+
+def test_shapes_differ_across_ranks(world):
+    for message in world.expect_error(error_scenarios.shapes_differ, ValueError):
+        assert "0.weight" in message and "rank 0" in message and "rank 1" in message, message
+
+
+def test_second_backward_through_one_forward(world):
+    world.expect_error(error_scenarios.second_backward, RuntimeError, match="already reduced")
+
+
+def test_sparse_gradients(world):
+    world.expect_error(error_scenarios.sparse_embedding, NotImplementedError, match="sparse")
+
+
+@pytest.mark.parametrize("argument", ["find_unused_parameters", "static_graph",
+                                      "mixed_precision", "register_comm_hook"])
+def test_unsupported_arguments(world, argument):
+    world.expect_error(error_scenarios.unsupported_argument, NotImplementedError,
+                       match=argument, argument=argument)
+
+
+def test_forward_after_partial_backward(world):
+    ours = world.expect_error(error_scenarios.forward_after_partial_backward, RuntimeError,
+                              match=PRIOR_REDUCTION, implementation="fastddp")
+    theirs = world.expect_error(error_scenarios.forward_after_partial_backward, RuntimeError,
+                                match=PRIOR_REDUCTION, implementation="torch")
+    for rank, (mine, torchs) in enumerate(zip(ours, theirs)):
+        assert mine.startswith(PRIOR_REDUCTION), mine
+        # The advice, up to "calculating loss.", is torch's word for word (torch wraps lines).
+        advice = " ".join(torchs.split()).split("calculating loss.")[0]
+        assert " ".join(mine.split()).startswith(advice), f"fastddp: {mine}\ntorch: {torchs}"
+        # Torch names parameters only under TORCH_DISTRIBUTED_DEBUG; fastddp always does.
+        unready = mine.split(f"did not receive grad for rank {rank}: ")[1]
+        assert unready == "unused.weight, unused.bias", mine
