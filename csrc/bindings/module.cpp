@@ -18,16 +18,6 @@ namespace py = pybind11;
 namespace fastddp {
 namespace {
 
-TensorSpec spec_of_tensor(const at::Tensor& t, bool expect_sparse) {
-  TensorSpec s;
-  s.numel = t.numel();
-  s.element_size = static_cast<int64_t>(t.element_size());
-  s.dtype = static_cast<int32_t>(t.scalar_type());
-  s.device = static_cast<int32_t>(t.device().type()) * 1024 + t.device().index() + 1;
-  s.sparse = expect_sparse;
-  return s;
-}
-
 // Same arguments and result as torch.distributed._compute_bucket_assignment_by_size.
 py::tuple compute_bucket_assignment_by_size(const std::vector<at::Tensor>& tensors,
                                             const std::vector<size_t>& size_limits,
@@ -42,7 +32,7 @@ py::tuple compute_bucket_assignment_by_size(const std::vector<at::Tensor>& tenso
     TORCH_CHECK(!tensors[i].is_sparse(), "fastddp: tensor ", i, " is sparse; no support for "
                 "sparse tensors");
     const size_t index = order.empty() ? i : order.at(i);
-    specs.push_back(spec_of_tensor(
+    specs.push_back(spec_of(
         tensors[i], !expect_sparse_gradient.empty() && expect_sparse_gradient.at(index)));
   }
   BucketPlan plan;

@@ -5,6 +5,17 @@
 
 namespace fastddp {
 
+TensorSpec spec_of(const at::Tensor& tensor, bool expect_sparse) {
+  TensorSpec s;
+  s.numel = tensor.numel();
+  s.element_size = static_cast<int64_t>(tensor.element_size());
+  s.dtype = static_cast<int32_t>(tensor.scalar_type());
+  // Distinct for every (device type, index), including index -1.
+  s.device = static_cast<int32_t>(tensor.device().type()) * 1024 + tensor.device().index() + 1;
+  s.sparse = expect_sparse;
+  return s;
+}
+
 int64_t Bucket::bytes() const { return flat.numel() * static_cast<int64_t>(flat.element_size()); }
 
 std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,

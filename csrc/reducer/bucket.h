@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "../core/bucket_plan.h"
+
 namespace c10d {
 class Work;
 }
@@ -32,6 +34,9 @@ struct Bucket {
 
   int64_t bytes() const;
 };
+
+// What the planner needs to know of a tensor: its size, dtype and device.
+TensorSpec spec_of(const at::Tensor& tensor, bool expect_sparse);
 
 // Allocates the buckets of a plan over `params`. Every bucket must hold
 // parameters of a single dtype and device.

@@ -9,7 +9,6 @@
 #include <functional>
 #include <sstream>
 
-#include "../core/bucket_plan.h"
 #include "nvtx.h"
 
 #if defined(FASTDDP_WITH_CUDA)
@@ -36,16 +35,6 @@ class GradReadyHook : public torch::autograd::FunctionPostHook {
  private:
   std::function<void()> fn_;
 };
-
-TensorSpec spec_of(const at::Tensor& t) {
-  TensorSpec s;
-  s.numel = t.numel();
-  s.element_size = static_cast<int64_t>(t.element_size());
-  s.dtype = static_cast<int32_t>(t.scalar_type());
-  s.device = static_cast<int32_t>(t.device().type()) * 1024 + t.device().index() + 1;
-  s.sparse = t.is_sparse();
-  return s;
-}
 
 }  // namespace
 
@@ -248,7 +237,7 @@ void Reducer::write_back(Bucket& bucket) {
 void Reducer::rebuild_buckets() {
   std::vector<TensorSpec> specs;
   specs.reserve(params_.size());
-  for (const at::Tensor& p : params_) specs.push_back(spec_of(p));
+  for (const at::Tensor& p : params_) specs.push_back(spec_of(p, /*expect_sparse=*/false));
   BucketPlan plan = plan_buckets_from_ready_order(specs, ready_order_, options_.rebuild_limits);
   buckets_ = make_buckets(params_, broadcast_plan(plan.buckets));
   reset_bucket_views();
