@@ -1,0 +1,276 @@
+"""Training-step time of fastddp vs torch DDP, side by side in one run.
+
+    python benchmarks/step_time.py [--nproc 2] [--rounds 30] [--only NAME] [--pin] [--out FILE]
+
+Spawns its own gloo ranks on 127.0.0.1 (one intra-op thread each) and measures:
+
+(a) world size ``--nproc``: the step (zero_grad, forward, backward, optimizer.step) of
+    fastddp.DistributedDataParallel vs torch.nn.parallel.DistributedDataParallel on the
+    same model, interleaved: after a warm-up, ``--rounds`` rounds each time one block of
+    steps of each, in alternating order. Both with gradient_as_bucket_view False and True.
+(b) world size 1: fastddp-wrapped vs the bare module (the same module object, called
+    through the wrapper or directly), and torch DDP (on an identical replica) vs the bare
+    module, interleaved the same way (three variants, rotating order, twice the rounds).
+
+Reported: median per-step time of each (block means, rank 0's clock), ratio of the
+medians and the spread of the per-round ratios, bytes allreduced per step, and the
+bandwidth in the nccl-tests sense: algbw = bytes / time, busbw = algbw * 2(n-1)/n. The
+"step" bandwidth divides by the whole step (compute included), so it is a lower bound;
+a raw gloo allreduce of the same bytes gives the ceiling. This is a benchmark, not a test.
+"""
+
+import argparse
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import fastddp
+
+TorchDDP = nn.parallel.DistributedDataParallel
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmarked model: how to build it, its per-rank input, steps per block."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    input_shape: tuple[int, ...]
+    block_steps: int
+
+
+def _mlp(width_in: int, width: int, depth: int, width_out: int) -> nn.Module:
+    layers: list[nn.Module] = [nn.Linear(width_in, width), nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, width_out))
+
+
+def _convnet() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(128 * 4 * 4, 256), nn.ReLU(), nn.Linear(256, 10),
+    )
+
+
+SHAPES = [
+    # Many tiny tensors: per-step and per-parameter overhead dominates.
+    Shape("tiny 64 Linear(16,16), 17k", lambda: _mlp(16, 16, 63, 16), (4, 16), 16),
+    Shape("MLP 0.8M (7 Linear, w384)", lambda: _mlp(256, 384, 6, 10), (32, 256), 8),
+    Shape("MLP 10.5M (4 Linear, w2048)", lambda: _mlp(1024, 2048, 3, 10), (16, 1024), 2),
+    Shape("convnet 0.6M (3 conv)", _convnet, (8, 3, 32, 32), 4),
+]
+
+
+def _n_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def _timed_blocks(
+    variants: dict[str, Callable[[], None]], rounds: int, steps: int, warmup: int
+) -> dict[str, list[float]]:
+    """Per-step ms (block means) of each variant, blocks interleaved in rotating order."""
+    for step in variants.values():
+        for _ in range(warmup):
+            step()
+    names = list(variants)
+    ms: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        if len(names) == 2 and r % 2:
+            order = names[::-1]
+        for name in order:
+            step = variants[name]
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            ms[name].append((time.perf_counter() - start) * 1e3 / steps)
+    return ms
+
+
+def _make_step(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(x).float().square().mean().backward()
+        opt.step()
+
+    return step
+
+
+def _replicas(shape: Shape, n: int) -> list[nn.Module]:
+    torch.manual_seed(0)
+    models = [shape.build() for _ in range(n)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    return models
+
+
+def _summary(ms: dict[str, list[float]], a: str, b: str) -> dict[str, float]:
+    # Blocks of the same round ran back to back: their ratio cancels slow drifts
+    # in machine load, so the paired ratios show the spread.
+    paired = sorted(x / y for x, y in zip(ms[a], ms[b]))
+    q = len(paired) // 4
+    return {
+        "a_ms": statistics.median(ms[a]), "b_ms": statistics.median(ms[b]),
+        "ratio": statistics.median(ms[a]) / statistics.median(ms[b]),
+        "paired": statistics.median(paired), "q1": paired[q], "q3": paired[-1 - q],
+    }
+
+
+def _allreduce_ms(n_bytes: int, reps: int = 10) -> float:
+    buf = torch.zeros(n_bytes // 4)
+    for _ in range(3):
+        dist.all_reduce(buf)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        dist.all_reduce(buf)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+    torch.set_num_threads(1)
+    if args.pin and hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})  # gloo's threads inherit it
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own input
+    rows = []
+    for shape in SHAPES:
+        if args.only not in shape.name:
+            continue
+        x = torch.randn(shape.input_shape, generator=gen)
+        if world > 1:
+            for gbv in (False, True):
+                fast_m, torch_m = _replicas(shape, 2)
+                variants = {
+                    "fastddp": _make_step(
+                        fastddp.DistributedDataParallel(fast_m, gradient_as_bucket_view=gbv), x),
+                    "torch": _make_step(TorchDDP(torch_m, gradient_as_bucket_view=gbv), x),
+                }
+                dist.barrier()
+                ms = _timed_blocks(variants, args.rounds, shape.block_steps, args.warmup)
+                n_bytes = _n_bytes(fast_m)
+                rows.append({"world": world, "model": shape.name, "gbv": gbv, "bytes": n_bytes,
+                             "a": "fastddp", "b": "torch DDP", **_summary(ms, "fastddp", "torch"),
+                             "raw_ms": _allreduce_ms(n_bytes)})
+                del variants
+        else:
+            bare_m, torch_m = _replicas(shape, 2)
+            # fastddp wraps the very module "bare" steps: at world size 1 it has no
+            # reducer (bucket_plan() is empty) and installs nothing on the module, so
+            # the two differ only by the wrapper, and replica effects cancel out.
+            fast = fastddp.DistributedDataParallel(bare_m)
+            assert fast.bucket_plan() == []
+            variants = {
+                "bare": _make_step(bare_m, x),
+                "fastddp": _make_step(fast, x),
+                "torch": _make_step(TorchDDP(torch_m), x),
+            }
+            # Cheap enough for twice the rounds, which the ~1% question needs.
+            ms = _timed_blocks(variants, 2 * args.rounds, shape.block_steps, args.warmup)
+            # At world size 1 torch DDP still copies into buckets and allreduces them
+            # over its one-rank group; fastddp has no reducer there.
+            for name, label, n_bytes in (("fastddp", "fastddp", 0),
+                                         ("torch", "torch DDP", _n_bytes(torch_m))):
+                rows.append({"world": 1, "model": shape.name, "gbv": False, "bytes": n_bytes,
+                             "a": label, "b": "bare module", **_summary(ms, name, "bare")})
+    if rank == 0:
+        queue.put(rows)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(world: int, args: argparse.Namespace) -> list[dict]:
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_worker, args=(world, _free_port(), args, queue), nprocs=world, join=True)
+    return queue.get()
+
+
+def _gbps(n_bytes: int, ms: float) -> float:
+    return n_bytes / (ms * 1e-3) / 1e9
+
+
+def _table(rows: list[dict]) -> str:
+    lines = [
+        "| world | model | grad as bucket view | A | B | A ms/step | B ms/step "
+        "| A/B (of medians) | per-round A/B median [IQR] | bytes allreduced/step "
+        "| step algbw / busbw GB/s | raw gloo allreduce: ms, algbw / busbw GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        bw, raw, gbv = "-", "-", "-"
+        n_bytes = f"{r['bytes'] / 1e6:.2f} MB" if r["bytes"] else "0"
+        if r["world"] > 1:
+            n, alg, ralg = r["world"], _gbps(r["bytes"], r["a_ms"]), _gbps(r["bytes"], r["raw_ms"])
+            bw = f"{alg:.2f} / {alg * 2 * (n - 1) / n:.2f}"
+            raw = f"{r['raw_ms']:.2f} ms, {ralg:.2f} / {ralg * 2 * (n - 1) / n:.2f}"
+            gbv = str(r["gbv"])
+        lines.append(
+            f"| {r['world']} | {r['model']} | {gbv} | {r['a']} | {r['b']} "
+            f"| {r['a_ms']:.3f} | {r['b_ms']:.3f} | **{r['ratio']:.3f}** "
+            f"| {r['paired']:.3f} [{r['q1']:.3f}, {r['q3']:.3f}] | {n_bytes} | {bw} | {raw} |"
+        )
+    return "\n".join(lines)
+
+
+def _machine() -> str:
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        cpu = next(ln.split(":", 1)[1].strip() for ln in lscpu.splitlines()
+                   if ln.startswith("Model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor() or "unknown CPU"
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{cpu}, {os.cpu_count()} cores, {gpu}; torch {torch.__version__}, "
+            f"Python {platform.python_version()}, gloo on 127.0.0.1, 1 thread per rank")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2, help="ranks for the multi-rank part")
+    parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds")
+    parser.add_argument("--warmup", type=int, default=5, help="warm-up steps per variant")
+    parser.add_argument("--pin", action="store_true",
+                        help="pin rank r (and its gloo threads) to CPU r")
+    parser.add_argument("--only", default="", help="only models whose name contains this")
+    parser.add_argument("--out", help="also write the markdown table to this file")
+    args = parser.parse_args()
+
+    start, load_before = time.perf_counter(), os.getloadavg()[0]
+    rows = (_run(args.nproc, args) if args.nproc > 1 else []) + _run(1, args)
+    table = _table(rows)
+    header = (f"Machine: {_machine()}\n\nCommand: `python {' '.join(sys.argv)}` "
+              f"({time.perf_counter() - start:.0f} s; 1-min load average {load_before:.2f} "
+              f"before, {os.getloadavg()[0]:.2f} after)\n")
+    print(header)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(header + "\n" + table + "\n")
+
+
+if __name__ == "__main__":
+    main()
