@@ -1,6 +1,7 @@
 """Training-step time of fastddp vs torch DDP, side by side in one run.
 
-    python benchmarks/step_time.py [--nproc 2] [--rounds 30] [--only NAME] [--pin] [--out FILE]
+    python benchmarks/step_time.py [--nproc 2] [--rounds 30] [--only NAME] [--pin]
+                                   [--glibc-malloc-defaults] [--out FILE]
 
 Spawns its own gloo ranks on 127.0.0.1 (one intra-op thread each) and measures:
 
@@ -16,7 +17,9 @@ Reported: median per-step time of each (block means, rank 0's clock), ratio of t
 medians and the spread of the per-round ratios, bytes allreduced per step, and the
 bandwidth in the nccl-tests sense: algbw = bytes / time, busbw = algbw * 2(n-1)/n. The
 "step" bandwidth divides by the whole step (compute included), so it is a lower bound;
-a raw gloo allreduce of the same bytes gives the ceiling. This is a benchmark, not a test.
+a raw gloo allreduce of the same bytes gives the ceiling. Ranks run with fixed glibc
+malloc thresholds unless --glibc-malloc-defaults (why: see main()). This is a benchmark,
+not a test.
 """
 
 import argparse
@@ -255,16 +258,30 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="warm-up steps per variant")
     parser.add_argument("--pin", action="store_true",
                         help="pin rank r (and its gloo threads) to CPU r")
+    parser.add_argument("--glibc-malloc-defaults", action="store_true",
+                        help="keep glibc's adaptive mmap/trim thresholds (see main())")
     parser.add_argument("--only", default="", help="only models whose name contains this")
     parser.add_argument("--out", help="also write the markdown table to this file")
     args = parser.parse_args()
 
+    malloc = "glibc defaults"
+    if not args.glibc_malloc_defaults:
+        # Both models of a comparison share one process's allocator. With glibc's
+        # adaptive thresholds, whether a model's fresh per-step gradients (zero_grad sets
+        # them to None) land in reused heap or in newly mmap'd pages (page faults, kernel
+        # zeroing) depends on the other model's history: that skewed the 10M MLP by up
+        # to 20% in one variant's favour, while one-model-per-process runs were at par.
+        # Fixed thresholds make the allocator history-free; the ranks inherit them.
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 * 1024 * 1024))
+        os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(2**32))
+        malloc = (f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']} "
+                  f"MALLOC_TRIM_THRESHOLD_={os.environ['MALLOC_TRIM_THRESHOLD_']}")
     start, load_before = time.perf_counter(), os.getloadavg()[0]
     rows = (_run(args.nproc, args) if args.nproc > 1 else []) + _run(1, args)
     table = _table(rows)
     header = (f"Machine: {_machine()}\n\nCommand: `python {' '.join(sys.argv)}` "
               f"({time.perf_counter() - start:.0f} s; 1-min load average {load_before:.2f} "
-              f"before, {os.getloadavg()[0]:.2f} after)\n")
+              f"before, {os.getloadavg()[0]:.2f} after; malloc: {malloc})\n")
     print(header)
     print(table)
     if args.out:
