@@ -11,7 +11,9 @@ Spawns its own gloo ranks on 127.0.0.1 (one intra-op thread each) and measures:
     steps of each, in alternating order. Both with gradient_as_bucket_view False and True.
 (b) world size 1: fastddp-wrapped vs the bare module (the same module object, called
     through the wrapper or directly), and torch DDP (on an identical replica) vs the bare
-    module, interleaved the same way (three variants, rotating order, twice the rounds).
+    module, interleaved the same way (three variants, rotating order, twice the rounds);
+    and, since a step is too noisy to resolve microseconds, what each wrapper's forward
+    call adds over the bare call on a 4x4 Linear, as a share of each model's bare step.
 
 Reported: median per-step time of each (block means, rank 0's clock), ratio of the
 medians and the spread of the per-round ratios, bytes allreduced per step, and the
@@ -23,6 +25,7 @@ not a test.
 """
 
 import argparse
+import gc
 import os
 import platform
 import socket
@@ -147,6 +150,63 @@ def _allreduce_ms(n_bytes: int, reps: int = 10) -> float:
     return statistics.median(times)
 
 
+def _compare_ranks(shape: Shape, x: torch.Tensor, args: argparse.Namespace) -> list[dict]:
+    """(a): fastddp vs torch DDP across the ranks, without and with grad-as-bucket-view."""
+    rows = []
+    for gbv in (False, True):
+        fast_m, torch_m = _replicas(shape, 2)
+        variants = {
+            "fastddp": _make_step(
+                fastddp.DistributedDataParallel(fast_m, gradient_as_bucket_view=gbv), x),
+            "torch": _make_step(TorchDDP(torch_m, gradient_as_bucket_view=gbv), x),
+        }
+        dist.barrier()
+        ms = _timed_blocks(variants, args.rounds, shape.block_steps, args.warmup)
+        n_bytes = _n_bytes(fast_m)
+        rows.append({"world": dist.get_world_size(), "model": shape.name, "gbv": gbv,
+                     "bytes": n_bytes, "a": "fastddp", "b": "torch DDP",
+                     **_summary(ms, "fastddp", "torch"), "raw_ms": _allreduce_ms(n_bytes)})
+    return rows
+
+
+def _wrapper_us(rounds: int, warmup: int) -> dict[str, float]:
+    """Microseconds each wrapper adds to a forward call (grad on, no backward), measured
+    on a 4x4 Linear so that the module's own time and its noise stay small: the median
+    over rounds of (wrapper's call - bare call). Steps are too noisy here to resolve it."""
+    bare = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    calls = {"bare": bare, "fastddp": fastddp.DistributedDataParallel(bare),
+             "torch": TorchDDP(nn.Linear(4, 4))}
+    us = _timed_blocks({k: (lambda m=m: m(x)) for k, m in calls.items()}, rounds, 200, warmup)
+    return {k: statistics.median((a - b) * 1e3 for a, b in zip(us[k], us["bare"]))
+            for k in ("fastddp", "torch")}
+
+
+def _compare_alone(shape: Shape, x: torch.Tensor, args: argparse.Namespace) -> list[dict]:
+    """(b): at world size 1, fastddp and torch DDP each vs the bare module."""
+    bare_m, torch_m = _replicas(shape, 2)
+    # fastddp wraps the very module "bare" steps: at world size 1 it has no reducer
+    # (bucket_plan() is empty) and installs nothing on the module, so the two differ
+    # only by the wrapper, and replica effects cancel out.
+    fast = fastddp.DistributedDataParallel(bare_m)
+    assert fast.bucket_plan() == []
+    variants = {
+        "bare": _make_step(bare_m, x),
+        "fastddp": _make_step(fast, x),
+        "torch": _make_step(TorchDDP(torch_m), x),
+    }
+    # Cheap enough for twice the rounds, which the ~1% question needs.
+    ms = _timed_blocks(variants, 2 * args.rounds, shape.block_steps, args.warmup)
+    extra_us = _wrapper_us(2 * args.rounds, args.warmup)
+    # At world size 1 torch DDP still copies into buckets and allreduces them over its
+    # one-rank group; fastddp has no reducer there.
+    return [{"world": 1, "model": shape.name, "gbv": False, "bytes": n_bytes, "a": label,
+             "b": "bare module", **_summary(ms, name, "bare"),
+             "wrapper_us": extra_us[name]}
+            for name, label, n_bytes in (("fastddp", "fastddp", 0),
+                                         ("torch", "torch DDP", _n_bytes(torch_m)))]
+
+
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
     torch.set_num_threads(1)
     if args.pin and hasattr(os, "sched_setaffinity"):
@@ -157,46 +217,18 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own input
     rows = []
     for shape in SHAPES:
-        if args.only not in shape.name:
-            continue
-        x = torch.randn(shape.input_shape, generator=gen)
-        if world > 1:
-            for gbv in (False, True):
-                fast_m, torch_m = _replicas(shape, 2)
-                variants = {
-                    "fastddp": _make_step(
-                        fastddp.DistributedDataParallel(fast_m, gradient_as_bucket_view=gbv), x),
-                    "torch": _make_step(TorchDDP(torch_m, gradient_as_bucket_view=gbv), x),
-                }
-                dist.barrier()
-                ms = _timed_blocks(variants, args.rounds, shape.block_steps, args.warmup)
-                n_bytes = _n_bytes(fast_m)
-                rows.append({"world": world, "model": shape.name, "gbv": gbv, "bytes": n_bytes,
-                             "a": "fastddp", "b": "torch DDP", **_summary(ms, "fastddp", "torch"),
-                             "raw_ms": _allreduce_ms(n_bytes)})
-                del variants
-        else:
-            bare_m, torch_m = _replicas(shape, 2)
-            # fastddp wraps the very module "bare" steps: at world size 1 it has no
-            # reducer (bucket_plan() is empty) and installs nothing on the module, so
-            # the two differ only by the wrapper, and replica effects cancel out.
-            fast = fastddp.DistributedDataParallel(bare_m)
-            assert fast.bucket_plan() == []
-            variants = {
-                "bare": _make_step(bare_m, x),
-                "fastddp": _make_step(fast, x),
-                "torch": _make_step(TorchDDP(torch_m), x),
-            }
-            # Cheap enough for twice the rounds, which the ~1% question needs.
-            ms = _timed_blocks(variants, 2 * args.rounds, shape.block_steps, args.warmup)
-            # At world size 1 torch DDP still copies into buckets and allreduces them
-            # over its one-rank group; fastddp has no reducer there.
-            for name, label, n_bytes in (("fastddp", "fastddp", 0),
-                                         ("torch", "torch DDP", _n_bytes(torch_m))):
-                rows.append({"world": 1, "model": shape.name, "gbv": False, "bytes": n_bytes,
-                             "a": label, "b": "bare module", **_summary(ms, name, "bare")})
+        if args.only in shape.name:
+            x = torch.randn(shape.input_shape, generator=gen)
+            rows += _compare_ranks(shape, x, args) if world > 1 else _compare_alone(shape, x, args)
     if rank == 0:
         queue.put(rows)
+    # Free every wrapper (torch DDP sits in reference cycles) so that the group is
+    # really destroyed, joining gloo's threads, before the interpreter shuts down:
+    # otherwise a gloo thread may still be releasing the last allreduce's Python
+    # tensor during finalization, which aborts the rank ("terminate called without
+    # an active exception").
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -236,6 +268,18 @@ def _table(rows: list[dict]) -> str:
             f"| {r['a_ms']:.3f} | {r['b_ms']:.3f} | **{r['ratio']:.3f}** "
             f"| {r['paired']:.3f} [{r['q1']:.3f}, {r['q3']:.3f}] | {n_bytes} | {bw} | {raw} |"
         )
+    alone = [r for r in rows if "wrapper_us" in r]
+    if alone:
+        lines += [
+            "",
+            "World size 1, what the wrapper's forward call adds (on a 4x4 Linear, interleaved),",
+            "as a share of each model's bare step:",
+            "",
+            "| model | wrapper | adds us/call | share of the bare step |",
+            "|---|---|---|---|",
+        ]
+        lines += [f"| {r['model']} | {r['a']} | {r['wrapper_us']:+.1f} "
+                  f"| {r['wrapper_us'] / (r['b_ms'] * 1e3):+.3%} |" for r in alone]
     return "\n".join(lines)
 
 
