@@ -84,6 +84,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
 
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         names, params = _params_for_reducer(module, self.parameters_to_ignore)
+        self._reducer_param_names = names
         self._module_parameters = [
             p for n, p in module.named_parameters() if n not in self.parameters_to_ignore
         ]
@@ -188,7 +189,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         """Parameter names per bucket, in launch order (empty at world size 1)."""
         if self._reducer is None:
             return []
-        names = _params_for_reducer(self.module, self.parameters_to_ignore)[0]
+        names = self._reducer_param_names
         return [[names[i] for i in bucket] for bucket in self._reducer.bucket_plan()]
 
     # torch DDP features that later fastddp work implements. Each raises rather
