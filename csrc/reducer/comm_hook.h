@@ -1,0 +1,78 @@
+// The communication-hook interface the reducer dispatches to.
+//
+// Note [comm hook contract]
+// The reducer owns the buckets and the order of events; a CommHook owns what
+// goes on the wire. Per synchronized backward, for every bucket:
+//   copy_in(bucket, slot, grad)   once per parameter as its gradient is ready
+//                                 (grad undefined: the parameter got no
+//                                 gradient this step; write zeros),
+//   run(bucket, index, is_last)   once all of the bucket's slots are in, in
+//                                 bucket order on every rank; returns a future,
+//   write_back(bucket, result, dsts)  after the future completed, from the
+//                                 autograd-engine callback at the end of
+//                                 backward: the averaged gradient of slot k
+//                                 goes into dsts[k].
+// dsts[k] is either the parameter's .grad or, under gradient_as_bucket_view,
+// bucket.views[k] itself (check with is_same / data_ptr before copying).
+// A rank that has joined (uneven inputs) runs copy_in with undefined grads and
+// run() on every bucket, and waits, so its collectives match the others'.
+//
+// The interface lives beside the reducer, which calls it; the built-in hooks
+// (csrc/hooks/) implement it and the bindings hand one to the reducer.
+#pragma once
+
+#include <ATen/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "bucket.h"
+
+namespace fastddp {
+
+class CommHook {
+ public:
+  virtual ~CommHook() = default;
+
+  // Short name for reports and errors ("allreduce", "bf16", ...).
+  virtual std::string name() const = 0;
+
+  // The bucket layout is new (construction or the one rebuild): per-bucket
+  // state sized for the old layout must be dropped.
+  virtual void on_new_buckets(const std::vector<Bucket>& buckets) { (void)buckets; }
+
+  // Writes one parameter's gradient into the bucket. The default is a plain
+  // copy, torch's contract for hooks: the hook sees the gradients unscaled
+  // and divides by the world size itself.
+  virtual void copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad);
+
+  // Starts reducing a full bucket. The future's value is the averaged flat
+  // gradient (a tensor, or a list whose first element is that tensor, as c10d
+  // Work futures give), of the bucket's numel and dtype.
+  virtual c10::intrusive_ptr<c10::ivalue::Future> run(Bucket& bucket, size_t index,
+                                                      bool is_last) = 0;
+
+  // Writes the averaged gradients into dsts (one per slot). The default takes
+  // the future's tensor and copies each slot's slice into dsts[k], skipping
+  // slots where dsts[k] already is that memory.
+  virtual void write_back(Bucket& bucket, const c10::IValue& result,
+                          std::vector<at::Tensor>& dsts);
+
+  // Bytes this hook puts on the wire for one bucket per step, for the
+  // communication report (what one rank contributes to the collective).
+  virtual int64_t wire_bytes(const Bucket& bucket) const { return bucket.bytes(); }
+};
+
+// The flat tensor in a hook future's value: the tensor itself or the first
+// element of a tensor list. Raises, naming the hook, for anything else.
+at::Tensor hook_result_tensor(const c10::IValue& result, const std::string& hook_name);
+
+// Copies a flat result into the parameters' gradients, slot by slot (one
+// multi-tensor launch on CUDA). Shared by the default write_back and hooks
+// that decompress into the bucket first.
+void copy_flat_to_grads(Bucket& bucket, const at::Tensor& flat, std::vector<at::Tensor>& dsts);
+
+}  // namespace fastddp
