@@ -81,5 +81,8 @@ def test_two_ranks_on_one_gpu_match_torch():
         world.check(scenarios.cuda_parity)
         world.check(scenarios.cuda_parity, bucket_cap_mb=0.0001)
         world.check(scenarios.cuda_parity, bucket_cap_mb=0.0001, gradient_as_bucket_view=True)
+        # The used-bitmap upload (pinned staging) and the delayed first static reduce.
+        world.check(scenarios.cuda_parity, bucket_cap_mb=0.0001, find_unused_parameters=True)
+        world.check(scenarios.cuda_parity, bucket_cap_mb=0.0001, static_graph=True)
     finally:
         world.close()
