@@ -111,3 +111,17 @@ def static_graph_too_late() -> None:
     inputs, _ = vector_batch(0)
     model(inputs).sum().backward()
     model._set_static_graph()
+
+
+def peer_fails_before_backward() -> None:
+    """Rank 1 raises before its backward; rank 0's reduction must fail with an error
+    naming the bucket instead of waiting forever (a group with a 3 s timeout)."""
+    import datetime
+
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3))
+    model = fastddp.DistributedDataParallel(mlp(), process_group=group)
+    inputs, _ = vector_batch(0)
+    loss = model(inputs).sum()
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 gives up on purpose")
+    loss.backward()

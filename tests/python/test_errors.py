@@ -79,3 +79,18 @@ def test_marked_ready_twice(world, implementation):
 def test_set_static_graph_too_late(world):
     world.expect_error(error_scenarios.static_graph_too_late, RuntimeError,
                        match="should be called before training loop starts")
+
+
+def test_failed_peer_surfaces_as_error():
+    """A rank that stops before its backward: the others' backward raises (the collective
+    times out) instead of hanging, and names the bucket and the hook."""
+    from harness import World
+
+    world = World(2, timeout_s=60)
+    try:
+        results = world.run(error_scenarios.peer_fails_before_backward)
+    finally:
+        world.close()
+    assert results[1].error_type == "ValueError", results[1]
+    assert results[0].error_type == "RuntimeError", results[0]
+    assert "reduction of bucket 0 (comm hook 'allreduce') failed on rank 0" in results[0].error
