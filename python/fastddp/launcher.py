@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     single = _default_to_world_of_one()
     try:
         handle = patch(hook=hook, bucket_cap_mb=options.bucket_cap_mb,
-                       report=options.report)
+                       report=options.report, _option="--hook")
     except (HookUnavailableError, ValueError) as e:
         print(f"python -m fastddp: error: {e}", file=sys.stderr)
         return 2

@@ -129,14 +129,14 @@ class Patch:
     """What ``patch()`` did. Undo it with ``unpatch()`` or by leaving its ``with`` block."""
 
     def __init__(self, hook: HookSpec | None, bucket_cap_mb: float | None, report: bool,
-                 disabled: bool):
+                 disabled: bool, option: str = "--hook"):
         self.hook = hook
         self.bucket_cap_mb = bucket_cap_mb
         self.report = report
         self.disabled = disabled
         self.models_wrapped = 0
         self._original = nn.parallel.distributed.DistributedDataParallel
-        self._hook_factory = _hook_factory(hook, disabled)
+        self._hook_factory = _hook_factory(hook, disabled, option)
         self._last_model: Any = None
         self._notes: set[str] = set()
         # Stock torch without overrides: nothing to change, the script runs exactly as is.
@@ -206,7 +206,7 @@ class Patch:
 
 
 def patch(hook: str | HookSpec | None = None, bucket_cap_mb: float | None = None,
-          report: bool = False, disable: bool | None = None) -> Patch:
+          report: bool = False, disable: bool | None = None, _option: str = "hook=") -> Patch:
     """Replace torch's DistributedDataParallel (both import paths) with fastddp's.
 
     ``hook`` (``"bf16"``, ``"bf16-fp32acc"``, ``"powersgd:4"``, ...) is registered on every
@@ -219,11 +219,11 @@ def patch(hook: str | HookSpec | None = None, bucket_cap_mb: float | None = None
     if _active is not None:
         raise RuntimeError("fastddp.patch(): already patched; call unpatch() on the first "
                            "Patch before patching again")
-    spec = parse_hook_spec(hook, "hook=") if isinstance(hook, str) else hook
+    spec = parse_hook_spec(hook, _option) if isinstance(hook, str) else hook
     if bucket_cap_mb is not None and not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb={bucket_cap_mb}: must be positive")
     disabled = fastddp_disabled() if disable is None else disable
-    result = Patch(spec, bucket_cap_mb, report, disabled)
+    result = Patch(spec, bucket_cap_mb, report, disabled, _option)
     if result.cls is not None:
         _set_ddp_names(result.cls)
         _active = result
@@ -237,15 +237,15 @@ def _set_ddp_names(cls: type) -> None:
     # both read the package attribute; torch's own code reads the module global.
 
 
-def _hook_factory(spec: HookSpec | None,
-                  disabled: bool) -> Callable[[], tuple[Any, Any]] | None:
+def _hook_factory(spec: HookSpec | None, disabled: bool,
+                  option: str) -> Callable[[], tuple[Any, Any]] | None:
     """A per-model (state, hook) maker, resolved now so a missing hook fails before the
     script runs; stateful hooks (PowerSGD) need a fresh state for every model."""
     if spec is None:
         return None
     make = torch_hook if disabled else fastddp_hook
-    make(spec)
-    return lambda: make(spec)
+    make(spec, option)
+    return lambda: make(spec, option)
 
 
 def _patched_class(base: type, owner: Patch) -> type:
