@@ -289,8 +289,10 @@ def write_chart(rows: list[dict], path: Path, title: str) -> str:
     ys = range(len(rows))
     for offset, impl, color in ((-0.2, "torch", "#888888"), (0.2, "fastddp", "#1f77b4")):
         vals = [1e3 / r["ms"][impl] if impl in r["ms"] else 0.0 for r in rows]
-        ax.barh([y + offset for y in ys], vals, height=0.4, label=f"{impl} (0 = n/a)",
-                color=color)
+        ax.barh([y + offset for y in ys], vals, height=0.4, label=impl, color=color)
+        for y, r in zip(ys, rows):
+            if impl not in r["ms"]:
+                ax.text(0.01, y + offset, f"{impl}: n/a", va="center", fontsize=7)
     base = next((r["ms"]["no DDP"] for r in rows if "no DDP" in r["ms"]), None)
     if base:
         ax.axvline(1e3 / base, color="black", linestyle="--", label="no DDP baseline")
