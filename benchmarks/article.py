@@ -36,9 +36,10 @@ from fastddp.patch import HookSpec, fastddp_hook, torch_hook
 from fastddp.report import format_projection
 
 PRESETS = {  # ViT: image, patch, layers, width, heads, mlp, classes; batch; bucket sweep MB
-    "vit_l_32": dict(vit=(224, 32, 24, 1024, 16, 4096, 1000), batch=32, buckets=(1, 25, 100)),
-    "small": dict(vit=(128, 32, 8, 384, 6, 1536, 1000), batch=8, buckets=(1, 5, 25)),
-    "tiny": dict(vit=(64, 32, 2, 64, 4, 128, 10), batch=2, buckets=(1,)),
+    "vit_l_32": {"vit": (224, 32, 24, 1024, 16, 4096, 1000), "batch": 32,
+                 "buckets": (1, 25, 100)},
+    "small": {"vit": (128, 32, 8, 384, 6, 1536, 1000), "batch": 8, "buckets": (1, 5, 25)},
+    "tiny": {"vit": (64, 32, 2, 64, 4, 128, 10), "batch": 2, "buckets": (1,)},
 }
 # Figures stated in the article's text (its tables are images); "~" marks values derived
 # from a percentage or a step time the text gives.
@@ -136,7 +137,8 @@ def _wrap(impl: str, cfg: Config, state: dict, args: argparse.Namespace, device:
           group: dist.ProcessGroup | None) -> nn.Module:
     model = build_model(args.model).to(device)
     model.load_state_dict(state)
-    cls = nn.parallel.DistributedDataParallel if impl == "torch" else fastddp.DistributedDataParallel
+    cls = fastddp.DistributedDataParallel if impl == "fastddp" else (
+        nn.parallel.DistributedDataParallel)
     ids = [device.index] if device.type == "cuda" else None
     ddp = cls(model, device_ids=ids, process_group=group, **cfg.kwargs)
     if cfg.hook is not None:
@@ -174,7 +176,8 @@ def run_config(cfg: Config, state: dict, batch: tuple, args: argparse.Namespace,
         try:
             variants[impl] = _make_step(_wrap(impl, cfg, state, args, device, group), *batch)
         except NotImplementedError as e:  # a feature that has not landed: say which
-            na[impl] = str(e).replace("fastddp.DistributedDataParallel: ", "").split(" (")[0].split("; ")[0]
+            reason = str(e).replace("fastddp.DistributedDataParallel: ", "")
+            na[impl] = reason.split(" (")[0].split("; ")[0]  # the first clause is enough
     medians = measure(variants, device, args) if variants else {}
     return {"name": cfg.name, "ranks": 1 if cfg.world1 else args.nproc, "ms": medians, "na": na}
 
@@ -265,7 +268,9 @@ def format_table(rows: list[dict], machine: str) -> str:
     base = next((r["ms"]["no DDP"] for r in rows if "no DDP" in r["ms"]), None)
     head = ["configuration", "ranks", "torch DDP steps/s", "fastddp steps/s", "fastddp / torch",
             "torch / baseline", "fastddp / baseline"]
-    out = [f"Machine: {machine}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out = [(f"Machine: {machine}. steps/s = 1000 / median step ms (rank 0); fastddp / torch "
+            "> 1 means fastddp is faster; baseline = the bare model on one process."), "",
+           "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     if base is not None:
         out.append(f"| no DDP (bare model, 1 process): baseline | 1 | {1e3 / base:.2f} "
                    f"| {1e3 / base:.2f} | - | 1.00 | 1.00 |")
@@ -328,7 +333,7 @@ def projection(result: dict, ns: list[int], bandwidths: list[tuple[str, float]])
     def rows_for(compute: float, S: float, psgd_bytes: float, kern: dict, buckets: int,
                  multi_mb: int, reported: dict) -> list[dict]:
         # Backward is about 2/3 of a step: what the buckets before the last can hide under.
-        over = dict(overlap_ms=compute * 2 / 3, buckets=buckets)
+        over = {"overlap_ms": compute * 2 / 3, "buckets": buckets}
         specs = [("DDP fp32, one bucket", kern["copy"], S, {}),
                  (f"fp32, gradient_as_bucket_view, bucket_cap_mb={multi_mb}", 0.0, S, over),
                  ("BF16, one bucket", kern["bf16"], S / 2, {}),
@@ -340,9 +345,9 @@ def projection(result: dict, ns: list[int], bandwidths: list[tuple[str, float]])
     measured = {"copy": k["copy_ms"], "bf16": k["bf16_ms"], "psgd": k["psgd_ms"]}
     here = rows_for(base, k["grad_bytes"], k["psgd_wire_bytes"], measured, k["buckets"],
                     k["multi_mb"], {})
-    out = ["PROJECTION, not a measurement: step = one device's compute + the variant's "
-           "kernels + the exposed ring allreduce 2(n-1)/n * S / B (B = bus bandwidth; with "
-           "several buckets an idealized overlap with backward).", "",
+    out = [("PROJECTION, not a measurement: step = one device's compute + the variant's "
+            "kernels + the exposed ring allreduce 2(n-1)/n * S / B (B = bus bandwidth; with "
+            "several buckets an idealized overlap with backward)."), "",
            format_projection(here, ns, bandwidths, "This run's model: compute and kernel "
                              "times measured on this device")]
     # ViT-L/32 on the article's GPUs: compute from the article's 1-GPU figure; kernel times
@@ -359,7 +364,13 @@ def projection(result: dict, ns: list[int], bandwidths: list[tuple[str, float]])
         out += ["", format_projection(rows, [8], [(label, gbs)], f"ViT-L/32 on {machine}: "
                                       "compute from the article's 1-GPU steps/s, kernels "
                                       f"estimated at {mem} GB/s; (article: its figure)")]
-    out += ["", f"Article, as stated in its text: {ARTICLE_NOTES}"]
+    names = list(dict.fromkeys(n for figs in ARTICLE.values() for n in figs))
+    out += ["", ("**The article's reported steps/s** (8 GPUs unless marked 1 GPU; ~ derived "
+                 "from its text)"), "", "| configuration | " + " | ".join(ARTICLE) + " |",
+            "|---|" + "---|" * len(ARTICLE)]
+    out += [f"| {n} | " + " | ".join(f.get(n, "-") for f in ARTICLE.values()) + " |"
+            for n in names]
+    out += ["", f"From its text: {ARTICLE_NOTES}"]
     return "\n".join(out)
 
 
@@ -397,7 +408,8 @@ def main() -> None:
     args.batch = args.batch or PRESETS[args.model]["batch"]
     if args.quick:
         args.warmup, args.rounds, args.steps = 2, 2, 3
-    bandwidths = [(lbl, float(v)) for lbl, v in (b.rsplit("=", 1) for b in args.bandwidth.split(","))]
+    bandwidths = [(label, float(gbs)) for label, gbs in
+                  (b.rsplit("=", 1) for b in args.bandwidth.split(","))]
     ns = [int(n) for n in args.project_n.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -181,7 +181,7 @@ class Patch:
                     "DistributedDataParallel.comm_stats()")
         try:
             return format_comm_stats(model.comm_stats())
-        except Exception as e:  # a report must never turn a finished run into a failure
+        except Exception as e:  # noqa: BLE001 -- a report must not fail a finished run
             return f"[fastddp] comm report unavailable: comm_stats() raised {type(e).__name__}: {e}"
 
     def note_once(self, text: str) -> None:

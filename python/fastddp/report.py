@@ -23,12 +23,12 @@ def format_comm_stats(stats: Mapping[str, Any]) -> str:
     """
     g = stats.get
     lines = [
-        f"[fastddp] communication report: {_num(g('steps'))} steps, world size "
-        f"{_num(g('world_size'))}, hook {g('hook', '-')}",
-        f"  per step: gradients {_mb(g('bytes_reduced'))} MB, sent {_mb(g('bytes_sent'))} MB "
-        f"(compression {_fixed(g('compression_ratio'), 2)}x)",
-        f"  exposed communication (backward end -> gradients final): last step "
-        f"{_fixed(g('exposed_comm_ms'), 3)} ms, mean {_fixed(g('mean_exposed_comm_ms'), 3)} ms",
+        (f"[fastddp] communication report: {_num(g('steps'))} steps, world size "
+         f"{_num(g('world_size'))}, hook {g('hook', '-')}"),
+        (f"  per step: gradients {_mb(g('bytes_reduced'))} MB, sent {_mb(g('bytes_sent'))} MB "
+         f"(compression {_fixed(g('compression_ratio'), 2)}x)"),
+        ("  exposed communication (backward end -> gradients final): last step "
+         f"{_fixed(g('exposed_comm_ms'), 3)} ms, mean {_fixed(g('mean_exposed_comm_ms'), 3)} ms"),
     ]
     buckets = g("buckets") or []
     if not buckets:

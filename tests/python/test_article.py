@@ -44,8 +44,8 @@ def test_projected_step() -> None:
     assert projected_step_ms(100.0, 0.0, 1.2e9, 8, 3.0, overlap_ms=600.0, buckets=4) == (
         pytest.approx(100.0 + 175.0))
     table = format_projection(
-        [dict(name="fp32", compute_ms=100.0, kernel_ms=0.0, wire_bytes=1.2e9,
-              reported={(8, "PCIe"): "1.43"})],
+        [{"name": "fp32", "compute_ms": 100.0, "kernel_ms": 0.0, "wire_bytes": 1.2e9,
+          "reported": {(8, "PCIe"): "1.43"}}],
         [2, 8], [("PCIe", 3.0)], "title")
     row = table.splitlines()[-1]
     assert row == "| fp32 | 1200.0 | 100.0 | 2.00 | 1.25 (article: 1.43) |", row
@@ -66,12 +66,12 @@ def test_cpu_mode_on_a_tiny_config(tmp_path: Path) -> None:
     env.pop("FASTDDP_DISABLE", None)
     cmd = [sys.executable, str(ARTICLE), "--device", "cpu", "--model", "tiny", "--warmup", "1",
            "--rounds", "1", "--steps", "2", "--project-n", "2,8", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=180)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
     configs = _article_module().configurations((1,))
     # A progress line per configuration, in order.
-    progress = re.findall(r"^\[(\d+)/(\d+)\] (.*?):", proc.stdout, re.M)
+    progress = re.findall(r"^\[(\d+)/(\d+)\] (.*?):", proc.stdout, re.MULTILINE)
     assert [name for _, _, name in progress] == [c.name for c in configs]
     md = (tmp_path / "article_cpu_tiny.md").read_text()
     rows = [ln for ln in md.splitlines() if ln.startswith("| ")]
