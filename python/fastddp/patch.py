@@ -278,6 +278,14 @@ def _patched_class(base: type, owner: Patch) -> type:
                 return
             super().register_comm_hook(state, hook)
 
+        def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+            if owner.hook is not None:
+                owner.note_once(f"the script's built-in comm hook {comm_hook_type} was not "
+                                f"registered: --hook {owner.hook} given to the launcher takes "
+                                "precedence")
+                return
+            super()._register_builtin_comm_hook(comm_hook_type)
+
     DistributedDataParallel.__module__ = __name__
     DistributedDataParallel.__qualname__ = "DistributedDataParallel"
     return DistributedDataParallel
