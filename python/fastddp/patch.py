@@ -71,6 +71,12 @@ def fastddp_hook(spec: HookSpec, option: str = "--hook") -> tuple[Any, Any]:
 
     Raises HookUnavailableError naming ``option`` when this build has no such hook.
     """
+    return _fastddp_hook_maker(spec, option)()
+
+
+def _fastddp_hook_maker(spec: HookSpec, option: str) -> Callable[[], tuple[Any, Any]]:
+    """Finds the hook's factory now; calls it only later (a hook's state may need the
+    process group, which the script has not initialized when the launcher patches)."""
     try:
         hooks = importlib.import_module("fastddp.hooks")
     except ModuleNotFoundError as e:
@@ -89,7 +95,7 @@ def fastddp_hook(spec: HookSpec, option: str = "--hook") -> tuple[Any, Any]:
         kwargs["accumulate"] = "fp32" if spec.name == "bf16-fp32acc" else "bf16"
     elif spec.rank is not None:
         kwargs["rank"] = spec.rank
-    return None, factory(**kwargs)
+    return lambda: (None, factory(**kwargs))
 
 
 def torch_hook(spec: HookSpec, option: str = "--hook") -> tuple[Any, Any]:
@@ -243,9 +249,10 @@ def _hook_factory(spec: HookSpec | None, disabled: bool,
     script runs; stateful hooks (PowerSGD) need a fresh state for every model."""
     if spec is None:
         return None
-    make = torch_hook if disabled else fastddp_hook
-    make(spec, option)
-    return lambda: make(spec, option)
+    if disabled:
+        torch_hook(spec, option)  # torch's states need no process group to be built
+        return lambda: torch_hook(spec, option)
+    return _fastddp_hook_maker(spec, option)
 
 
 def _patched_class(base: type, owner: Patch) -> type:
