@@ -23,6 +23,7 @@ deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH_SPEC)"
 	@$(PYTHON) -c "import setuptools, wheel, pytest" 2>/dev/null \
 	  || $(PYTHON) -m pip install -q setuptools wheel pytest
+	@$(PYTHON) -c "import matplotlib" 2>/dev/null || $(PYTHON) -m pip install -q matplotlib
 	@$(PYTHON) -c "import torch; print('[make] torch', torch.__version__, 'CUDA', torch.version.cuda)"
 
 $(BUILD_STAMP): $(SOURCES)

@@ -1,0 +1,144 @@
+"""``python -m fastddp``: run an unmodified DDP training script with fastddp.
+
+    torchrun --nproc_per_node=N -m fastddp [--hook NAME] [--bucket-cap-mb X] [--report]
+             [--] train.py [script args ...]
+
+Launcher options come before the script path; everything after it belongs to the script.
+"""
+
+import argparse
+import os
+import runpy
+import socket
+import sys
+
+from fastddp.patch import HookUnavailableError, parse_hook_spec, patch
+
+_DESCRIPTION = """\
+Runs a training script unmodified, with torch.nn.parallel.DistributedDataParallel (and
+torch.nn.parallel.distributed.DistributedDataParallel) replaced by
+fastddp.DistributedDataParallel. Start one process per device with torchrun, as for the
+script itself; plain `python -m fastddp train.py` runs a world of size 1 (it sets the
+environment `torchrun --nproc_per_node=1` would). Rank 0 prints one line saying what was
+replaced and with which settings. fastddp.patch() does the same from code."""
+
+_EPILOG = """\
+hooks (--hook):
+  allreduce       plain allreduce through the hook interface
+  fp16, bf16      compress gradients to fp16 / bf16 for the allreduce
+  bf16-fp32acc    bf16 on the wire, accumulated in fp32
+  powersgd[:R]    PowerSGD low-rank compression of rank R (default: the hook's default)
+The launcher's hook is registered on every model the script wraps and replaces any hook the
+script registers itself (rank 0 says so once). Without --hook, the script's hooks are used.
+
+environment:
+  FASTDDP_DISABLE=1   leave torch's DDP in place (stock torch DDP). Launcher options still
+                      apply, through torch's built-in hooks (powersgd:R -> PowerSGDState
+                      with start_powerSGD_iter=2); bf16-fp32acc has no torch equivalent.
+
+examples:
+  torchrun --nproc_per_node=8 -m fastddp --hook bf16 --bucket-cap-mb 100 train.py --epochs 1
+  FASTDDP_DISABLE=1 torchrun --nproc_per_node=8 -m fastddp --hook bf16 train.py
+  python -m fastddp --report -- train.py --lr 0.1"""
+
+# Launcher options that consume the next token; needed to find where the script path is.
+_VALUE_OPTIONS = ("--hook", "--bucket-cap-mb")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of the launcher's own options (the script and its args are split off
+    before parsing, so that the script's options are never mistaken for the launcher's)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m fastddp",
+        usage="torchrun [torchrun options] -m fastddp [options] [--] script.py [script args]",
+        description=_DESCRIPTION, epilog=_EPILOG, allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hook", metavar="NAME",
+                        help="register this communication hook on every wrapped model: "
+                             "allreduce, fp16, bf16, bf16-fp32acc, powersgd[:RANK]")
+    parser.add_argument("--bucket-cap-mb", metavar="X", type=_positive_float,
+                        help="bucket size in MiB for every wrapped model (overrides the "
+                             "script's bucket_cap_mb and bucket_cap_mb_list)")
+    parser.add_argument("--report", action="store_true",
+                        help="print a table of model.comm_stats() on rank 0 at exit")
+    return parser
+
+
+def split_command_line(argv: list[str]) -> tuple[list[str], str | None, list[str]]:
+    """``[launcher options], script, [script args]``: the script is the first token that
+    is not a launcher option (or the token after ``--``)."""
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            return argv[:i], (argv[i + 1] if i + 1 < len(argv) else None), argv[i + 2:]
+        if not token.startswith("-") or token == "-":
+            return argv[:i], token, argv[i + 1:]
+        i += 2 if token in _VALUE_OPTIONS else 1
+    return argv, None, []
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m fastddp``; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    own, script, script_args = split_command_line(argv)
+    options = parser.parse_args(own)  # --help exits 0 here, a bad option exits 2
+    try:
+        hook = None if options.hook is None else parse_hook_spec(options.hook)
+    except ValueError as e:
+        parser.error(str(e))
+    if script is None:
+        parser.print_usage(sys.stderr)
+        print("python -m fastddp: error: no training script given", file=sys.stderr)
+        return 2
+    if not os.path.isfile(script):
+        print(f"python -m fastddp: error: script {script!r} not found", file=sys.stderr)
+        return 2
+    single = _default_to_world_of_one()
+    try:
+        handle = patch(hook=hook, bucket_cap_mb=options.bucket_cap_mb,
+                       report=options.report, _option="--hook")
+    except (HookUnavailableError, ValueError) as e:
+        print(f"python -m fastddp: error: {e}", file=sys.stderr)
+        return 2
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        where = " [single process: world size 1]" if single else ""
+        print(handle.describe() + where, flush=True)
+
+    sys.argv = [script, *script_args]
+    # As `python train.py` would: the script's folder first, so its sibling modules import.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        # Also after sys.exit() in the script; rank 0 only, like the one-line summary.
+        if options.report and rank == 0:
+            print(handle.report_text(), flush=True)
+    return 0
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def _default_to_world_of_one() -> bool:
+    """Outside torchrun, sets the variables a one-process torchrun sets, so that a script
+    calling init_process_group() runs as a world of size 1. Returns whether it did."""
+    if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+        return False
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                       ("LOCAL_WORLD_SIZE", "1"), ("GROUP_RANK", "0"),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+        os.environ.setdefault(key, value)
+    return True

@@ -1,0 +1,304 @@
+"""Make unmodified training scripts use fastddp: swap torch's DistributedDataParallel.
+
+``fastddp.patch()`` replaces ``torch.nn.parallel.DistributedDataParallel`` and
+``torch.nn.parallel.distributed.DistributedDataParallel`` with a subclass of
+``fastddp.DistributedDataParallel`` that applies optional overrides (a communication hook,
+a bucket size) to every model a script wraps. ``python -m fastddp`` (``launcher.py``) calls
+it before running the script. With ``FASTDDP_DISABLE=1`` the names stay torch's own
+class; overrides, if any, are then applied to stock torch DDP through torch's built-in hooks,
+so that one command line can compare the two.
+"""
+
+import importlib
+import inspect
+import os
+import sys
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastddp.ddp import DistributedDataParallel as FastDDP
+from fastddp.report import format_comm_stats
+
+HOOK_NAMES = ("allreduce", "fp16", "bf16", "bf16-fp32acc", "powersgd")
+_PATCHED_NAMES = (
+    "torch.nn.parallel.DistributedDataParallel",
+    "torch.nn.parallel.distributed.DistributedDataParallel",
+)
+_active: "Patch | None" = None
+
+
+class HookUnavailableError(NotImplementedError):
+    """The requested communication hook does not exist in this build (or in stock torch).
+
+    A NotImplementedError, so that code probing for features (benchmarks/article.py) treats
+    it like any other feature that has not landed yet.
+    """
+
+
+@dataclass(frozen=True)
+class HookSpec:
+    """A built-in hook by name, as ``--hook`` takes it: ``bf16``, ``powersgd:4``, ..."""
+
+    name: str
+    rank: int | None = None  # PowerSGD's matrix approximation rank; None: the hook's default
+
+    def __str__(self) -> str:
+        return self.name if self.rank is None else f"{self.name}:{self.rank}"
+
+
+def parse_hook_spec(text: str, option: str = "--hook") -> HookSpec:
+    """``"powersgd:2"`` -> ``HookSpec("powersgd", 2)``; an unknown name is an error naming it."""
+    name, sep, rank_text = text.partition(":")
+    if name not in HOOK_NAMES:
+        raise ValueError(f"{option} {text!r}: unknown hook {name!r}; choose one of "
+                         f"{', '.join(HOOK_NAMES)} (powersgd takes an optional :RANK)")
+    if not sep:
+        return HookSpec(name)
+    if name != "powersgd":
+        raise ValueError(f"{option} {text!r}: only powersgd takes a rank (powersgd:RANK)")
+    if not rank_text.isdigit() or int(rank_text) < 1:
+        raise ValueError(f"{option} {text!r}: the PowerSGD rank must be a positive integer")
+    return HookSpec(name, int(rank_text))
+
+
+def fastddp_hook(spec: HookSpec, option: str = "--hook") -> tuple[Any, Any]:
+    """``(state, hook)`` for fastddp's ``register_comm_hook``, from ``fastddp.hooks``.
+
+    Raises HookUnavailableError naming ``option`` when this build has no such hook.
+    """
+    return _fastddp_hook_maker(spec, option)()
+
+
+def _fastddp_hook_maker(spec: HookSpec, option: str) -> Callable[[], tuple[Any, Any]]:
+    """Finds the hook's factory now; calls it only later (a hook's state may need the
+    process group, which the script has not initialized when the launcher patches)."""
+    try:
+        hooks = importlib.import_module("fastddp.hooks")
+    except ModuleNotFoundError as e:
+        if e.name != "fastddp.hooks":
+            raise
+        raise HookUnavailableError(
+            f"{option} {spec}: this fastddp build has no communication hooks (fastddp.hooks "
+            "is missing); run without the option, or with FASTDDP_DISABLE=1 for torch's") from e
+    factory_name = "bf16" if spec.name == "bf16-fp32acc" else spec.name
+    factory = getattr(hooks, factory_name, None)
+    if factory is None:
+        raise HookUnavailableError(
+            f"{option} {spec}: fastddp.hooks.{factory_name}() is not available in this build")
+    kwargs: dict[str, Any] = {}
+    if spec.name in ("bf16", "bf16-fp32acc"):
+        kwargs["accumulate"] = "fp32" if spec.name == "bf16-fp32acc" else "bf16"
+    elif spec.rank is not None:
+        kwargs["rank"] = spec.rank
+    return lambda: (None, factory(**kwargs))
+
+
+def torch_hook(spec: HookSpec, option: str = "--hook") -> tuple[Any, Any]:
+    """``(state, hook)`` for stock torch DDP: torch's built-in hook closest to ``spec``.
+
+    PowerSGD starts compressing at iteration 2 rather than torch's default 1,000, so that
+    short runs measure compression at all (torch requires > 1 with error feedback).
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    simple = {"allreduce": default_hooks.allreduce_hook,
+              "fp16": default_hooks.fp16_compress_hook,
+              "bf16": default_hooks.bf16_compress_hook}
+    if spec.name in simple:
+        return None, simple[spec.name]
+    if spec.name == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=spec.rank or 1, start_powerSGD_iter=2)
+        return state, powerSGD_hook.powerSGD_hook
+    raise HookUnavailableError(
+        f"{option} {spec}: stock torch DDP has no built-in hook that accumulates bf16 "
+        "gradients in fp32; use --hook bf16 to compare with torch")
+
+
+def fastddp_disabled(environ: dict[str, str] | None = None) -> bool:
+    """Whether ``FASTDDP_DISABLE`` asks for stock torch DDP (1/true/yes; 0/false/no/empty)."""
+    value = (os.environ if environ is None else environ).get("FASTDDP_DISABLE", "").strip()
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"FASTDDP_DISABLE={value!r}: use 1 to run stock torch DDP, 0 or unset for "
+                     "fastddp")
+
+
+class Patch:
+    """What ``patch()`` did. Undo it with ``unpatch()`` or by leaving its ``with`` block."""
+
+    def __init__(self, hook: HookSpec | None, bucket_cap_mb: float | None, report: bool,
+                 disabled: bool, option: str = "--hook"):
+        self.hook = hook
+        self.bucket_cap_mb = bucket_cap_mb
+        self.report = report
+        self.disabled = disabled
+        self.models_wrapped = 0
+        self._original = nn.parallel.distributed.DistributedDataParallel
+        self._hook_factory = _hook_factory(hook, disabled, option)
+        self._last_model: Any = None
+        self._notes: set[str] = set()
+        # Stock torch without overrides: nothing to change, the script runs exactly as is.
+        self.cls = None if disabled and hook is None and bucket_cap_mb is None else (
+            _patched_class(self._original if disabled else FastDDP, self))
+
+    @property
+    def last_model(self) -> nn.Module | None:
+        """The most recently constructed wrapper (kept alive only with report=True)."""
+        model = self._last_model
+        return model() if isinstance(model, weakref.ref) else model
+
+    def describe(self) -> str:
+        """The one line the launcher prints on rank 0."""
+        settings = []
+        if self.hook is not None:
+            settings.append(f"hook={self.hook} (launcher; replaces any hook the script "
+                            "registers)")
+        if self.bucket_cap_mb is not None:
+            settings.append(f"bucket_cap_mb={self.bucket_cap_mb:g} (launcher)")
+        if self.report:
+            settings.append("comm report at exit")
+        rest = "; other arguments as the script passes them"
+        if not self.disabled:
+            return (f"[fastddp] {' and '.join(_PATCHED_NAMES)} -> fastddp.DistributedDataParallel"
+                    f" ({', '.join(settings) or 'no overrides'}){rest}")
+        if self.cls is None:
+            return "[fastddp] FASTDDP_DISABLE=1: stock torch DDP, nothing replaced"
+        return (f"[fastddp] FASTDDP_DISABLE=1: stock torch DDP with {', '.join(settings)}"
+                f" (torch's built-in hooks){rest}")
+
+    def report_text(self) -> str:
+        """The communication report of the last model, or why there is none."""
+        model = self.last_model
+        if self.disabled:
+            return "[fastddp] comm report unavailable: FASTDDP_DISABLE=1 (stock torch DDP)"
+        if model is None:
+            return ("[fastddp] comm report unavailable: the script constructed no "
+                    "DistributedDataParallel")
+        if not callable(getattr(model, "comm_stats", None)):
+            return ("[fastddp] comm report unavailable: this fastddp build has no "
+                    "DistributedDataParallel.comm_stats()")
+        try:
+            return format_comm_stats(model.comm_stats())
+        except Exception as e:  # noqa: BLE001 -- a report must not fail a finished run
+            return f"[fastddp] comm report unavailable: comm_stats() raised {type(e).__name__}: {e}"
+
+    def note_once(self, text: str) -> None:
+        """Prints ``text`` once per process, on rank 0 only."""
+        if text not in self._notes:
+            self._notes.add(text)
+            if _rank() == 0:
+                print(f"[fastddp] {text}", file=sys.stderr, flush=True)
+
+    def unpatch(self) -> None:
+        """Puts torch's own class back under both names."""
+        global _active
+        if _active is self:
+            _set_ddp_names(self._original)
+            _active = None
+
+    def __enter__(self) -> "Patch":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.unpatch()
+
+
+def patch(hook: str | HookSpec | None = None, bucket_cap_mb: float | None = None,
+          report: bool = False, disable: bool | None = None, _option: str = "hook=") -> Patch:
+    """Replace torch's DistributedDataParallel (both import paths) with fastddp's.
+
+    ``hook`` (``"bf16"``, ``"bf16-fp32acc"``, ``"powersgd:4"``, ...) is registered on every
+    wrapped model and replaces hooks the script registers itself; ``bucket_cap_mb``
+    overrides the script's value. ``report=True`` keeps the last model alive for
+    ``Patch.report_text()``. ``disable=None`` reads ``FASTDDP_DISABLE``. Returns a Patch
+    (a context manager); models constructed before the patch are not affected.
+    """
+    global _active
+    if _active is not None:
+        raise RuntimeError("fastddp.patch(): already patched; call unpatch() on the first "
+                           "Patch before patching again")
+    spec = parse_hook_spec(hook, _option) if isinstance(hook, str) else hook
+    if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb}: must be positive")
+    disabled = fastddp_disabled() if disable is None else disable
+    result = Patch(spec, bucket_cap_mb, report, disabled, _option)
+    if result.cls is not None:
+        _set_ddp_names(result.cls)
+        _active = result
+    return result
+
+
+def _set_ddp_names(cls: type) -> None:
+    nn.parallel.DistributedDataParallel = cls
+    nn.parallel.distributed.DistributedDataParallel = cls
+    # `torch.nn.parallel.DistributedDataParallel` and `from torch.nn.parallel import ...`
+    # both read the package attribute; torch's own code reads the module global.
+
+
+def _hook_factory(spec: HookSpec | None, disabled: bool,
+                  option: str) -> Callable[[], tuple[Any, Any]] | None:
+    """A per-model (state, hook) maker, resolved now so a missing hook fails before the
+    script runs; stateful hooks (PowerSGD) need a fresh state for every model."""
+    if spec is None:
+        return None
+    if disabled:
+        torch_hook(spec, option)  # torch's states need no process group to be built
+        return lambda: torch_hook(spec, option)
+    return _fastddp_hook_maker(spec, option)
+
+
+def _patched_class(base: type, owner: Patch) -> type:
+    signature = inspect.signature(base.__init__)
+
+    class DistributedDataParallel(base):  # type: ignore[misc, valid-type]
+        __doc__ = base.__doc__
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            if owner.bucket_cap_mb is not None:
+                bound = signature.bind(self, *args, **kwargs)
+                if bound.arguments.get("bucket_cap_mb_list") is not None:
+                    owner.note_once("--bucket-cap-mb replaces the script's bucket_cap_mb_list")
+                    bound.arguments["bucket_cap_mb_list"] = None
+                bound.arguments["bucket_cap_mb"] = owner.bucket_cap_mb
+                args, kwargs = bound.args[1:], bound.kwargs
+            super().__init__(*args, **kwargs)
+            if owner._hook_factory is not None:
+                state, hook = owner._hook_factory()
+                base.register_comm_hook(self, state, hook)
+            owner.models_wrapped += 1
+            # With a report the model must outlive the script's own references to it.
+            owner._last_model = self if owner.report else weakref.ref(self)
+
+        def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+            if owner.hook is not None:
+                name = getattr(hook, "__qualname__", type(hook).__name__)
+                owner.note_once(f"the script's comm hook {name} was not registered: "
+                                f"--hook {owner.hook} given to the launcher takes precedence")
+                return
+            super().register_comm_hook(state, hook)
+
+        def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+            if owner.hook is not None:
+                owner.note_once(f"the script's built-in comm hook {comm_hook_type} was not "
+                                f"registered: --hook {owner.hook} given to the launcher takes "
+                                "precedence")
+                return
+            super()._register_builtin_comm_hook(comm_hook_type)
+
+    DistributedDataParallel.__module__ = __name__
+    DistributedDataParallel.__qualname__ = "DistributedDataParallel"
+    return DistributedDataParallel
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
