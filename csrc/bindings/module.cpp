@@ -6,6 +6,7 @@
 
 #include "../core/bucket_plan.h"
 #include "../kernels/multi_tensor_copy.h"
+#include "../reducer/comm_hook.h"
 #include "../reducer/reducer.h"
 
 #if defined(FASTDDP_WITH_CUDA)
@@ -16,6 +17,8 @@
 namespace py = pybind11;
 
 namespace fastddp {
+void bind_hooks(py::module& m);  // hooks_py.cpp
+
 namespace {
 
 // Same arguments and result as torch.distributed._compute_bucket_assignment_by_size.
@@ -104,6 +107,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("expect_sparse_gradient") = std::vector<bool>{},
         py::arg("tensor_indices") = std::vector<int64_t>{});
   m.def("multi_tensor_copy", &fastddp::multi_tensor_copy, py::arg("srcs"), py::arg("dsts"));
+
+  // TEMPORARY until the reducer's CommHook binding lands from main.
+  py::class_<fastddp::CommHook, std::shared_ptr<fastddp::CommHook>>(m, "CommHook");
+  fastddp::bind_hooks(m);
 
   py::class_<Reducer>(m, "Reducer")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
