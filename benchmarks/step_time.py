@@ -1,6 +1,7 @@
 """Training-step time of fastddp vs torch DDP, side by side in one run.
 
     python benchmarks/step_time.py [--nproc 2] [--rounds 30] [--only NAME] [--pin]
+                                   [--configs plain,gbv,static,unused] [--skip-alone]
                                    [--glibc-malloc-defaults] [--out FILE]
 
 Spawns its own gloo ranks on 127.0.0.1 (one intra-op thread each) and measures:
@@ -8,7 +9,9 @@ Spawns its own gloo ranks on 127.0.0.1 (one intra-op thread each) and measures:
 (a) world size ``--nproc``: the step (zero_grad, forward, backward, optimizer.step) of
     fastddp.DistributedDataParallel vs torch.nn.parallel.DistributedDataParallel on the
     same model, interleaved: after a warm-up, ``--rounds`` rounds each time one block of
-    steps of each, in alternating order. Both with gradient_as_bucket_view False and True.
+    steps of each, in alternating order. Each of ``--configs``: plain, gbv
+    (gradient_as_bucket_view=True), static (static_graph=True), unused
+    (find_unused_parameters=True), the same arguments on both sides.
 (b) world size 1: fastddp-wrapped vs the bare module (the same module object, called
     through the wrapper or directly), and torch DDP (on an identical replica) vs the bare
     module, interleaved the same way (three variants, rotating order, twice the rounds);
@@ -150,20 +153,28 @@ def _allreduce_ms(n_bytes: int, reps: int = 10) -> float:
     return statistics.median(times)
 
 
+CONFIGS = {
+    "plain": {},
+    "gbv": {"gradient_as_bucket_view": True},
+    "static": {"static_graph": True},
+    "unused": {"find_unused_parameters": True},
+}
+
+
 def _compare_ranks(shape: Shape, x: torch.Tensor, args: argparse.Namespace) -> list[dict]:
-    """(a): fastddp vs torch DDP across the ranks, without and with grad-as-bucket-view."""
+    """(a): fastddp vs torch DDP across the ranks, for each DDP configuration."""
     rows = []
-    for gbv in (False, True):
+    for config in args.configs.split(","):
+        kwargs = CONFIGS[config]
         fast_m, torch_m = _replicas(shape, 2)
         variants = {
-            "fastddp": _make_step(
-                fastddp.DistributedDataParallel(fast_m, gradient_as_bucket_view=gbv), x),
-            "torch": _make_step(TorchDDP(torch_m, gradient_as_bucket_view=gbv), x),
+            "fastddp": _make_step(fastddp.DistributedDataParallel(fast_m, **kwargs), x),
+            "torch": _make_step(TorchDDP(torch_m, **kwargs), x),
         }
         dist.barrier()
         ms = _timed_blocks(variants, args.rounds, shape.block_steps, args.warmup)
         n_bytes = _n_bytes(fast_m)
-        rows.append({"world": dist.get_world_size(), "model": shape.name, "gbv": gbv,
+        rows.append({"world": dist.get_world_size(), "model": shape.name, "config": config,
                      "bytes": n_bytes, "a": "fastddp", "b": "torch DDP",
                      **_summary(ms, "fastddp", "torch"), "raw_ms": _allreduce_ms(n_bytes)})
     return rows
@@ -200,7 +211,7 @@ def _compare_alone(shape: Shape, x: torch.Tensor, args: argparse.Namespace) -> l
     extra_us = _wrapper_us(2 * args.rounds, args.warmup)
     # At world size 1 torch DDP still copies into buckets and allreduces them over its
     # one-rank group; fastddp has no reducer there.
-    return [{"world": 1, "model": shape.name, "gbv": False, "bytes": n_bytes, "a": label,
+    return [{"world": 1, "model": shape.name, "config": "plain", "bytes": n_bytes, "a": label,
              "b": "bare module", **_summary(ms, name, "bare"),
              "wrapper_us": extra_us[name]}
             for name, label, n_bytes in (("fastddp", "fastddp", 0),
@@ -250,21 +261,21 @@ def _gbps(n_bytes: int, ms: float) -> float:
 
 def _table(rows: list[dict]) -> str:
     lines = [
-        "| world | model | grad as bucket view | A | B | A ms/step | B ms/step "
+        "| world | model | config | A | B | A ms/step | B ms/step "
         "| A/B (of medians) | per-round A/B median [IQR] | bytes allreduced/step "
         "| step algbw / busbw GB/s | raw gloo allreduce: ms, algbw / busbw GB/s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        bw, raw, gbv = "-", "-", "-"
+        bw, raw, config = "-", "-", "-"
         n_bytes = f"{r['bytes'] / 1e6:.2f} MB" if r["bytes"] else "0"
         if r["world"] > 1:
             n, alg, ralg = r["world"], _gbps(r["bytes"], r["a_ms"]), _gbps(r["bytes"], r["raw_ms"])
             bw = f"{alg:.2f} / {alg * 2 * (n - 1) / n:.2f}"
             raw = f"{r['raw_ms']:.2f} ms, {ralg:.2f} / {ralg * 2 * (n - 1) / n:.2f}"
-            gbv = str(r["gbv"])
+            config = r["config"]
         lines.append(
-            f"| {r['world']} | {r['model']} | {gbv} | {r['a']} | {r['b']} "
+            f"| {r['world']} | {r['model']} | {config} | {r['a']} | {r['b']} "
             f"| {r['a_ms']:.3f} | {r['b_ms']:.3f} | **{r['ratio']:.3f}** "
             f"| {r['paired']:.3f} [{r['q1']:.3f}, {r['q3']:.3f}] | {n_bytes} | {bw} | {raw} |"
         )
@@ -305,8 +316,15 @@ def main() -> None:
     parser.add_argument("--glibc-malloc-defaults", action="store_true",
                         help="keep glibc's adaptive mmap/trim thresholds (see main())")
     parser.add_argument("--only", default="", help="only models whose name contains this")
+    parser.add_argument("--configs", default="plain,gbv",
+                        help=f"comma-separated DDP configurations among {', '.join(CONFIGS)}")
+    parser.add_argument("--skip-alone", action="store_true", help="skip the world-size-1 part")
     parser.add_argument("--out", help="also write the markdown table to this file")
     args = parser.parse_args()
+    unknown = set(args.configs.split(",")) - set(CONFIGS)
+    if unknown:
+        parser.error(f"--configs: unknown {', '.join(sorted(unknown))}; choose among "
+                     f"{', '.join(CONFIGS)}")
 
     malloc = "glibc defaults"
     if not args.glibc_malloc_defaults:
@@ -321,7 +339,8 @@ def main() -> None:
         malloc = (f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']} "
                   f"MALLOC_TRIM_THRESHOLD_={os.environ['MALLOC_TRIM_THRESHOLD_']}")
     start, load_before = time.perf_counter(), os.getloadavg()[0]
-    rows = (_run(args.nproc, args) if args.nproc > 1 else []) + _run(1, args)
+    rows = ((_run(args.nproc, args) if args.nproc > 1 else [])
+            + ([] if args.skip_alone else _run(1, args)))
     table = _table(rows)
     header = (f"Machine: {_machine()}\n\nCommand: `python {' '.join(sys.argv)}` "
               f"({time.perf_counter() - start:.0f} s; 1-min load average {load_before:.2f} "

@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "../core/bucket_plan.h"
+#include "../hooks/allreduce.h"
 #include "../kernels/multi_tensor_copy.h"
 #include "../reducer/comm_hook.h"
 #include "../reducer/reducer.h"
@@ -76,6 +77,36 @@ void multi_tensor_copy(const std::vector<at::Tensor>& srcs, const std::vector<at
 #endif
 }
 
+py::dict comm_stats_dict(const Reducer& reducer) {
+  const CommStats stats = reducer.comm_stats();
+  py::list buckets;
+  int64_t reduced = 0;
+  int64_t sent = 0;
+  for (size_t b = 0; b < stats.bucket_bytes.size(); ++b) {
+    py::dict bucket;
+    bucket["index"] = b;
+    bucket["bytes"] = stats.bucket_bytes[b];
+    bucket["wire_bytes"] = stats.wire_bytes[b];
+    const BucketTiming t = b < stats.timings.size() ? stats.timings[b] : BucketTiming{};
+    bucket["ready_ms"] = t.ready_us / 1e3;
+    bucket["launched_ms"] = t.launched_us / 1e3;
+    bucket["done_ms"] = t.done_us / 1e3;
+    buckets.append(bucket);
+    reduced += stats.bucket_bytes[b];
+    sent += stats.wire_bytes[b];
+  }
+  py::dict out;
+  out["steps"] = stats.steps;
+  out["hook"] = reducer.hook_name();
+  out["bytes_reduced"] = reduced;
+  out["bytes_sent"] = sent;
+  out["compression_ratio"] = sent > 0 ? static_cast<double>(reduced) / static_cast<double>(sent) : 1.0;
+  out["exposed_comm_ms"] = stats.exposed_us / 1e3;
+  out["mean_exposed_comm_ms"] = stats.steps > 0 ? stats.total_exposed_us / 1e3 / stats.steps : 0.0;
+  out["buckets"] = buckets;
+  return out;
+}
+
 py::dict build_info() {
   py::dict info;
 #if defined(FASTDDP_WITH_CUDA)
@@ -108,27 +139,51 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("tensor_indices") = std::vector<int64_t>{});
   m.def("multi_tensor_copy", &fastddp::multi_tensor_copy, py::arg("srcs"), py::arg("dsts"));
 
-  // TEMPORARY until the reducer's CommHook binding lands from main.
-  py::class_<fastddp::CommHook, std::shared_ptr<fastddp::CommHook>>(m, "CommHook");
-  fastddp::bind_hooks(m);
+  py::class_<fastddp::CommHook, std::shared_ptr<fastddp::CommHook>>(m, "CommHook")
+      .def_property_readonly("name", &fastddp::CommHook::name);
+  py::class_<fastddp::AllreduceHook, fastddp::CommHook, std::shared_ptr<fastddp::AllreduceHook>>(
+      m, "AllreduceHook")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("process_group"));
+  fastddp::bind_hooks(m);  // the registry, the other hooks, the half-cast kernels
 
-  py::class_<Reducer>(m, "Reducer")
-      .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
+  using Tensors = std::vector<at::Tensor>;
+  py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer")
+      .def(py::init([](Tensors params, std::vector<std::string> names,
                        std::vector<std::vector<size_t>> plan,
-                       c10::intrusive_ptr<c10d::ProcessGroup> group, bool gradient_as_bucket_view,
+                       c10::intrusive_ptr<c10d::ProcessGroup> group,
+                       std::shared_ptr<fastddp::CommHook> hook, bool gradient_as_bucket_view,
+                       bool find_unused_parameters, bool static_graph,
                        std::vector<size_t> rebuild_limits) {
              ReducerOptions options;
              options.gradient_as_bucket_view = gradient_as_bucket_view;
+             options.find_unused_parameters = find_unused_parameters;
+             options.static_graph = static_graph;
              options.rebuild_limits = std::move(rebuild_limits);
-             return std::make_unique<Reducer>(std::move(params), std::move(names), std::move(plan),
-                                              std::move(group), options);
+             if (!hook) hook = std::make_shared<fastddp::AllreduceHook>(group);
+             return std::make_shared<Reducer>(std::move(params), std::move(names), std::move(plan),
+                                              std::move(group), std::move(hook), options);
            }),
            py::arg("params"), py::arg("names"), py::arg("plan"), py::arg("process_group"),
-           py::arg("gradient_as_bucket_view"), py::arg("rebuild_limits"))
-      .def("before_forward", &Reducer::before_forward, py::call_guard<py::gil_scoped_release>())
-      .def("after_forward", &Reducer::after_forward, py::arg("sync"))
+           py::arg("hook") = nullptr, py::arg("gradient_as_bucket_view") = false,
+           py::arg("find_unused_parameters") = false, py::arg("static_graph") = false,
+           py::arg("rebuild_limits") = std::vector<size_t>{1024 * 1024, 25 * 1024 * 1024})
+      .def("before_forward", &Reducer::before_forward, py::arg("sync"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("after_forward", &Reducer::after_forward, py::arg("sync"), py::arg("outputs"))
+      .def_property_readonly("needs_outputs", &Reducer::needs_outputs)
+      .def("set_comm_hook", &Reducer::set_comm_hook, py::arg("hook"))
+      .def("set_static_graph", &Reducer::set_static_graph)
+      .def("set_divide_factor", &Reducer::set_divide_factor, py::arg("factor"))
+      .def("shadow_backward", &Reducer::shadow_backward, py::call_guard<py::gil_scoped_release>())
+      .def("record_default_ready_order", &Reducer::record_default_ready_order)
       .def("bucket_plan", &Reducer::bucket_plan)
       .def("bucket_bytes", &Reducer::bucket_bytes)
+      .def("last_ready_order", &Reducer::last_ready_order)
+      .def("last_unused_parameters", &Reducer::last_unused_parameters)
+      .def("comm_stats", &fastddp::comm_stats_dict)
+      .def_property_readonly("hook_name", &Reducer::hook_name)
+      .def_property_readonly("static_graph", &Reducer::static_graph)
       .def_property_readonly("has_rebuilt_buckets", &Reducer::has_rebuilt_buckets)
+      .def_property_readonly("num_iterations", &Reducer::num_iterations)
       .def_property_readonly("num_backward_syncs", &Reducer::num_backward_syncs);
 }

@@ -25,6 +25,11 @@ std::string HalfCompressHook::name() const {
   return n;
 }
 
+void HalfCompressHook::set_divide_factor(int64_t factor) {
+  TORCH_CHECK(factor > 0, "fastddp: the divide factor must be positive, got ", factor);
+  scale_ = 1.0 / static_cast<double>(factor);
+}
+
 void HalfCompressHook::on_new_buckets(const std::vector<Bucket>& buckets) {
   // Buffers follow the layout; residuals are per parameter and stay.
   (void)buckets;
@@ -178,7 +183,8 @@ void HalfCompressHook::write_back(Bucket& bucket, const c10::IValue& result,
     const at::Tensor src = reduced.narrow(0, bucket.offsets[k], bucket.numels[k]);
     const at::Tensor& view = bucket.views[k];
     at::Tensor& dst = dsts[k];
-    if (dst.defined() && dst.scalar_type() == at::kFloat && dst.device() == view.device() &&
+    if (!dst.defined()) continue;  // unused on every rank: its grad stays as it is
+    if (dst.scalar_type() == at::kFloat && dst.device() == view.device() &&
         dst.is_non_overlapping_and_dense() && dst.strides() == view.strides()) {
       srcs.push_back(src);
       outs.push_back(dst);
@@ -186,7 +192,7 @@ void HalfCompressHook::write_back(Bucket& bucket, const c10::IValue& result,
     }
     // Another dtype or layout: through the bucket slot (the cast is exact).
     bucket.flat.narrow(0, bucket.offsets[k], bucket.numels[k]).copy_(src);
-    if (dst.defined() && !dst.is_same(view)) dst.copy_(view);
+    if (!dst.is_same(view)) dst.copy_(view);
   }
   half_decompress_many(options_.kind, srcs, outs);
 }

@@ -57,6 +57,8 @@ class HalfCompressHook : public CommHook {
   void write_back(Bucket& bucket, const c10::IValue& result,
                   std::vector<at::Tensor>& dsts) override;
   int64_t wire_bytes(const Bucket& bucket) const override;
+  // join(divide_by_initial_world_size=False): divide by the ranks still training.
+  void set_divide_factor(int64_t factor) override;
 
   const HalfCompressOptions& options() const { return options_; }
 

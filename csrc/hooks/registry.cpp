@@ -1,6 +1,9 @@
 #include "registry.h"
 
+#include "allreduce.h"
+
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <mutex>
 #include <sstream>
@@ -123,5 +126,12 @@ std::vector<std::string> comm_hook_names() {
   for (const auto& [n, f] : r.factories) names.push_back(n);
   return names;
 }
+
+// The default hook (allreduce.h) is registered here so that allreduce.cpp
+// stays the reducer's own; it takes no options.
+FASTDDP_REGISTER_COMM_HOOK("allreduce", [](const auto& group, const HookOptions& options) {
+  options.check_known({});
+  return std::make_shared<AllreduceHook>(group);
+});
 
 }  // namespace fastddp

@@ -1,7 +1,6 @@
 #include "bucket.h"
 
 #include <ATen/ATen.h>
-#include <torch/csrc/distributed/c10d/Work.hpp>
 
 namespace fastddp {
 
@@ -17,6 +16,18 @@ TensorSpec spec_of(const at::Tensor& tensor, bool expect_sparse) {
 }
 
 int64_t Bucket::bytes() const { return flat.numel() * static_cast<int64_t>(flat.element_size()); }
+
+Bucket Bucket::zeros_like() const {
+  Bucket copy;
+  copy.flat = at::zeros_like(flat);
+  copy.params = params;
+  copy.offsets = offsets;
+  copy.numels = numels;
+  for (size_t k = 0; k < views.size(); ++k) {
+    copy.views.push_back(copy.flat.as_strided(views[k].sizes(), views[k].strides(), offsets[k]));
+  }
+  return copy;
+}
 
 std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
                                  const std::vector<std::vector<size_t>>& plan) {

@@ -3,16 +3,13 @@
 #pragma once
 
 #include <ATen/Tensor.h>
+#include <ATen/core/ivalue.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
 #include <vector>
 
 #include "../core/bucket_plan.h"
-
-namespace c10d {
-class Work;
-}
 
 namespace fastddp {
 
@@ -28,11 +25,14 @@ struct Bucket {
   std::vector<int64_t> offsets;  // in elements
   std::vector<int64_t> numels;
 
-  // Per backward: gradients still missing, and the collective in flight.
+  // Per backward: gradients still missing, and the comm hook's reduction.
   size_t pending = 0;
-  c10::intrusive_ptr<c10d::Work> work;
+  c10::intrusive_ptr<c10::ivalue::Future> future;
 
   int64_t bytes() const;
+  // The same layout over a fresh zero-filled buffer (join() shadows the
+  // collectives with it, leaving this bucket's gradients alone).
+  Bucket zeros_like() const;
 };
 
 // What the planner needs to know of a tensor: its size, dtype and device.

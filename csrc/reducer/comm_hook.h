@@ -13,7 +13,8 @@
 //                                 backward: the averaged gradient of slot k
 //                                 goes into dsts[k].
 // dsts[k] is either the parameter's .grad or, under gradient_as_bucket_view,
-// bucket.views[k] itself (check with is_same / data_ptr before copying).
+// bucket.views[k] itself (check with is_same / data_ptr before copying); it
+// is undefined for a parameter unused on every rank, whose grad stays as is.
 // A rank that has joined (uneven inputs) runs copy_in with undefined grads and
 // run() on every bucket, and waits, so its collectives match the others'.
 //
@@ -60,6 +61,12 @@ class CommHook {
   // slots where dsts[k] already is that memory.
   virtual void write_back(Bucket& bucket, const c10::IValue& result,
                           std::vector<at::Tensor>& dsts);
+
+  // The number the averaged gradient is divided by this step: the world
+  // size, or under join(divide_by_initial_world_size=False) the number of
+  // ranks still training. Hooks that divide by the group size themselves, as
+  // torch's do, may ignore it.
+  virtual void set_divide_factor(int64_t factor) { (void)factor; }
 
   // Bytes this hook puts on the wire for one bucket per step, for the
   // communication report (what one rank contributes to the collective).

@@ -7,16 +7,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <functional>
-#include <sstream>
 
 #include "nvtx.h"
-
-#if defined(FASTDDP_WITH_CUDA)
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-
-#include "../kernels/multi_tensor_copy.h"
-#endif
 
 namespace fastddp {
 namespace {
@@ -40,18 +32,20 @@ class GradReadyHook : public torch::autograd::FunctionPostHook {
 
 Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
                  std::vector<std::vector<size_t>> plan,
-                 c10::intrusive_ptr<c10d::ProcessGroup> group, ReducerOptions options)
+                 c10::intrusive_ptr<c10d::ProcessGroup> group, std::shared_ptr<CommHook> hook,
+                 ReducerOptions options)
     : params_(std::move(params)),
       names_(std::move(names)),
       group_(std::move(group)),
-      options_(options) {
+      hook_(std::move(hook)),
+      options_(std::move(options)) {
   TORCH_CHECK(group_, "fastddp: Reducer needs a process group");
+  TORCH_CHECK(hook_, "fastddp: Reducer needs a comm hook");
+  TORCH_CHECK(!params_.empty(), "fastddp: Reducer needs at least one parameter");
   TORCH_CHECK(names_.size() == params_.size(), "fastddp: ", params_.size(), " parameters but ",
               names_.size(), " names");
   rank_ = group_->getRank();
   world_size_ = group_->getSize();
-  inv_world_size_ = at::scalar_tensor(1.0 / world_size_, at::kDouble);
-  inv_world_size_.unsafeGetTensorImpl()->set_wrapped_number(true);
 
   std::vector<size_t> seen(params_.size(), 0);
   for (const auto& bucket : plan) {
@@ -69,7 +63,13 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   }
   buckets_ = make_buckets(params_, plan);
   reset_bucket_views();
+  const auto n = static_cast<int64_t>(params_.size());
   ready_.assign(params_.size(), false);
+  used_map_ = at::zeros({n}, at::kInt);
+  used_map_dev_ = at::zeros({n}, at::TensorOptions().dtype(at::kInt).device(params_[0].device()));
+  expected_hooks_.assign(params_.size(), 0);
+  hooks_left_.assign(params_.size(), 0);
+  hook_->on_new_buckets(buckets_);
   install_hooks();
 }
 
@@ -91,228 +91,337 @@ void Reducer::install_hooks() {
   }
 }
 
-bool Reducer::before_forward() {
+bool Reducer::static_first_iteration() const {
+  return options_.static_graph && num_iterations_ == 1;
+}
+
+bool Reducer::dynamic_find_unused() const {
+  return options_.find_unused_parameters && !options_.static_graph;
+}
+
+bool Reducer::track_usage() const { return dynamic_find_unused() || static_first_iteration(); }
+
+bool Reducer::should_rebuild() const {
+  return (options_.static_graph || !options_.find_unused_parameters) && !has_rebuilt_;
+}
+
+bool Reducer::before_forward(bool sync) {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(phase_ != Phase::kExpecting || num_ready_ == 0,
-              "Expected to have finished reduction in the prior iteration before starting a new "
-              "one. This error indicates that your module has parameters that were not used in "
-              "producing loss. You can enable unused parameter detection by passing the keyword "
-              "argument `find_unused_parameters=True` to `torch.nn.parallel."
-              "DistributedDataParallel`, and by making sure all `forward` function outputs "
-              "participate in calculating loss. Parameters which did not receive grad for rank ",
-              rank_, ": ", names_of_unready_params());
-  if (!has_rebuilt_ && phase_ == Phase::kReduced && ready_order_.size() == params_.size()) {
+  ensure_prior_reduction_finished();
+  if (sync) ++num_iterations_;
+  if (should_rebuild() && ready_order_.size() == params_.size()) {
     rebuild_buckets();
     return true;
   }
   return false;
 }
 
-void Reducer::after_forward(bool sync) {
+bool Reducer::needs_outputs() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!sync) {
-    phase_ = Phase::kIdle;
-    return;
-  }
-  phase_ = Phase::kExpecting;
+  return dynamic_find_unused() || (static_first_iteration() && !delayed_reduce_queued_);
+}
+
+void Reducer::reset_iteration() {
   std::fill(ready_.begin(), ready_.end(), false);
   num_ready_ = 0;
   next_bucket_ = 0;
+  finalize_queued_ = false;
+  hooks_seen_ = false;
+  marked_unused_ = false;
+  last_ready_order_.clear();
   for (Bucket& bucket : buckets_) bucket.pending = bucket.params.size();
+  if (options_.static_graph) hooks_left_ = expected_hooks_;
+  hook_->set_divide_factor(divide_factor_ > 0 ? divide_factor_ : world_size_);
+}
+
+void Reducer::set_divide_factor(int64_t factor) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(factor > 0 && factor <= world_size_, "fastddp: divide factor ", factor,
+              " is not between 1 and the world size ", world_size_);
+  divide_factor_ = factor;
 }
 
 void Reducer::on_grad_ready(size_t index) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (track_usage() && params_[index].grad().defined()) {
+    // Also under no_sync: a parameter used in any accumulated step is used.
+    used_map_.data_ptr<int32_t>()[index] = 1;
+  }
   if (phase_ == Phase::kIdle) return;
   TORCH_CHECK(phase_ != Phase::kReduced, "fastddp: parameter '", names_[index],
               "' received a gradient after this iteration's gradients were already reduced. "
               "DistributedDataParallel reduces once per forward: a second backward through the "
               "same forward output is not supported. Run the forward again, or do the extra "
               "backward passes under no_sync().");
-  TORCH_CHECK(!ready_[index],
-              "Expected to mark a variable ready only once. This error is caused by one of the "
-              "following reasons: 1) Use of a module parameter outside the `forward` function. "
-              "2) Reused parameters in multiple reentrant backward passes (for example "
-              "activation checkpointing with use_reentrant=True). Parameter '",
-              names_[index], "' was marked ready twice on rank ", rank_, ".");
+  if (!hooks_seen_) {
+    hooks_seen_ = true;
+    backward_start_ = std::chrono::steady_clock::now();
+  }
+  if (static_first_iteration()) {
+    ++expected_hooks_[index];
+    return;
+  }
+  last_ready_order_.push_back(static_cast<int64_t>(index));
+  if (!marked_unused_) {
+    marked_unused_ = true;
+    for (size_t unused : unused_) mark_ready(unused);
+  }
+  if (options_.static_graph) {
+    TORCH_CHECK(hooks_left_[index] > 0,
+                "Your training graph has changed in this iteration, e.g., one parameter is "
+                "unused in first iteration, but then got used in the second iteration. this is "
+                "not compatible with static_graph set to True. Parameter '",
+                names_[index], "' on rank ", rank_, ".");
+    if (--hooks_left_[index] > 0) return;
+  }
+  if (should_rebuild()) ready_order_.push_back(index);
+  mark_ready(index);
+}
+
+void Reducer::mark_ready(size_t index) {
+  check_not_ready(index);
   ready_[index] = true;
   ++num_ready_;
-  if (!has_rebuilt_) ready_order_.push_back(index);
-
   const auto [b, slot] = locator_[index];
-  copy_grad_into_bucket(index, buckets_[b], slot);
-  if (--buckets_[b].pending > 0) return;
+  Bucket& bucket = buckets_[b];
+  at::Tensor& view = bucket.views[slot];
+  at::Tensor& grad = params_[index].mutable_grad();
+  if (grad.defined()) {
+    TORCH_CHECK_NOT_IMPLEMENTED(!grad.is_sparse(), "fastddp: parameter '", names_[index],
+                                "' produced a sparse gradient; sparse gradients are not "
+                                "supported yet (construct the module with sparse=False)");
+    TORCH_CHECK(grad.scalar_type() == view.scalar_type() && grad.device() == view.device(),
+                "fastddp: parameter '", names_[index], "' got a gradient of ", grad.scalar_type(),
+                " on ", grad.device(), ", expected ", view.scalar_type(), " on ", view.device());
+  }
+  {
+    FASTDDP_NVTX_RANGE("fastddp copy-in");
+    hook_->copy_in(bucket, slot, grad);
+  }
+  if (options_.gradient_as_bucket_view && grad.defined() && !grad.is_alias_of(view)) {
+    grad = view;
+  }
+  if (--bucket.pending > 0) return;
+  last_ready_us_ = elapsed_us();
+  if (b < stats_.timings.size()) stats_.timings[b].ready_us = last_ready_us_;
+  launch_ready_buckets();
+}
+
+void Reducer::launch_ready_buckets() {
   // Buckets launch strictly in order so that every rank issues the same
   // sequence of collectives, whatever order its gradients arrive in.
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
-    launch(buckets_[next_bucket_++]);
+    FASTDDP_NVTX_RANGE("fastddp launch");
+    Bucket& bucket = buckets_[next_bucket_];
+    bucket.future = hook_->run(bucket, next_bucket_, next_bucket_ + 1 == buckets_.size());
+    TORCH_CHECK(bucket.future, "fastddp: comm hook '", hook_->name(), "' returned no future");
+    stats_.timings[next_bucket_].launched_us = elapsed_us();
+    ++next_bucket_;
   }
-  if (next_bucket_ == buckets_.size()) {
-    torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
+  if (next_bucket_ == buckets_.size() && !finalize_queued_) {
+    if (dynamic_find_unused()) launch_used_map_allreduce();
+    queue_finalize();
   }
 }
 
-void Reducer::copy_grad_into_bucket(size_t index, Bucket& bucket, size_t slot) {
-  FASTDDP_NVTX_RANGE("fastddp copy-in");
-  at::Tensor& grad = params_[index].mutable_grad();
-  at::Tensor& view = bucket.views[slot];
-  if (!grad.defined()) {
-    view.zero_();
-    return;
+void Reducer::queue_finalize() {
+  finalize_queued_ = true;
+  if (options_.static_graph && should_rebuild()) {
+    for (size_t unused : unused_) ready_order_.push_back(unused);
   }
-  TORCH_CHECK_NOT_IMPLEMENTED(!grad.is_sparse(), "fastddp: parameter '", names_[index],
-                              "' produced a sparse gradient; sparse gradients are not "
-                              "supported yet (construct the module with sparse=False)");
-  TORCH_CHECK(grad.scalar_type() == view.scalar_type() && grad.device() == view.device(),
-              "fastddp: parameter '", names_[index], "' got a gradient of ", grad.scalar_type(),
-              " on ", grad.device(), ", expected ", view.scalar_type(), " on ", view.device());
-  if (grad.is_alias_of(view)) {
-    // gradient_as_bucket_view: the gradient was accumulated in place.
-    view.div_(world_size_);
-    return;
-  }
-  // One pass: copy and divide by the world size (same arithmetic as torch).
-  at::mul_out(view, grad, inv_world_size_);
-  if (options_.gradient_as_bucket_view) grad = view;
+  std::weak_ptr<Reducer> weak = weak_from_this();
+  torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+    if (auto self = weak.lock()) {
+      std::lock_guard<std::mutex> lock(self->mutex_);
+      self->finalize_backward();
+    }
+  });
 }
 
-void Reducer::launch(Bucket& bucket) {
-  FASTDDP_NVTX_RANGE("fastddp launch");
-  std::vector<at::Tensor> tensors{bucket.flat};
-  bucket.work = group_->allreduce(tensors);
+void Reducer::on_output_grad() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!static_first_iteration() || phase_ != Phase::kExpecting || delayed_reduce_queued_) return;
+  delayed_reduce_queued_ = true;
+  std::weak_ptr<Reducer> weak = weak_from_this();
+  torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+    if (auto self = weak.lock()) self->reduce_all_delayed();
+  });
+}
+
+void Reducer::reduce_all_delayed() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!hooks_seen_) {
+    hooks_seen_ = true;
+    backward_start_ = std::chrono::steady_clock::now();
+  }
+  unused_.clear();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (expected_hooks_[i] == 0) unused_.push_back(i);
+  }
+  finalize_queued_ = true;  // finalized right here, not by a second callback
+  try {
+    for (size_t i = 0; i < params_.size(); ++i) mark_ready(i);
+  } catch (...) {
+    fail_iteration();
+    throw;
+  }
+  launch_used_map_allreduce();
+  finalize_backward();
+}
+
+void Reducer::launch_used_map_allreduce() {
+  if (used_map_dev_.is_cuda()) {
+    // A pinned staging copy: the host map may change again before the
+    // asynchronous upload runs.
+    at::Tensor staging = at::empty_like(used_map_, used_map_.options().pinned_memory(true));
+    staging.copy_(used_map_);
+    used_map_dev_.copy_(staging, /*non_blocking=*/true);
+  } else {
+    used_map_dev_.copy_(used_map_);
+  }
+  std::vector<at::Tensor> tensors{used_map_dev_};
+  used_work_ = group_->allreduce(tensors);
+  used_map_reduced_ = false;
+}
+
+bool Reducer::globally_unused(size_t index) {
+  if (used_map_.data_ptr<int32_t>()[index] != 0) return false;
+  if (!used_map_reduced_ && used_work_) {
+    // Only a locally unused parameter waits for the bitmap (host sync on
+    // CUDA, as in torch); models that use every parameter never do.
+    used_work_->wait();
+    used_map_.copy_(used_map_dev_);
+    used_map_reduced_ = true;
+  }
+  return used_map_.data_ptr<int32_t>()[index] == 0;
 }
 
 void Reducer::finalize_backward() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  for (Bucket& bucket : buckets_) {
-    {
-      FASTDDP_NVTX_RANGE("fastddp wait");
-      bucket.work->wait();
+  try {
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      Bucket& bucket = buckets_[b];
+      {
+        FASTDDP_NVTX_RANGE("fastddp wait");
+        bucket.future->wait();
+      }
+      if (bucket.future->hasError()) {
+        TORCH_CHECK(false, "fastddp: the reduction of bucket ", b, " (comm hook '", hook_->name(),
+                    "') failed on rank ", rank_, ": ", bucket.future->tryRetrieveErrorMessage());
+      }
+      {
+        FASTDDP_NVTX_RANGE("fastddp write-back");
+        write_back(bucket, bucket.future->value());
+      }
+      bucket.future.reset();
+      stats_.timings[b].done_us = elapsed_us();
     }
-    bucket.work.reset();
-    write_back(bucket);
+    if (track_usage() && used_work_ && !used_map_reduced_) used_work_->wait();
+  } catch (...) {
+    fail_iteration();
+    throw;
+  }
+  if (dynamic_find_unused()) {
+    used_map_.zero_();
+    used_map_reduced_ = false;
   }
   phase_ = Phase::kReduced;
+  divide_factor_ = 0;
   ++num_syncs_;
+  stats_.steps = num_syncs_;
+  stats_.exposed_us = std::max(0.0, elapsed_us() - last_ready_us_);
+  stats_.total_exposed_us += stats_.exposed_us;
 }
 
-void Reducer::write_back(Bucket& bucket) {
-  FASTDDP_NVTX_RANGE("fastddp write-back");
-  if (options_.gradient_as_bucket_view) {
-    for (size_t k = 0; k < bucket.params.size(); ++k) {
-      at::Tensor& grad = params_[bucket.params[k]].mutable_grad();
-      if (!grad.defined()) grad = bucket.views[k];
-    }
-    return;
-  }
-#if defined(FASTDDP_WITH_CUDA)
-  std::vector<kernels::CopyRange> ranges;
-#endif
+void Reducer::fail_iteration() {
+  // The next forward starts afresh instead of reporting unready parameters.
+  for (Bucket& bucket : buckets_) bucket.future.reset();
+  phase_ = Phase::kIdle;
+  divide_factor_ = 0;
+  used_map_.zero_();
+  used_map_reduced_ = false;
+}
+
+void Reducer::write_back(Bucket& bucket, const c10::IValue& result) {
+  const bool check_usage = options_.static_graph || options_.find_unused_parameters;
+  std::vector<at::Tensor> dsts(bucket.params.size());
   for (size_t k = 0; k < bucket.params.size(); ++k) {
-    at::Tensor& grad = params_[bucket.params[k]].mutable_grad();
-    const at::Tensor& view = bucket.views[k];
-    if (!grad.defined()) {
-      grad = view.clone(at::MemoryFormat::Preserve);
-      continue;
+    const size_t index = bucket.params[k];
+    if (check_usage && globally_unused(index)) continue;  // .grad stays as it is
+    at::Tensor& grad = params_[index].mutable_grad();
+    at::Tensor& view = bucket.views[k];
+    if (options_.gradient_as_bucket_view) {
+      if (!grad.defined()) grad = view;
+      TORCH_CHECK(grad.is_alias_of(view), "fastddp: the gradient of parameter '", names_[index],
+                  "' is not its bucket view although gradient_as_bucket_view=True; it was "
+                  "replaced during backward (by another hook?).");
+      dsts[k] = view;
+    } else {
+      if (!grad.defined()) grad = at::empty_like(view, at::MemoryFormat::Preserve);
+      dsts[k] = grad;
     }
-#if defined(FASTDDP_WITH_CUDA)
-    if (grad.is_cuda() && grad.scalar_type() == view.scalar_type() &&
-        grad.is_non_overlapping_and_dense() && grad.strides() == view.strides()) {
-      ranges.push_back({view.data_ptr(), grad.data_ptr(),
-                        grad.numel() * static_cast<int64_t>(grad.element_size())});
-      continue;
-    }
-#endif
-    grad.copy_(view);
   }
-#if defined(FASTDDP_WITH_CUDA)
-  if (!ranges.empty()) {
-    const c10::cuda::CUDAGuard guard(bucket.flat.device());
-    kernels::multi_tensor_copy_cuda(ranges.data(), static_cast<int64_t>(ranges.size()),
-                                    c10::cuda::getCurrentCUDAStream().stream());
-  }
-#endif
+  hook_->write_back(bucket, result, dsts);
 }
 
-void Reducer::rebuild_buckets() {
-  std::vector<TensorSpec> specs;
-  specs.reserve(params_.size());
-  for (const at::Tensor& p : params_) specs.push_back(spec_of(p, /*expect_sparse=*/false));
-  BucketPlan plan = plan_buckets_from_ready_order(specs, ready_order_, options_.rebuild_limits);
-  buckets_ = make_buckets(params_, broadcast_plan(plan.buckets));
-  reset_bucket_views();
-  ready_order_.clear();
-  has_rebuilt_ = true;
+double Reducer::elapsed_us() const {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() -
+                                                   backward_start_)
+      .count();
 }
 
-std::vector<std::vector<size_t>> Reducer::broadcast_plan(
-    const std::vector<std::vector<size_t>>& plan) {
-  // Ranks may observe different ready orders; rank 0's plan wins so that all
-  // ranks issue identical collectives. Layout: [num_buckets, sizes..., indices...].
-  const int64_t n = static_cast<int64_t>(params_.size());
-  at::Tensor packed = at::zeros({1 + 2 * n}, at::kLong);
-  auto* p = packed.data_ptr<int64_t>();
-  p[0] = static_cast<int64_t>(plan.size());
-  int64_t pos = 1 + n;
-  for (size_t b = 0; b < plan.size(); ++b) {
-    p[1 + b] = static_cast<int64_t>(plan[b].size());
-    for (size_t index : plan[b]) p[pos++] = static_cast<int64_t>(index);
-  }
-  std::vector<at::Tensor> tensors{packed.to(params_.front().device())};
-  c10d::BroadcastOptions opts;
-  opts.rootRank = 0;
-  group_->broadcast(tensors, opts)->wait();
-  packed = tensors[0].cpu();  // once per run: the rebuild is not on the step path
-  p = packed.data_ptr<int64_t>();
-
-  std::vector<std::vector<size_t>> result(static_cast<size_t>(p[0]));
-  pos = 1 + n;
-  for (size_t b = 0; b < result.size(); ++b) {
-    for (int64_t k = 0; k < p[1 + b]; ++k) result[b].push_back(static_cast<size_t>(p[pos++]));
-  }
-  return result;
+void Reducer::set_comm_hook(std::shared_ptr<CommHook> hook) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(hook, "fastddp: set_comm_hook needs a hook");
+  TORCH_CHECK(phase_ != Phase::kExpecting || num_ready_ == 0,
+              "fastddp: a comm hook cannot be changed while a backward is reducing");
+  hook_ = std::move(hook);
+  hook_->on_new_buckets(buckets_);
 }
 
-void Reducer::reset_bucket_views() {
-  locator_.assign(params_.size(), {0, 0});
+void Reducer::set_static_graph() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(num_iterations_ == 0,
+              "set_static_graph() should be called before training loop starts and after "
+              "DistributedDataParallel is constructed.");
+  options_.static_graph = true;
+}
+
+std::string Reducer::hook_name() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return hook_->name();
+}
+
+void Reducer::shadow_backward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
+  std::vector<Bucket> shadows;
+  shadows.reserve(buckets_.size());
+  hook_->set_divide_factor(world_size_);
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    Bucket& bucket = buckets_[b];
-    for (size_t k = 0; k < bucket.params.size(); ++k) {
-      locator_[bucket.params[k]] = {b, k};
-      if (!options_.gradient_as_bucket_view) continue;
-      // Existing grads move into the (new) buckets, as torch's reducer does.
-      at::Tensor& grad = params_[bucket.params[k]].mutable_grad();
-      if (grad.defined() && !grad.is_alias_of(bucket.views[k])) {
-        bucket.views[k].copy_(grad);
-        grad = bucket.views[k];
-      }
-    }
+    shadows.push_back(buckets_[b].zeros_like());
+    Bucket& shadow = shadows.back();
+    // Hooks may keep their own per-bucket buffers: fill them with zeros too.
+    for (size_t k = 0; k < shadow.params.size(); ++k) hook_->copy_in(shadow, k, at::Tensor());
+    futures.push_back(hook_->run(shadow, b, b + 1 == buckets_.size()));
   }
-}
-
-std::string Reducer::names_of_unready_params() const {
-  std::ostringstream out;
-  bool first = true;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (ready_[i]) continue;
-    out << (first ? "" : ", ") << names_[i];
-    first = false;
+  if (track_usage()) {
+    used_map_.zero_();
+    launch_used_map_allreduce();
+    used_work_->wait();
+    used_map_reduced_ = true;
   }
-  return out.str();
+  for (size_t b = 0; b < futures.size(); ++b) {
+    futures[b]->wait();
+    TORCH_CHECK(!futures[b]->hasError(), "fastddp: join: the shadow reduction of bucket ", b,
+                " failed on rank ", rank_, ": ", futures[b]->tryRetrieveErrorMessage());
+  }
+  if (dynamic_find_unused()) used_map_.zero_();
 }
 
-std::vector<std::vector<size_t>> Reducer::bucket_plan() const {
+void Reducer::record_default_ready_order() {
   std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<std::vector<size_t>> plan;
-  for (const Bucket& bucket : buckets_) plan.push_back(bucket.params);
-  return plan;
-}
-
-std::vector<int64_t> Reducer::bucket_bytes() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<int64_t> bytes;
-  for (const Bucket& bucket : buckets_) bytes.push_back(bucket.bytes());
-  return bytes;
+  if (!should_rebuild() || !ready_order_.empty()) return;
+  for (size_t i = 0; i < params_.size(); ++i) ready_order_.push_back(i);
 }
 
 }  // namespace fastddp

@@ -1,32 +1,52 @@
 // The reducer: averages gradients across a process group while backward runs.
 //
 // Note [reducer step]
-// forward:  before_forward() finishes any bucket rebuild, after_forward(sync)
-//           arms the gradient hooks (or leaves them idle under no_sync()).
-// backward: a C++ post-hook on each parameter's grad accumulator copies the
-//           gradient, scaled by 1/world_size, into its bucket; a bucket whose
-//           gradients are all in launches its allreduce at once, buckets
+// forward:  before_forward() checks the previous backward finished and
+//           rebuilds the buckets once; after_forward() arms the gradient hooks
+//           (or leaves them idle under no_sync()) and, when unused parameters
+//           must be found, walks the autograd graph from the outputs.
+// backward: a C++ post-hook on each parameter's grad accumulator hands the
+//           gradient to the comm hook's copy_in; a bucket whose gradients are
+//           all in is handed to the comm hook's run() at once, buckets
 //           strictly in order, while backward keeps running.
 // end:      once the last bucket is launched, an autograd-engine callback waits
-//           for the collectives and writes the results into param.grad, so the
+//           for the futures and writes the results into param.grad, so the
 //           grads are final when backward() returns.
+//
+// Note [static graph]
+// With static_graph the first synchronized backward only counts how often
+// each parameter's hook fires; a callback queued by the output sink (see
+// after_forward) then reduces every bucket at the end of that backward. Later
+// iterations mark a parameter ready when its hook has fired as often as in
+// the first one, so parameters used several times (reentrant checkpointing)
+// are reduced once, after their last contribution.
+//
+// Note [unused parameters]
+// With find_unused_parameters, parameters whose grad accumulators the graph
+// from the outputs does not reach are marked ready (as zeros) when the first
+// hook fires. A used-bitmap is allreduced after the last bucket; a parameter
+// unused on every rank keeps its .grad untouched (None stays None).
 #pragma once
 
 #include <ATen/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <chrono>
 #include <cstdint>
+#include <memory>
 #include <mutex>
-#include <utility>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bucket.h"
+#include "comm_hook.h"
 
 namespace c10d {
 class ProcessGroup;
-}
+class Work;
+}  // namespace c10d
 
 namespace fastddp {
 
@@ -37,34 +57,81 @@ using GradAccumulatorPtr =
 struct ReducerOptions {
   // param.grad become views into the buckets: no copy in or out.
   bool gradient_as_bucket_view = false;
+  // See Note [unused parameters].
+  bool find_unused_parameters = false;
+  // See Note [static graph]; set_static_graph() turns it on later.
+  bool static_graph = false;
   // Size limits for the one rebuild after the first iteration, as in
   // plan_buckets (torch's are {first_bucket_bytes, bucket_bytes_cap}).
   std::vector<size_t> rebuild_limits = {1024 * 1024, 25 * 1024 * 1024};
 };
 
-class Reducer {
+// Timings of one bucket in the last synchronized backward, in microseconds
+// since that backward's first gradient.
+struct BucketTiming {
+  double ready_us = 0;     // its last gradient was copied in
+  double launched_us = 0;  // the comm hook's run() returned
+  double done_us = 0;      // its future was waited on and the grads written
+};
+
+struct CommStats {
+  int64_t steps = 0;  // synchronized backward passes
+  std::vector<int64_t> bucket_bytes;
+  std::vector<int64_t> wire_bytes;
+  std::vector<BucketTiming> timings;
+  double exposed_us = 0;        // last step: last gradient ready -> grads final
+  double total_exposed_us = 0;  // over all steps
+};
+
+class Reducer : public std::enable_shared_from_this<Reducer> {
  public:
   // `params` are the parameters that require grad, each once; `names` their
   // qualified names (for error messages); `plan` the initial buckets.
   Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
           std::vector<std::vector<size_t>> plan, c10::intrusive_ptr<c10d::ProcessGroup> group,
-          ReducerOptions options);
+          std::shared_ptr<CommHook> hook, ReducerOptions options);
   ~Reducer();
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
 
-  // Called at the start of a forward with grad enabled. Raises if the previous
-  // backward stopped half-way; rebuilds the buckets once after the first
-  // synchronized iteration. Returns true when it rebuilt them.
-  bool before_forward();
-  // Called after a forward with grad enabled: `sync` arms the hooks for the
-  // next backward, otherwise (no_sync) grads accumulate locally.
-  void after_forward(bool sync);
+  // Start of a forward with grad enabled. Raises if the previous backward
+  // stopped half-way; rebuilds the buckets once. `sync`: this forward's
+  // backward will be synchronized. Returns true when it rebuilt the buckets.
+  bool before_forward(bool sync);
+  // End of a forward with grad enabled: `sync` arms the hooks for the next
+  // backward, otherwise (no_sync) grads accumulate locally. `outputs` are the
+  // forward's output tensors that have a grad_fn; the result replaces them
+  // (they pass through a sink node when unused parameters must be found).
+  std::vector<at::Tensor> after_forward(bool sync, std::vector<at::Tensor> outputs);
+  // Whether after_forward needs the outputs this iteration.
+  bool needs_outputs() const;
+
+  void set_comm_hook(std::shared_ptr<CommHook> hook);
+  void set_static_graph();
+  // For join(divide_by_initial_world_size=False): divide the next backward's
+  // sum by `factor` (the ranks still training) instead of the world size.
+  void set_divide_factor(int64_t factor);
+
+  // join(): a rank without data runs the collectives of one backward with
+  // zero gradients, in the same order as the ranks that still train.
+  void shadow_backward();
+  // join(): lets the one bucket rebuild happen on a rank that ran out of data
+  // before its first backward, in parameter order (rank 0's plan wins).
+  void record_default_ready_order();
 
   std::vector<std::vector<size_t>> bucket_plan() const;
   std::vector<int64_t> bucket_bytes() const;
   bool has_rebuilt_buckets() const { return has_rebuilt_; }
   int64_t num_backward_syncs() const { return num_syncs_; }
+  int64_t num_iterations() const { return num_iterations_; }
+  bool static_graph() const { return options_.static_graph; }
+  std::string hook_name() const;
+  std::vector<int64_t> last_ready_order() const;
+  std::vector<int64_t> last_unused_parameters() const;
+  CommStats comm_stats() const;
+
+  // Called by the output sink's backward (reducer_graph.cpp).
+  void on_output_grad();
 
  private:
   enum class Phase {
@@ -75,22 +142,38 @@ class Reducer {
 
   void install_hooks();
   void on_grad_ready(size_t index);
-  void copy_grad_into_bucket(size_t index, Bucket& bucket, size_t slot);
-  void launch(Bucket& bucket);
+  void mark_ready(size_t index);
+  void launch_ready_buckets();
+  void queue_finalize();
   void finalize_backward();
-  void write_back(Bucket& bucket);
+  void reduce_all_delayed();  // the first static-graph iteration, see Note [static graph]
+  void write_back(Bucket& bucket, const c10::IValue& result);
+  bool globally_unused(size_t index);
+  void launch_used_map_allreduce();
+  void reset_iteration();
+  void fail_iteration();
+
+  bool should_rebuild() const;
+  bool static_first_iteration() const;
+  bool dynamic_find_unused() const;
+  bool track_usage() const;
   void rebuild_buckets();
   std::vector<std::vector<size_t>> broadcast_plan(const std::vector<std::vector<size_t>>& plan);
   void reset_bucket_views();
-  std::string names_of_unready_params() const;
+
+  void ensure_prior_reduction_finished() const;
+  void check_not_ready(size_t index) const;
+  std::string unready_params() const;
+  std::vector<size_t> search_unused_parameters(const std::vector<at::Tensor>& outputs) const;
+  double elapsed_us() const;
 
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  std::shared_ptr<CommHook> hook_;
   ReducerOptions options_;
   int rank_;
   int world_size_;
-  at::Tensor inv_world_size_;  // wrapped-number scalar, as torch's reducer uses
 
   std::vector<Bucket> buckets_;
   // Where each parameter lives: bucket index and slot within the bucket.
@@ -101,13 +184,35 @@ class Reducer {
 
   mutable std::mutex mutex_;
   Phase phase_ = Phase::kIdle;
+  int64_t num_iterations_ = 0;  // synchronized forwards
+  int64_t num_syncs_ = 0;       // synchronized backwards completed
   std::vector<bool> ready_;
   size_t num_ready_ = 0;
   size_t next_bucket_ = 0;
-  int64_t num_syncs_ = 0;
+  bool finalize_queued_ = false;
+  bool hooks_seen_ = false;  // a hook fired in this backward
+  int64_t divide_factor_ = 0;  // 0: the world size
+
+  // Unused-parameter accounting (Note [unused parameters]).
+  std::vector<size_t> unused_;
+  bool marked_unused_ = false;
+  at::Tensor used_map_;      // int32 on the CPU: 1 where a grad arrived
+  at::Tensor used_map_dev_;  // its copy on the parameters' device, allreduced
+  c10::intrusive_ptr<c10d::Work> used_work_;
+  bool used_map_reduced_ = false;
+
+  // Static graph (Note [static graph]).
+  std::vector<int64_t> expected_hooks_;  // learned in the first iteration
+  std::vector<int64_t> hooks_left_;      // this iteration
+  bool delayed_reduce_queued_ = false;
 
   bool has_rebuilt_ = false;
-  std::vector<size_t> ready_order_;  // recorded during the first synced backward
+  std::vector<size_t> ready_order_;       // for the rebuild
+  std::vector<int64_t> last_ready_order_;  // introspection
+
+  CommStats stats_;
+  std::chrono::steady_clock::time_point backward_start_;
+  double last_ready_us_ = 0;
 };
 
 }  // namespace fastddp

@@ -7,9 +7,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Joinable
+from torch.distributed.algorithms.join import Join, Joinable
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fastddp import _C
+from fastddp import hooks as fastddp_hooks
+from fastddp._introspection import comm_stats, logging_data
+from fastddp._join import _JoinHook, announce_backward_sync, sync_buffers
 from fastddp._module_sync import broadcast_tensors, verify_param_shapes
 
 _MIB = 1024 * 1024
@@ -63,8 +67,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         nn.Module.__init__(self)
         Joinable.__init__(self)
         _reject_unsupported(
-            find_unused_parameters=find_unused_parameters,
-            static_graph=static_graph,
             delay_all_reduce_named_params=delay_all_reduce_named_params,
             param_to_hook_all_reduce=param_to_hook_all_reduce,
             mixed_precision=mixed_precision,
@@ -85,6 +87,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         names, params = _params_for_reducer(module, self.parameters_to_ignore)
         self._reducer_param_names = names
+        self._reducer_params = params
         self._module_parameters = [
             p for n, p in module.named_parameters() if n not in self.parameters_to_ignore
         ]
@@ -99,7 +102,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.module = module
         self.dim = dim
         self.static_graph = False
-        self.find_unused_parameters = False
+        self.find_unused_parameters = find_unused_parameters
+        self._divide_by_initial_world_size = True
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.batched_grad_copy = batched_grad_copy
         self.mixed_precision = None
@@ -118,11 +122,17 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         cap_mb = max(bucket_cap_mb_list) if caps else (
             bucket_cap_mb if bucket_cap_mb is not None else _DEFAULT_BUCKET_CAP_MB)
         self.bucket_bytes_cap = int(cap_mb * _MIB)
+        first = _DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else self.bucket_bytes_cap
         if caps:
             initial_limits, rebuild_limits = caps, caps
-        else:
-            first = _DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else self.bucket_bytes_cap
+        elif static_graph or not find_unused_parameters:
             initial_limits, rebuild_limits = [_NO_LIMIT], [first, self.bucket_bytes_cap]
+        else:
+            # Never rebuilt (the ready order changes with the used set): the
+            # initial buckets are torch's [first bucket, cap] layout.
+            initial_limits = [first, self.bucket_bytes_cap] if first < self.bucket_bytes_cap else [
+                self.bucket_bytes_cap]
+            rebuild_limits = initial_limits
 
         world = self.process_group.size()
         if init_sync and world > 1:
@@ -134,14 +144,22 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 broadcast_tensors(self.process_group, states, src=0)
 
         self._reducer = None
+        self._comm_hooks: list[tuple[Any, object]] = []
+        plan, _ = _C.compute_bucket_assignment_by_size(params, initial_limits)
+        plan = list(reversed(plan))
+        self._initial_bucket_sizes = ", ".join(
+            str(sum(params[i].numel() * params[i].element_size() for i in b)) for b in plan)
         if world > 1:
-            plan, _ = _C.compute_bucket_assignment_by_size(params, initial_limits)
             self._reducer = _C.Reducer(
-                params, names, list(reversed(plan)), self.process_group,
-                gradient_as_bucket_view, rebuild_limits,
+                params, names, plan, self.process_group,
+                gradient_as_bucket_view=gradient_as_bucket_view,
+                find_unused_parameters=find_unused_parameters,
+                rebuild_limits=rebuild_limits,
             )
         # At world size 1 there is nothing to average: no reducer, no hooks,
         # no flat buffers, and forward is the bare module's.
+        if static_graph:
+            self._set_static_graph()
 
     # Buffers sync follows torch 2.13+: broadcast_buffers is an alias.
     @property
@@ -159,20 +177,39 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if reducer is None:
             return self.module(*inputs, **kwargs)
         grad_enabled = torch.is_grad_enabled()
+        sync = grad_enabled and self.require_backward_grad_sync
+        # Collective order must match _join.py's main_hook on joined ranks.
+        work = Join.notify_join_context(self)
+        if work is not None and not self._divide_by_initial_world_size:
+            # Divide by the ranks still training (a host sync, only in this mode).
+            work.wait()
+            reducer.set_divide_factor(int(work.get_future().value()[0].item()))
         if grad_enabled:
-            reducer.before_forward()
-        if self.require_forward_param_sync and self.forward_sync_buffers and self.modules_buffers:
-            with torch.no_grad():
-                broadcast_tensors(self.process_group, self.modules_buffers, src=0)
+            reducer.before_forward(sync)
+        if self._will_sync_buffers():
+            sync_buffers(self)
+        if self._join_config.enable:
+            announce_backward_sync(self, joined=False)
         output = self.module(*inputs, **kwargs)
-        if grad_enabled and self.require_backward_grad_sync:
-            self.require_forward_param_sync = True
-            reducer.after_forward(True)
-        else:
+        if not sync:
             self.require_forward_param_sync = False
             if grad_enabled:
-                reducer.after_forward(False)
-        return output
+                reducer.after_forward(False, [])
+            return output
+        self.require_forward_param_sync = True
+        if not reducer.needs_outputs:
+            reducer.after_forward(True, [])
+            return output
+        leaves, spec = tree_flatten(output)
+        slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.grad_fn]
+        passed = reducer.after_forward(True, [leaves[i] for i in slots])
+        for i, tensor in zip(slots, passed):
+            leaves[i] = tensor
+        return tree_unflatten(leaves, spec)
+
+    def _will_sync_buffers(self) -> bool:
+        return bool(self.require_forward_param_sync and self.forward_sync_buffers
+                    and self.modules_buffers)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -195,36 +232,84 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     # torch DDP features that later fastddp work implements. Each raises rather
     # than falling through to torch's code, which expects torch's reducer.
     def register_comm_hook(self, state: object, hook: Any) -> None:
-        raise _not_yet("register_comm_hook", "communication hooks come with the comm-hook registry")
+        """torch DDP's register_comm_hook: once per model, with torch's checks and errors.
+
+        ``fastddp.hooks.*`` built-ins and torch's default hook functions run in C++;
+        any other ``hook(state, bucket) -> torch.futures.Future`` runs in Python on a
+        ``torch.distributed.GradBucket``. See fastddp.hooks.
+        """
+        fastddp_hooks.check_comm_hook(hook)
+        if self._comm_hooks:
+            raise RuntimeError(
+                "register_comm_hook or register_builtin_comm_hook can only be called once.")
+        self._comm_hooks.append((hook, state))
+        if self._reducer is not None:  # world size 1 reduces nothing
+            params = _params_for_reducer(self.module, self.parameters_to_ignore)[1]
+            self._reducer.set_comm_hook(
+                fastddp_hooks.resolve(state, hook, self.process_group, params))
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
-        raise _not_yet("_register_builtin_comm_hook", "communication hooks come with the comm-hook registry")
+        """torch's built-in hook types (ALLREDUCE, FP16_COMPRESS) as fastddp built-ins."""
+        hook = fastddp_hooks.builtin_for_type(comm_hook_type)
+        if self._comm_hooks:
+            raise RuntimeError(
+                "register_builtin_comm_hook or register_comm_hook can only be called once.")
+        self._comm_hooks.append((hook, None))
+        if self._reducer is not None:
+            self._reducer.set_comm_hook(hook.native(self.process_group))
 
     def _register_fused_optim(self, optim: Any, *args: Any, **kwargs: Any) -> None:
         raise _not_yet("_register_fused_optim", "it needs communication hooks")
 
-    def join(self, *args: Any, **kwargs: Any):
-        raise _not_yet("join()", "uneven inputs come with the rest of DDP's contract")
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """Context manager for uneven inputs, as torch DDP's join(): ranks
+        that run out of data shadow the others' collectives until all are done,
+        then every rank takes the last joiner's parameters."""
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
 
-    def join_hook(self, **kwargs: Any):
-        raise _not_yet("join_hook", "uneven inputs come with the rest of DDP's contract")
+    def join_hook(self, **kwargs: Any) -> _JoinHook:
+        return _JoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     def _set_static_graph(self) -> None:
-        raise _not_yet("_set_static_graph()", "static_graph comes with the rest of DDP's contract")
+        """torch DDP's static-graph switch; call it before the first iteration."""
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.",
+                          stacklevel=2)
+            return
+        if self._reducer is not None:
+            self._reducer.set_static_graph()
+        self.static_graph = True
+        if self.find_unused_parameters:
+            warnings.warn(
+                "You passed find_unused_parameters=true to DistributedDataParallel, "
+                "`_set_static_graph` will detect unused parameters automatically, so you do not "
+                "need to set find_unused_parameters=true, just be sure these unused parameters "
+                "will not change during training loop while calling `_set_static_graph`.",
+                stacklevel=2,
+            )
 
     def _get_ddp_logging_data(self) -> dict:
-        raise _not_yet("_get_ddp_logging_data()", "use bucket_plan() for the bucket layout")
+        """torch DDP's logging data, for the keys that describe the run and
+        its buckets (no timing keys: see comm_stats())."""
+        return logging_data(self)
+
+    def comm_stats(self) -> dict:
+        """Communication figures of the last synchronized step: bytes reduced
+        and sent, compression ratio, per-bucket ready/launched/done times and
+        the exposed communication time (see README)."""
+        return comm_stats(self)
 
 
 def _reject_unsupported(**arguments: Any) -> None:
     reasons = {
-        "find_unused_parameters": "unused-parameter detection is not implemented yet",
-        "static_graph": "static graphs are not implemented yet",
         "delay_all_reduce_named_params": "delayed allreduce is not implemented yet",
         "param_to_hook_all_reduce": "delayed allreduce is not implemented yet",
         "mixed_precision": "DDP's experimental mixed_precision is not implemented yet; "
         "cast the module (model.to(dtype)) instead",
-        "skip_all_reduce_unused_params": "it needs find_unused_parameters",
+        "skip_all_reduce_unused_params": "skipping the reduction of all-unused buckets is not "
+        "implemented yet",
         "lazy_bucket_allocation": "buckets are allocated at construction",
     }
     for name, value in arguments.items():

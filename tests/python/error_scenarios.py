@@ -45,9 +45,9 @@ def sparse_embedding() -> None:
 
 def unsupported_argument(argument: str) -> None:
     values = {
-        "find_unused_parameters": True,
-        "static_graph": True,
+        "skip_all_reduce_unused_params": True,
         "mixed_precision": _MixedPrecision(param_dtype=torch.float16),
+        "delay_all_reduce_named_params": [("0.weight", nn.Parameter(torch.zeros(1)))],
     }
     if argument == "register_comm_hook":
         model = fastddp.DistributedDataParallel(mlp())
@@ -77,3 +77,37 @@ def forward_after_partial_backward(implementation: str) -> None:
     inputs, _ = vector_batch(0)
     model(inputs)[0].sum().backward()
     model(inputs)
+
+
+def _wrap(implementation: str):
+    return TorchDDP if implementation == "torch" else fastddp.DistributedDataParallel
+
+
+def static_graph_changed(implementation: str) -> None:
+    torch.manual_seed(0)
+    model = _wrap(implementation)(TwoHeads(), static_graph=True)
+    inputs, _ = vector_batch(0)
+    for step in range(3):
+        outputs = model(inputs)
+        loss = outputs[0].sum() + (outputs[1].sum() if step < 2 else 0)
+        loss.backward()
+    model(inputs)
+
+
+def marked_ready_twice(implementation: str) -> None:
+    from contract_scenarios import Checkpointed
+
+    torch.manual_seed(0)
+    # A group of its own: the backward stops with collectives in flight, which must not
+    # meet the next scenario's.
+    group = dist.new_group(backend="gloo")
+    model = _wrap(implementation)(Checkpointed(), process_group=group)
+    inputs, _ = vector_batch(0)
+    model(inputs).sum().backward()
+
+
+def static_graph_too_late() -> None:
+    model = fastddp.DistributedDataParallel(mlp())
+    inputs, _ = vector_batch(0)
+    model(inputs).sum().backward()
+    model._set_static_graph()

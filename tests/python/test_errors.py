@@ -35,8 +35,8 @@ def test_sparse_gradients(world):
     world.expect_error(error_scenarios.sparse_embedding, NotImplementedError, match="sparse")
 
 
-@pytest.mark.parametrize("argument", ["find_unused_parameters", "static_graph",
-                                      "mixed_precision", "register_comm_hook"])
+@pytest.mark.parametrize("argument", ["skip_all_reduce_unused_params", "mixed_precision",
+                                      "delay_all_reduce_named_params", "register_comm_hook"])
 def test_unsupported_arguments(world, argument):
     world.expect_error(error_scenarios.unsupported_argument, NotImplementedError,
                        match=argument, argument=argument)
@@ -53,5 +53,29 @@ def test_forward_after_partial_backward(world):
         advice = " ".join(torchs.split()).split("calculating loss.")[0]
         assert " ".join(mine.split()).startswith(advice), f"fastddp: {mine}\ntorch: {torchs}"
         # Torch names parameters only under TORCH_DISTRIBUTED_DEBUG; fastddp always does.
-        unready = mine.split(f"did not receive grad for rank {rank}: ")[1]
+        unready = mine.split(f"did not receive grad for rank {rank}: ")[1].split("\n")[0]
         assert unready == "unused.weight, unused.bias", mine
+
+
+@pytest.mark.parametrize("implementation", ["torch", "fastddp"])
+def test_static_graph_changed(world, implementation):
+    """A parameter used in the first iterations then left out: torch's static-graph text."""
+    world.expect_error(error_scenarios.static_graph_changed, RuntimeError,
+                       match="not compatible with static_graph set to True",
+                       implementation=implementation)
+
+
+@pytest.mark.parametrize("implementation", ["torch", "fastddp"])
+def test_marked_ready_twice(world, implementation):
+    """Reentrant checkpointing of one block twice, without static_graph."""
+    messages = world.expect_error(error_scenarios.marked_ready_twice, RuntimeError,
+                                  match="Expected to mark a variable ready only once",
+                                  implementation=implementation)
+    if implementation == "fastddp":
+        assert all("block.0.weight" in m or "block.0.bias" in m or "block.2" in m
+                   for m in messages), messages
+
+
+def test_set_static_graph_too_late(world):
+    world.expect_error(error_scenarios.static_graph_too_late, RuntimeError,
+                       match="should be called before training loop starts")

@@ -1,0 +1,81 @@
+#include "comm_hook.h"
+
+#include <ATen/ATen.h>
+
+#if defined(FASTDDP_WITH_CUDA)
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "../kernels/multi_tensor_copy.h"
+#endif
+
+namespace fastddp {
+
+void CommHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) {
+  at::Tensor& view = bucket.views[slot];
+  if (!grad.defined()) {
+    view.zero_();
+  } else if (!grad.is_alias_of(view)) {
+    view.copy_(grad);
+  }
+}
+
+void CommHook::write_back(Bucket& bucket, const c10::IValue& result,
+                          std::vector<at::Tensor>& dsts) {
+  copy_flat_to_grads(bucket, hook_result_tensor(result, name()), dsts);
+}
+
+at::Tensor hook_result_tensor(const c10::IValue& result, const std::string& hook_name) {
+  if (result.isTensor()) return result.toTensor();
+  if (result.isTensorList()) {
+    auto list = result.toTensorList();
+    TORCH_CHECK(list.size() >= 1, "fastddp: comm hook '", hook_name,
+                "' completed with an empty list of tensors");
+    return list.get(0);
+  }
+  if (result.isList()) {
+    auto list = result.toListRef();
+    TORCH_CHECK(!list.empty() && list[0].isTensor(), "fastddp: comm hook '", hook_name,
+                "' must complete its future with a tensor or a list of tensors");
+    return list[0].toTensor();
+  }
+  TORCH_CHECK(false, "fastddp: comm hook '", hook_name,
+              "' must complete its future with a tensor (the reduced bucket), got ",
+              result.tagKind());
+}
+
+void copy_flat_to_grads(Bucket& bucket, const at::Tensor& flat, std::vector<at::Tensor>& dsts) {
+  TORCH_CHECK(flat.dim() == 1 && flat.numel() == bucket.flat.numel(),
+              "fastddp: a comm hook returned a tensor of shape ", flat.sizes(),
+              " for a bucket of ", bucket.flat.numel(), " elements");
+  const bool in_place = flat.data_ptr() == bucket.flat.data_ptr() &&
+                        flat.scalar_type() == bucket.flat.scalar_type();
+#if defined(FASTDDP_WITH_CUDA)
+  std::vector<kernels::CopyRange> ranges;
+#endif
+  for (size_t k = 0; k < dsts.size(); ++k) {
+    at::Tensor& dst = dsts[k];
+    const at::Tensor& view = bucket.views[k];
+    if (!dst.defined() || (in_place && dst.is_same(view))) continue;
+    const at::Tensor src = in_place ? view : flat.narrow(0, bucket.offsets[k], bucket.numels[k]);
+#if defined(FASTDDP_WITH_CUDA)
+    if (dst.is_cuda() && src.scalar_type() == dst.scalar_type() &&
+        dst.is_non_overlapping_and_dense() && src.is_non_overlapping_and_dense() &&
+        src.strides() == dst.strides()) {
+      ranges.push_back({src.data_ptr(), dst.data_ptr(),
+                        dst.numel() * static_cast<int64_t>(dst.element_size())});
+      continue;
+    }
+#endif
+    dst.copy_(in_place ? src : src.view(dst.sizes()));
+  }
+#if defined(FASTDDP_WITH_CUDA)
+  if (!ranges.empty()) {
+    const c10::cuda::CUDAGuard guard(bucket.flat.device());
+    kernels::multi_tensor_copy_cuda(ranges.data(), static_cast<int64_t>(ranges.size()),
+                                    c10::cuda::getCurrentCUDAStream().stream());
+  }
+#endif
+}
+
+}  // namespace fastddp

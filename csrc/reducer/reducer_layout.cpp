@@ -1,0 +1,102 @@
+// The reducer's bucket layout: the one rebuild from the gradient-ready order,
+// agreeing on rank 0's plan, and what Python can read of the layout.
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "reducer.h"
+
+namespace fastddp {
+
+void Reducer::rebuild_buckets() {
+  std::vector<TensorSpec> specs;
+  specs.reserve(params_.size());
+  for (const at::Tensor& p : params_) specs.push_back(spec_of(p, /*expect_sparse=*/false));
+  BucketPlan plan = plan_buckets_from_ready_order(specs, ready_order_, options_.rebuild_limits);
+  buckets_ = make_buckets(params_, broadcast_plan(plan.buckets));
+  reset_bucket_views();
+  hook_->on_new_buckets(buckets_);
+  ready_order_.clear();
+  has_rebuilt_ = true;
+}
+
+std::vector<std::vector<size_t>> Reducer::broadcast_plan(
+    const std::vector<std::vector<size_t>>& plan) {
+  // Ranks may observe different ready orders; rank 0's plan wins so that all
+  // ranks issue identical collectives. Layout: [num_buckets, sizes..., indices...].
+  const int64_t n = static_cast<int64_t>(params_.size());
+  at::Tensor packed = at::zeros({1 + 2 * n}, at::kLong);
+  auto* p = packed.data_ptr<int64_t>();
+  p[0] = static_cast<int64_t>(plan.size());
+  int64_t pos = 1 + n;
+  for (size_t b = 0; b < plan.size(); ++b) {
+    p[1 + b] = static_cast<int64_t>(plan[b].size());
+    for (size_t index : plan[b]) p[pos++] = static_cast<int64_t>(index);
+  }
+  std::vector<at::Tensor> tensors{packed.to(params_.front().device())};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = 0;
+  group_->broadcast(tensors, opts)->wait();
+  packed = tensors[0].cpu();  // once per run: the rebuild is not on the step path
+  p = packed.data_ptr<int64_t>();
+
+  std::vector<std::vector<size_t>> result(static_cast<size_t>(p[0]));
+  pos = 1 + n;
+  for (size_t b = 0; b < result.size(); ++b) {
+    for (int64_t k = 0; k < p[1 + b]; ++k) result[b].push_back(static_cast<size_t>(p[pos++]));
+  }
+  return result;
+}
+
+void Reducer::reset_bucket_views() {
+  locator_.assign(params_.size(), {0, 0});
+  stats_.timings.assign(buckets_.size(), BucketTiming{});
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    Bucket& bucket = buckets_[b];
+    for (size_t k = 0; k < bucket.params.size(); ++k) {
+      locator_[bucket.params[k]] = {b, k};
+      if (!options_.gradient_as_bucket_view) continue;
+      // Existing grads move into the (new) buckets, as torch's reducer does.
+      at::Tensor& grad = params_[bucket.params[k]].mutable_grad();
+      if (grad.defined() && !grad.is_alias_of(bucket.views[k])) {
+        bucket.views[k].copy_(grad);
+        grad = bucket.views[k];
+      }
+    }
+  }
+}
+
+std::vector<std::vector<size_t>> Reducer::bucket_plan() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::vector<size_t>> plan;
+  for (const Bucket& bucket : buckets_) plan.push_back(bucket.params);
+  return plan;
+}
+
+std::vector<int64_t> Reducer::bucket_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<int64_t> bytes;
+  for (const Bucket& bucket : buckets_) bytes.push_back(bucket.bytes());
+  return bytes;
+}
+
+std::vector<int64_t> Reducer::last_ready_order() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return last_ready_order_;
+}
+
+std::vector<int64_t> Reducer::last_unused_parameters() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return std::vector<int64_t>(unused_.begin(), unused_.end());
+}
+
+CommStats Reducer::comm_stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  CommStats stats = stats_;
+  for (const Bucket& bucket : buckets_) {
+    stats.bucket_bytes.push_back(bucket.bytes());
+    stats.wire_bytes.push_back(hook_->wire_bytes(bucket));
+  }
+  return stats;
+}
+
+}  // namespace fastddp
