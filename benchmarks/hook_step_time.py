@@ -1,10 +1,10 @@
 """Training-step time with gradient compression: fastddp's native bf16 hook vs torch DDP
 running torch's bf16_compress_hook, side by side in one run.
 
-    python benchmarks/hook_step_time.py [--nproc 2] [--rounds 12] [--block 3] [--width 1024]
+    python benchmarks/hook_step_time.py [--nproc 2] [--rounds 12] [--block 3] [--width 1024] [--batch 64]
 
 Spawns gloo ranks on 127.0.0.1 (one intra-op thread each). Every variant trains a copy
-of the same MLP (``--depth`` Linear(width, width) layers, batch 64): after a warm-up,
+of the same MLP (``--depth`` Linear(width, width) layers, ``--batch`` rows): after a warm-up,
 ``--rounds`` rounds each time a block of ``--block`` steps (zero_grad, forward, backward,
 SGD step) of every variant, in rotating order. Reported: the median per-step time (rank
 0's clock) and its ratio to torch DDP with torch's bf16 hook. Where torch refuses its
@@ -71,7 +71,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
     models = variants(build(args.width, args.depth))
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
     g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(64, args.width, generator=g), torch.randn(64, 16, generator=g)
+    x, y = torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, 16, generator=g)
 
     def step(name: str) -> None:
         opts[name].zero_grad(set_to_none=True)
@@ -104,6 +104,7 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=3)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=64)
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -116,7 +117,7 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, gloo, "
           f"{args.nproc} ranks x 1 thread; MLP {args.depth}x{args.width} "
-          f"({n_bytes / 2**20:.1f} MiB fp32 grads), batch 64; {args.rounds} rounds x "
+          f"({n_bytes / 2**20:.1f} MiB fp32 grads), batch {args.batch}; {args.rounds} rounds x "
           f"{args.block} steps\n")
     print(f"| variant | median ms/step | vs {ref} |")
     print("|---|---:|---:|")
