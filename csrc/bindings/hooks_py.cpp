@@ -23,9 +23,10 @@ HalfKind kind_from_name(const std::string& dtype) {
 }
 
 at::Tensor half_compress(const at::Tensor& src, double scale, const std::string& dtype,
-                         std::optional<at::Tensor> residual) {
+                         std::optional<at::Tensor> residual, std::optional<at::Tensor> out_arg) {
   const HalfKind kind = kind_from_name(dtype);
-  at::Tensor out = at::empty({src.numel()}, src.options().dtype(scalar_type_of(kind)));
+  at::Tensor out = out_arg ? *out_arg
+                           : at::empty({src.numel()}, src.options().dtype(scalar_type_of(kind)));
   half_compress_into(kind, src, scale, residual ? &*residual : nullptr, out);
   return out;
 }
@@ -69,7 +70,7 @@ void bind_hooks(py::module& m) {
       "fastddp.RegisterCommHookFn");
 
   m.def("half_compress", &half_compress, py::arg("src"), py::arg("scale"), py::arg("dtype"),
-        py::arg("residual") = py::none(),
+        py::arg("residual") = py::none(), py::arg("out") = py::none(),
         "half(src * scale [+ residual]) as a 1-D bf16/fp16 tensor; residual updated in place.");
   m.def("half_decompress", &half_decompress, py::arg("src"));
   m.def("half_decompress_into", &half_decompress_into, py::arg("srcs"), py::arg("dsts"),
