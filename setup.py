@@ -102,7 +102,10 @@ def make_extension():
     say(f"torch {torch.__version__} at {os.path.dirname(torch.__file__)}")
     say(f"CUDA {'on' if with_cuda else 'off'}: {why}")
     macros = [("FASTDDP_TORCH_VERSION", f'"{torch.__version__}"')]
-    cxx_flags = ["-O3", "-Wall", "-Wno-unused-parameter"]
+    # -ffp-contract=off: GCC contracts a * b + c into one FMA by default in C++
+    # (and the AVX-512 clones of the half-cast loops have FMA); the kernels must
+    # round twice, like torch's separate ops, to match torch bit for bit.
+    cxx_flags = ["-O3", "-Wall", "-Wno-unused-parameter", "-ffp-contract=off"]
     include_dirs = [os.path.join(HERE, "csrc")]
     kwargs = {}
     if with_cuda:
@@ -115,7 +118,12 @@ def make_extension():
             macros.append(("FASTDDP_WITH_NVTX", None))
             include_dirs.append(nvtx)
         say(f"NVTX {'on' if nvtx else 'off (nvtx3 headers not found)'}")
-        kwargs["extra_compile_args"] = {"cxx": cxx_flags, "nvcc": ["-O3", "--use_fast_math"]}
+        # No --use_fast_math: it flushes subnormals to zero and approximates
+        # division, and the half-cast kernels must match torch's casts bit for
+        # bit (subnormal float16 and float32 inputs included; see
+        # Note [half rounding]). The kernels that need speed are
+        # bandwidth-bound, so fast math would buy nothing.
+        kwargs["extra_compile_args"] = {"cxx": cxx_flags, "nvcc": ["-O3"]}
         ext_type = cpp_extension.CUDAExtension
     else:
         say("NVTX off (needs CUDA)")

@@ -7,6 +7,7 @@
 #include "../core/bucket_plan.h"
 #include "../hooks/allreduce.h"
 #include "../kernels/multi_tensor_copy.h"
+#include "../reducer/comm_hook.h"
 #include "../reducer/reducer.h"
 
 #if defined(FASTDDP_WITH_CUDA)
@@ -17,6 +18,8 @@
 namespace py = pybind11;
 
 namespace fastddp {
+void bind_hooks(py::module& m);  // hooks_py.cpp
+
 namespace {
 
 // Same arguments and result as torch.distributed._compute_bucket_assignment_by_size.
@@ -141,6 +144,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<fastddp::AllreduceHook, fastddp::CommHook, std::shared_ptr<fastddp::AllreduceHook>>(
       m, "AllreduceHook")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("process_group"));
+  fastddp::bind_hooks(m);  // the registry, the other hooks, the half-cast kernels
 
   using Tensors = std::vector<at::Tensor>;
   py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer")

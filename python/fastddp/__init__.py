@@ -1,8 +1,9 @@
 """fastddp: torch DistributedDataParallel with a C++/CUDA reducer."""
 
 from fastddp._build import build_info
+from fastddp import hooks
 from fastddp.ddp import DistributedDataParallel
 from fastddp.patch import patch
 
-__all__ = ["DistributedDataParallel", "build_info", "patch"]
+__all__ = ["DistributedDataParallel", "build_info", "hooks", "patch"]
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fastddp import _C
+from fastddp import hooks as fastddp_hooks
 from fastddp._introspection import comm_stats, logging_data
 from fastddp._join import _JoinHook, announce_backward_sync, sync_buffers
 from fastddp._module_sync import broadcast_tensors, verify_param_shapes
@@ -143,6 +144,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 broadcast_tensors(self.process_group, states, src=0)
 
         self._reducer = None
+        self._comm_hooks: list[tuple[Any, object]] = []
         plan, _ = _C.compute_bucket_assignment_by_size(params, initial_limits)
         plan = list(reversed(plan))
         self._initial_bucket_sizes = ", ".join(
@@ -230,10 +232,31 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     # torch DDP features that later fastddp work implements. Each raises rather
     # than falling through to torch's code, which expects torch's reducer.
     def register_comm_hook(self, state: object, hook: Any) -> None:
-        raise _not_yet("register_comm_hook", "communication hooks come with the comm-hook registry")
+        """torch DDP's register_comm_hook: once per model, with torch's checks and errors.
+
+        ``fastddp.hooks.*`` built-ins and torch's default hook functions run in C++;
+        any other ``hook(state, bucket) -> torch.futures.Future`` runs in Python on a
+        ``torch.distributed.GradBucket``. See fastddp.hooks.
+        """
+        fastddp_hooks.check_comm_hook(hook)
+        if self._comm_hooks:
+            raise RuntimeError(
+                "register_comm_hook or register_builtin_comm_hook can only be called once.")
+        self._comm_hooks.append((hook, state))
+        if self._reducer is not None:  # world size 1 reduces nothing
+            params = _params_for_reducer(self.module, self.parameters_to_ignore)[1]
+            self._reducer.set_comm_hook(
+                fastddp_hooks.resolve(state, hook, self.process_group, params))
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
-        raise _not_yet("_register_builtin_comm_hook", "communication hooks come with the comm-hook registry")
+        """torch's built-in hook types (ALLREDUCE, FP16_COMPRESS) as fastddp built-ins."""
+        hook = fastddp_hooks.builtin_for_type(comm_hook_type)
+        if self._comm_hooks:
+            raise RuntimeError(
+                "register_builtin_comm_hook or register_comm_hook can only be called once.")
+        self._comm_hooks.append((hook, None))
+        if self._reducer is not None:
+            self._reducer.set_comm_hook(hook.native(self.process_group))
 
     def _register_fused_optim(self, optim: Any, *args: Any, **kwargs: Any) -> None:
         raise _not_yet("_register_fused_optim", "it needs communication hooks")

@@ -1,0 +1,81 @@
+// Python bindings of the comm-hook registry, the Python-hook adapter and the
+// half-cast kernels (the kernels for tests and benchmarks).
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/utils/pybind.h>
+
+#include <map>
+#include <optional>
+#include <string>
+
+#include "../hooks/half_ops.h"
+#include "../hooks/registry.h"
+#include "python_hook.h"
+
+namespace py = pybind11;
+
+namespace fastddp {
+namespace {
+
+HalfKind kind_from_name(const std::string& dtype) {
+  if (dtype == "bf16" || dtype == "bfloat16") return HalfKind::kBFloat16;
+  if (dtype == "fp16" || dtype == "float16") return HalfKind::kFloat16;
+  throw py::value_error("fastddp: dtype must be 'bf16' or 'fp16', got '" + dtype + "'");
+}
+
+at::Tensor half_compress(const at::Tensor& src, double scale, const std::string& dtype,
+                         std::optional<at::Tensor> residual, std::optional<at::Tensor> out_arg) {
+  const HalfKind kind = kind_from_name(dtype);
+  at::Tensor out = out_arg ? *out_arg
+                           : at::empty({src.numel()}, src.options().dtype(scalar_type_of(kind)));
+  half_compress_into(kind, src, scale, residual ? &*residual : nullptr, out);
+  return out;
+}
+
+at::Tensor half_decompress(const at::Tensor& src) {
+  at::Tensor out = at::empty_like(src, src.options().dtype(at::kFloat));
+  half_decompress_many(half_kind_of(src.scalar_type()), {src}, {out});
+  return out;
+}
+
+void half_decompress_into(const std::vector<at::Tensor>& srcs,
+                          const std::vector<at::Tensor>& dsts) {
+  if (srcs.empty()) return;
+  half_decompress_many(half_kind_of(srcs.front().scalar_type()), srcs, dsts);
+}
+
+at::Tensor half_sum_shards(const at::Tensor& shards) {
+  TORCH_CHECK(shards.dim() == 2, "fastddp half_sum_shards: shards must be (count, n), got ",
+              shards.sizes());
+  at::Tensor out = at::empty({shards.size(1)}, shards.options());
+  half_sum_shards_into(half_kind_of(shards.scalar_type()), shards.contiguous(), shards.size(0),
+                       out);
+  return out;
+}
+
+}  // namespace
+
+void bind_hooks(py::module& m) {
+  py::class_<PythonCommHook, CommHook, std::shared_ptr<PythonCommHook>>(m, "PythonCommHook")
+      .def(py::init<py::object, py::object, std::vector<at::Tensor>, std::string>(),
+           py::arg("state"), py::arg("hook"), py::arg("params"), py::arg("name"));
+
+  m.def("create_comm_hook", &create_comm_hook, py::arg("name"), py::arg("process_group"),
+        py::arg("options") = std::map<std::string, HookOption>{},
+        "Builds the comm hook registered as `name` with typed options.");
+  m.def("comm_hook_names", &comm_hook_names);
+  m.def("comm_hook_name", [](const CommHook& hook) { return hook.name(); });
+  // For other extensions: fastddp::register_comm_hook_factory without linking to us.
+  m.attr("_comm_hook_registrar") = py::capsule(
+      reinterpret_cast<void*>(static_cast<RegisterCommHookFn>(&register_comm_hook_factory)),
+      "fastddp.RegisterCommHookFn");
+
+  m.def("half_compress", &half_compress, py::arg("src"), py::arg("scale"), py::arg("dtype"),
+        py::arg("residual") = py::none(), py::arg("out") = py::none(),
+        "half(src * scale [+ residual]) as a 1-D bf16/fp16 tensor; residual updated in place.");
+  m.def("half_decompress", &half_decompress, py::arg("src"));
+  m.def("half_decompress_into", &half_decompress_into, py::arg("srcs"), py::arg("dsts"),
+        "Many 16-bit -> float32 casts in one call (one launch on CUDA).");
+  m.def("half_sum_shards", &half_sum_shards, py::arg("shards"));
+}
+
+}  // namespace fastddp

@@ -1,0 +1,228 @@
+#include "half_compress.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "../reducer/nvtx.h"
+#include "half_ops.h"
+#include "registry.h"
+
+namespace fastddp {
+
+HalfCompressHook::HalfCompressHook(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                   HalfCompressOptions options)
+    : group_(std::move(group)), options_(options) {
+  TORCH_CHECK(group_, "fastddp: the ", name(), " comm hook needs a process group");
+  world_size_ = group_->getSize();
+  scale_ = 1.0 / world_size_;
+}
+
+std::string HalfCompressHook::name() const {
+  std::string n = options_.kind == HalfKind::kBFloat16 ? "bf16" : "fp16";
+  if (options_.fp32_accumulate) n += "(accumulate=fp32)";
+  if (options_.error_feedback) n += "+error_feedback";
+  return n;
+}
+
+void HalfCompressHook::set_divide_factor(int64_t factor) {
+  TORCH_CHECK(factor > 0, "fastddp: the divide factor must be positive, got ", factor);
+  scale_ = 1.0 / static_cast<double>(factor);
+}
+
+void HalfCompressHook::on_new_buckets(const std::vector<Bucket>& buckets) {
+  // Buffers follow the layout; residuals are per parameter and stay.
+  (void)buckets;
+  states_.clear();
+  pending_.reset();
+}
+
+HalfCompressHook::BucketState& HalfCompressHook::state_for(const Bucket& bucket) {
+  std::shared_ptr<BucketState>& state = states_[bucket.flat.unsafeGetTensorImpl()];
+  const int64_t numel = bucket.flat.numel();
+  const int64_t padded = (numel + world_size_ - 1) / world_size_ * world_size_;
+  if (!state || state->wire.numel() != padded) {
+    state = std::make_shared<BucketState>();
+    // Zeros: the padding takes part in the collectives and must stay finite.
+    state->wire = at::zeros({padded}, bucket.flat.options().dtype(scalar_type_of(options_.kind)));
+  }
+  return *state;
+}
+
+at::Tensor& HalfCompressHook::residual_for(size_t param, const at::Tensor& like, int64_t numel) {
+  at::Tensor& r = residuals_[param];
+  if (!r.defined() || r.numel() != numel || r.scalar_type() != like.scalar_type() ||
+      r.device() != like.device()) {
+    r = at::zeros({numel}, like.options());
+  }
+  return r;
+}
+
+void HalfCompressHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) {
+  FASTDDP_NVTX_RANGE("fastddp copy-in (compress)");
+  BucketState& s = state_for(bucket);
+  const int64_t offset = bucket.offsets[slot];
+  const int64_t numel = bucket.numels[slot];
+  at::Tensor wire = s.wire.narrow(0, offset, numel);
+  if (!grad.defined()) {
+    wire.zero_();
+    return;
+  }
+  TORCH_CHECK_NOT_IMPLEMENTED(!grad.is_sparse(), "fastddp: the ", name(),
+                              " comm hook does not support sparse gradients");
+  const at::Tensor& view = bucket.views[slot];
+  TORCH_CHECK(grad.numel() == numel && grad.device() == view.device(), "fastddp: the ", name(),
+              " comm hook got a gradient of ", grad.numel(), " elements on ", grad.device(),
+              " for a bucket slot of ", numel, " on ", view.device());
+  // The fast path reads the grad in storage order, which is the slot's order
+  // when the grad has the view's strides (always under gradient_as_bucket_view).
+  at::Tensor src = grad;
+  if (!(grad.scalar_type() == view.scalar_type() && grad.is_non_overlapping_and_dense() &&
+        grad.strides() == view.strides())) {
+    bucket.views[slot].copy_(grad);
+    src = view;
+  }
+  if (src.scalar_type() == at::kFloat) {
+    at::Tensor* residual =
+        options_.error_feedback ? &residual_for(bucket.params[slot], src, numel) : nullptr;
+    half_compress_into(options_.kind, src, scale_, residual, wire);
+    return;
+  }
+  // Other dtypes (float64, a bfloat16 model): the same arithmetic as ATen ops
+  // on the bucket's slice.
+  if (!src.is_same(view)) bucket.views[slot].copy_(src);
+  at::Tensor v = bucket.flat.narrow(0, offset, numel).mul(scale_);
+  if (options_.error_feedback) {
+    at::Tensor& r = residual_for(bucket.params[slot], v, numel);
+    v.add_(r);
+    wire.copy_(v);
+    r.copy_(v - wire.to(v.scalar_type()));
+  } else {
+    wire.copy_(v);
+  }
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> HalfCompressHook::run(Bucket& bucket, size_t index,
+                                                              bool is_last) {
+  FASTDDP_NVTX_RANGE("fastddp launch (half)");
+  (void)index;
+  state_for(bucket);
+  std::shared_ptr<BucketState> state = states_[bucket.flat.unsafeGetTensorImpl()];
+  if (!options_.fp32_accumulate && !half_allreduce_unsupported_) {
+    std::vector<at::Tensor> tensors{state->wire};
+    try {
+      return group_->allreduce(tensors)->getFuture();
+    } catch (const c10::Error& e) {
+      // A backend without 16-bit sums (old gloo) refuses at enqueue, on every
+      // rank alike: from now on use the float32-accumulation algorithm.
+      if (!state->wire.is_cpu()) throw;
+      TORCH_WARN("fastddp: the process group has no ", state->wire.scalar_type(),
+                 " allreduce (", e.what_without_backtrace(), "); the ", name(),
+                 " comm hook sends the same 16-bit payload with float32 sums instead");
+      half_allreduce_unsupported_ = true;
+    }
+  }
+  return run_fp32_accumulate(state, is_last);
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> HalfCompressHook::run_fp32_accumulate(
+    const std::shared_ptr<BucketState>& state, bool is_last) {
+  BucketState& s = *state;
+  if (!s.recv.defined()) {
+    s.recv = at::empty_like(s.wire);
+    s.shard_sum = at::empty({s.wire.numel() / world_size_}, s.wire.options());
+  }
+  std::vector<int64_t> even_splits;
+  s.alltoall = group_->alltoall_base(s.recv, s.wire, even_splits, even_splits);
+  std::vector<c10::Device> devices;
+  if (s.wire.is_cuda()) devices.push_back(s.wire.device());
+  s.result = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors(), devices);
+  c10::intrusive_ptr<c10::ivalue::Future> result = s.result;
+  // The previous bucket's second half now, after this bucket's alltoall: the
+  // same order on every rank (Note [half compression]).
+  if (pending_) {
+    std::shared_ptr<BucketState> previous = std::move(pending_);
+    finish_fp32_accumulate(*previous);
+  }
+  pending_ = state;
+  if (is_last) {
+    std::shared_ptr<BucketState> last = std::move(pending_);
+    finish_fp32_accumulate(*last);
+  }
+  return result;
+}
+
+void HalfCompressHook::finish_fp32_accumulate(BucketState& s) {
+  // On CUDA, wait() only makes the current stream wait: no host sync.
+  s.alltoall->wait();
+  s.alltoall.reset();
+  half_sum_shards_into(options_.kind, s.recv, world_size_, s.shard_sum);
+  c10::intrusive_ptr<c10d::Work> work = group_->_allgather_base(s.wire, s.shard_sum);
+  c10::intrusive_ptr<c10::ivalue::Future> result = s.result;
+  at::Tensor wire = s.wire;
+  work->getFuture()->addCallback([result, wire](c10::ivalue::Future& done) {
+    if (done.hasError()) {
+      result->setError(done.exception_ptr());
+    } else {
+      result->markCompleted(c10::IValue(std::vector<at::Tensor>{wire}));
+    }
+  });
+}
+
+void HalfCompressHook::write_back(Bucket& bucket, const c10::IValue& result,
+                                  std::vector<at::Tensor>& dsts) {
+  FASTDDP_NVTX_RANGE("fastddp write-back (decompress)");
+  const at::Tensor reduced = hook_result_tensor(result, name());
+  TORCH_CHECK(reduced.scalar_type() == scalar_type_of(options_.kind) &&
+                  reduced.numel() >= bucket.flat.numel() && reduced.is_contiguous(),
+              "fastddp: the ", name(), " comm hook's result is not its 16-bit wire buffer");
+  TORCH_CHECK(dsts.size() == bucket.views.size(), "fastddp: ", dsts.size(),
+              " write-back destinations for a bucket of ", bucket.views.size());
+  std::vector<at::Tensor> srcs, outs;
+  for (size_t k = 0; k < dsts.size(); ++k) {
+    const at::Tensor src = reduced.narrow(0, bucket.offsets[k], bucket.numels[k]);
+    const at::Tensor& view = bucket.views[k];
+    at::Tensor& dst = dsts[k];
+    if (!dst.defined()) continue;  // unused on every rank: its grad stays as it is
+    if (dst.scalar_type() == at::kFloat && dst.device() == view.device() &&
+        dst.is_non_overlapping_and_dense() && dst.strides() == view.strides()) {
+      srcs.push_back(src);
+      outs.push_back(dst);
+      continue;
+    }
+    // Another dtype or layout: through the bucket slot (the cast is exact).
+    bucket.flat.narrow(0, bucket.offsets[k], bucket.numels[k]).copy_(src);
+    if (!dst.is_same(view)) dst.copy_(view);
+  }
+  half_decompress_many(options_.kind, srcs, outs);
+}
+
+int64_t HalfCompressHook::wire_bytes(const Bucket& bucket) const {
+  const int64_t numel = bucket.flat.numel();
+  return (numel + world_size_ - 1) / world_size_ * world_size_ * 2;
+}
+
+namespace {
+
+std::shared_ptr<CommHook> make_half_hook(HalfKind kind,
+                                         const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                         const HookOptions& o) {
+  const std::string half = kind == HalfKind::kBFloat16 ? "bf16" : "fp16";
+  o.check_known({"accumulate", "error_feedback"});
+  HalfCompressOptions options;
+  options.kind = kind;
+  options.fp32_accumulate = o.get_choice("accumulate", half, {half, "fp32"}) == "fp32";
+  options.error_feedback = o.get_bool("error_feedback", false);
+  return std::make_shared<HalfCompressHook>(group, options);
+}
+
+}  // namespace
+
+FASTDDP_REGISTER_COMM_HOOK("bf16", [](const auto& group, const HookOptions& o) {
+  return make_half_hook(HalfKind::kBFloat16, group, o);
+});
+FASTDDP_REGISTER_COMM_HOOK("fp16", [](const auto& group, const HookOptions& o) {
+  return make_half_hook(HalfKind::kFloat16, group, o);
+});
+
+}  // namespace fastddp

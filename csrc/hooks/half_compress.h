@@ -1,0 +1,91 @@
+// Bf16 / fp16 gradient compression: the built-in hooks "bf16" and "fp16".
+//
+// Note [half compression]
+// copy_in   grad -> wire slice: half(grad * 1/world_size [+ residual]) in one pass
+//           (the fp32 bucket is not touched on the fast path).
+// run       accumulate="half": one allreduce of the 16-bit wire buffer; the
+//           sums are done in 16-bit arithmetic by the backend.
+//           accumulate="fp32": alltoall of 16-bit shards, a local float32 sum
+//           of the world_size shards (rank order), one rounding, allgather of
+//           the 16-bit result: the same bytes on the wire as a 16-bit ring
+//           allreduce (2 (n-1)/n of the buffer), one rounding instead of n-1.
+//           The two collectives of bucket i are issued as alltoall(i) ...
+//           alltoall(i+1), allgather(i), never from a completion callback, so
+//           every rank issues the same sequence (gloo pairs collectives by
+//           issue order).
+// write_back the 16-bit result -> every grad in one fused pass (one launch on CUDA).
+// error_feedback keeps, per parameter, the float32 rounding residual of its
+//           compressed (scaled) gradient and adds it to the next step's; it
+//           survives the bucket rebuild because it is keyed by parameter.
+// If the backend has no 16-bit allreduce, accumulate="half" falls back to the
+// float32-accumulation algorithm (same payload).
+#pragma once
+
+#include <ATen/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "../core/half_rounding.h"
+#include "../reducer/comm_hook.h"
+
+namespace c10d {
+class ProcessGroup;
+class Work;
+}  // namespace c10d
+
+namespace fastddp {
+
+struct HalfCompressOptions {
+  HalfKind kind = HalfKind::kBFloat16;
+  bool fp32_accumulate = false;  // accumulate="fp32"
+  bool error_feedback = false;
+};
+
+class HalfCompressHook : public CommHook {
+ public:
+  HalfCompressHook(c10::intrusive_ptr<c10d::ProcessGroup> group, HalfCompressOptions options);
+
+  std::string name() const override;
+  void on_new_buckets(const std::vector<Bucket>& buckets) override;
+  void copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) override;
+  c10::intrusive_ptr<c10::ivalue::Future> run(Bucket& bucket, size_t index,
+                                              bool is_last) override;
+  void write_back(Bucket& bucket, const c10::IValue& result,
+                  std::vector<at::Tensor>& dsts) override;
+  int64_t wire_bytes(const Bucket& bucket) const override;
+  // join(divide_by_initial_world_size=False): divide by the ranks still training.
+  void set_divide_factor(int64_t factor) override;
+
+  const HalfCompressOptions& options() const { return options_; }
+
+ private:
+  struct BucketState {
+    at::Tensor wire;       // 16-bit, the bucket's numel rounded up to a multiple of world size
+    at::Tensor recv;       // fp32 accumulation: the shards received by the alltoall
+    at::Tensor shard_sum;  // fp32 accumulation: this rank's reduced shard
+    c10::intrusive_ptr<c10d::Work> alltoall;
+    c10::intrusive_ptr<c10::ivalue::Future> result;
+  };
+
+  BucketState& state_for(const Bucket& bucket);
+  at::Tensor& residual_for(size_t param, const at::Tensor& like, int64_t numel);
+  c10::intrusive_ptr<c10::ivalue::Future> run_fp32_accumulate(
+      const std::shared_ptr<BucketState>& state, bool is_last);
+  void finish_fp32_accumulate(BucketState& state);
+
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  HalfCompressOptions options_;
+  int world_size_;
+  double scale_;
+  bool half_allreduce_unsupported_ = false;
+  // Keyed by the bucket's flat buffer: the reducer may move Bucket objects.
+  std::unordered_map<const void*, std::shared_ptr<BucketState>> states_;
+  std::unordered_map<size_t, at::Tensor> residuals_;  // by parameter index
+  std::shared_ptr<BucketState> pending_;  // fp32 accumulation: alltoall issued, allgather not
+};
+
+}  // namespace fastddp

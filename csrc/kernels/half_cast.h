@@ -1,0 +1,49 @@
+// Casts between float32 gradients and 16-bit (bfloat16 / float16) wire
+// buffers, fused with what the comm hooks need around them: the 1/world_size
+// scale, error feedback, and the float32 sum of 16-bit shards.
+//
+// Raw pointers and sizes only (no torch, no CUDA headers), so any layer may
+// include this and the CPU versions are Catch2-tested without LibTorch.
+// 16-bit values are uint16_t bit patterns; rounding is Note [half rounding].
+// No alignment is required anywhere: bucket offsets are arbitrary.
+#pragma once
+
+#include <cstdint>
+
+#include "../core/half_rounding.h"
+
+namespace fastddp::kernels {
+
+// dst[i] = half(src[i] * scale). With residual (error feedback):
+//   v = src[i] * scale + residual[i];  dst[i] = half(v);  residual[i] = v - float(dst[i])
+// (each operation rounded on its own, as the same torch ops would be).
+void compress_cpu(HalfKind kind, const float* src, float scale, float* residual, uint16_t* dst,
+                  int64_t n);
+
+// dst[i] = float(src[i]) (exact).
+void decompress_cpu(HalfKind kind, const uint16_t* src, float* dst, int64_t n);
+
+// out[i] = half(sum over r = 0..count-1, in that order, of float(shards[r * stride + i])):
+// the local step of the float32-accumulation reduction.
+void sum_shards_cpu(HalfKind kind, const uint16_t* shards, int64_t stride, int64_t count,
+                    uint16_t* out, int64_t n);
+
+// --- CUDA (built only with CUDA; `stream` is a cudaStream_t) ----------------------
+
+// One grad into its slice of the wire buffer (the copy-in of one parameter).
+void compress_cuda(HalfKind kind, const float* src, float scale, float* residual, uint16_t* dst,
+                   int64_t n, void* stream);
+
+// A bucket's worth of decompression in one launch: many (src, dst, n) ranges.
+struct DecompressRange {
+  const uint16_t* src;
+  float* dst;
+  int64_t n;
+};
+void decompress_multi_cuda(HalfKind kind, const DecompressRange* ranges, int64_t count,
+                           void* stream);
+
+void sum_shards_cuda(HalfKind kind, const uint16_t* shards, int64_t stride, int64_t count,
+                     uint16_t* out, int64_t n, void* stream);
+
+}  // namespace fastddp::kernels

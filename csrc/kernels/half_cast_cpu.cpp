@@ -1,0 +1,87 @@
+// CPU versions of the half casts (see half_cast.h).
+//
+// The loops are branch-free (the rounding helpers use selects, not ifs) so the
+// compiler vectorizes them; on x86-64 GCC builds each loop is cloned for
+// AVX-512, AVX2 and baseline SSE2 and the loader picks one for the running CPU,
+// so the one portable binary still gets wide vectors. Threading is the
+// caller's business (the hooks split large buffers with at::parallel_for).
+#include "half_cast.h"
+
+namespace fastddp::kernels {
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
+#define FASTDDP_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define FASTDDP_VECTOR_CLONES
+#endif
+
+namespace {
+
+template <HalfKind K>
+FASTDDP_VECTOR_CLONES void compress_plain(const float* __restrict src, float scale,
+                                          uint16_t* __restrict dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = half_bits_from_float<K>(mul_rn(src[i], scale));
+}
+
+template <HalfKind K>
+FASTDDP_VECTOR_CLONES void compress_feedback(const float* __restrict src, float scale,
+                                             float* __restrict residual,
+                                             uint16_t* __restrict dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = add_rn(mul_rn(src[i], scale), residual[i]);
+    const uint16_t h = half_bits_from_float<K>(v);
+    dst[i] = h;
+    residual[i] = v - float_from_half_bits<K>(h);
+  }
+}
+
+template <HalfKind K>
+FASTDDP_VECTOR_CLONES void decompress(const uint16_t* __restrict src, float* __restrict dst,
+                                      int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = float_from_half_bits<K>(src[i]);
+}
+
+// Blocked so the float accumulators stay in L1 while the shards stream by.
+template <HalfKind K>
+FASTDDP_VECTOR_CLONES void sum_shards(const uint16_t* __restrict shards, int64_t stride,
+                                      int64_t count, uint16_t* __restrict out, int64_t n) {
+  constexpr int64_t kBlock = 1024;
+  float acc[kBlock];
+  for (int64_t begin = 0; begin < n; begin += kBlock) {
+    const int64_t len = n - begin < kBlock ? n - begin : kBlock;
+    const uint16_t* first = shards + begin;
+    for (int64_t i = 0; i < len; ++i) acc[i] = float_from_half_bits<K>(first[i]);
+    for (int64_t r = 1; r < count; ++r) {
+      const uint16_t* s = shards + r * stride + begin;
+      for (int64_t i = 0; i < len; ++i) acc[i] = acc[i] + float_from_half_bits<K>(s[i]);
+    }
+    for (int64_t i = 0; i < len; ++i) out[begin + i] = half_bits_from_float<K>(acc[i]);
+  }
+}
+
+}  // namespace
+
+void compress_cpu(HalfKind kind, const float* src, float scale, float* residual, uint16_t* dst,
+                  int64_t n) {
+  if (kind == HalfKind::kBFloat16) {
+    residual ? compress_feedback<HalfKind::kBFloat16>(src, scale, residual, dst, n)
+             : compress_plain<HalfKind::kBFloat16>(src, scale, dst, n);
+  } else {
+    residual ? compress_feedback<HalfKind::kFloat16>(src, scale, residual, dst, n)
+             : compress_plain<HalfKind::kFloat16>(src, scale, dst, n);
+  }
+}
+
+void decompress_cpu(HalfKind kind, const uint16_t* src, float* dst, int64_t n) {
+  kind == HalfKind::kBFloat16 ? decompress<HalfKind::kBFloat16>(src, dst, n)
+                              : decompress<HalfKind::kFloat16>(src, dst, n);
+}
+
+void sum_shards_cpu(HalfKind kind, const uint16_t* shards, int64_t stride, int64_t count,
+                    uint16_t* out, int64_t n) {
+  if (count <= 0) return;
+  kind == HalfKind::kBFloat16 ? sum_shards<HalfKind::kBFloat16>(shards, stride, count, out, n)
+                              : sum_shards<HalfKind::kFloat16>(shards, stride, count, out, n);
+}
+
+}  // namespace fastddp::kernels

@@ -1,0 +1,242 @@
+"""Communication hooks for fastddp.DistributedDataParallel.
+
+Built-ins run in C++ (no Python per bucket)::
+
+    model.register_comm_hook(None, fastddp.hooks.bf16())
+    model.register_comm_hook(None, fastddp.hooks.bf16(accumulate="fp32", error_feedback=True))
+    model.register_comm_hook(None, fastddp.hooks.fp16())
+    model.register_comm_hook(None, fastddp.hooks.allreduce())
+
+torch's own hook functions are recognized and run by the same C++ code:
+``default_hooks.allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``, and
+``fp16_compress_wrapper(allreduce_hook)`` / ``bf16_compress_wrapper(allreduce_hook)``. Any
+other callable ``hook(state, bucket) -> torch.futures.Future`` runs as it would under torch
+DDP, on a real ``torch.distributed.GradBucket``.
+
+A built-in hook object is also a torch-style Python hook: calling it runs the same algorithm
+in plain torch ops, so ``torch_ddp.register_comm_hook(None, fastddp.hooks.bf16())`` gives the
+reference that fastddp's native path is tested against, bit for bit.
+"""
+
+import inspect
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fastddp import _C
+
+__all__ = ["CommHook", "allreduce", "bf16", "fp16", "from_registry", "native_torch_hooks"]
+
+_WRAPPERS = {
+    "fp16_compress_wrapper.<locals>.fp16_compress_wrapper_hook": "fp16",
+    "bf16_compress_wrapper.<locals>.bf16_compress_wrapper_hook": "bf16",
+}
+_HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class CommHook:
+    """A registered C++ comm hook (`name` in the registry) with its options.
+
+    Pass it to ``model.register_comm_hook(state, hook)``; `state` is None (the model's
+    process group) or a process group. Calling it as ``hook(state, bucket)`` runs the
+    pure-torch reference of the built-ins (what torch DDP would run).
+    """
+
+    def __init__(self, name: str, **options: Any):
+        self.name = name
+        self.options = options
+        # torch's register_comm_hook reads these.
+        self.__name__ = f"fastddp_{name}_hook"
+        self.__qualname__ = self.__name__
+        self._residuals: dict[int, torch.Tensor] = {}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        return f"fastddp.hooks.{self.name}({args})"
+
+    def native(self, process_group: dist.ProcessGroup) -> "_C.CommHook":
+        """The C++ hook for `process_group` (built by the registry)."""
+        return _C.create_comm_hook(self.name, process_group, self.options)
+
+    def __call__(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        group = state if state is not None else dist.group.WORLD
+        if self.name == "allreduce":
+            return _reference_allreduce(group, bucket)
+        if self.name in _HALF_DTYPES:
+            return self._reference_half(group, bucket)
+        raise NotImplementedError(f"{self!r} has no pure-torch reference")
+
+    def _reference_half(self, group: dist.ProcessGroup,
+                        bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """The algorithm of HalfCompressHook (Note [half compression]) in torch ops."""
+        dtype = _HALF_DTYPES[self.name]
+        world = group.size()
+        buffer = bucket.buffer()
+        n = buffer.numel()
+        scaled = buffer * (1.0 / world)
+        if self.options.get("error_feedback", False):
+            residual = self._gather_residuals(bucket, scaled)
+            scaled = scaled + residual
+        wire = torch.zeros((n + world - 1) // world * world, dtype=dtype, device=buffer.device)
+        wire[:n] = scaled.to(dtype)
+        if self.options.get("error_feedback", False):
+            self._scatter_residuals(bucket, scaled - wire[:n].to(scaled.dtype))
+
+        def decompress(fut: torch.futures.Future) -> torch.Tensor:
+            buffer.copy_(wire[:n])
+            return buffer
+
+        if self.options.get("accumulate", self.name) != "fp32":
+            return dist.all_reduce(wire, group=group, async_op=True).get_future().then(decompress)
+        shards = torch.empty_like(wire)
+        dist.all_to_all_single(shards, wire, group=group)
+        rows = shards.view(world, -1)
+        total = rows[0].float()
+        for r in range(1, world):
+            total = total + rows[r].float()
+        return _all_gather_single(wire, total.to(dtype), group=group,
+                                  async_op=True).get_future().then(decompress)
+
+    def _gather_residuals(self, bucket: dist.GradBucket, like: torch.Tensor) -> torch.Tensor:
+        parts = []
+        for p in bucket.parameters():
+            r = self._residuals.get(id(p))
+            parts.append(r if r is not None else torch.zeros(p.numel(), dtype=like.dtype,
+                                                             device=like.device))
+        return torch.cat(parts)
+
+    def _scatter_residuals(self, bucket: dist.GradBucket, residual: torch.Tensor) -> None:
+        # Per parameter, like the native hook: the residuals outlive a bucket rebuild.
+        offset = 0
+        for p in bucket.parameters():
+            self._residuals[id(p)] = residual[offset:offset + p.numel()].clone()
+            offset += p.numel()
+
+
+# torch 2.14 renamed all_gather_into_tensor (and warns on the old name).
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+def _reference_allreduce(group: dist.ProcessGroup,
+                         bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    buffer = bucket.buffer()
+    buffer.mul_(1.0 / group.size())
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(
+        lambda fut: fut.value()[0])
+
+
+def allreduce() -> CommHook:
+    """The default reduction: gradients scaled by 1/world_size, one float allreduce."""
+    return CommHook("allreduce")
+
+
+def bf16(accumulate: str = "bf16", error_feedback: bool = False) -> CommHook:
+    """BF16 gradient compression, fused into the copy-in and the write-back.
+
+    accumulate="bf16": one bfloat16 allreduce (sums in bfloat16, as torch's
+    ``bf16_compress_hook``). accumulate="fp32": the same bytes on the wire (alltoall of
+    bfloat16 shards, allgather of the reduced shard), but each shard is summed in float32
+    and rounded once. error_feedback=True adds each parameter's rounding residual to its
+    next gradient.
+    """
+    return CommHook("bf16", **_half_options("bf16", accumulate, error_feedback))
+
+
+def fp16(accumulate: str = "fp16", error_feedback: bool = False) -> CommHook:
+    """FP16 gradient compression; options as :func:`bf16` (accumulate="fp16" or "fp32")."""
+    return CommHook("fp16", **_half_options("fp16", accumulate, error_feedback))
+
+
+def from_registry(name: str, **options: Any) -> CommHook:
+    """Any hook in the C++ registry, built-in or added by another extension."""
+    if name not in _C.comm_hook_names():
+        raise ValueError(f"no comm hook named {name!r}; registered: {_C.comm_hook_names()}")
+    return CommHook(name, **options)
+
+
+def _half_options(name: str, accumulate: str, error_feedback: bool) -> dict[str, Any]:
+    if accumulate not in (name, "fp32"):
+        raise ValueError(f"fastddp.hooks.{name}: accumulate must be {name!r} or 'fp32', "
+                         f"got {accumulate!r}")
+    if not isinstance(error_feedback, bool):
+        raise TypeError(f"fastddp.hooks.{name}: error_feedback must be a bool, "
+                        f"got {type(error_feedback).__name__}")
+    return {"accumulate": accumulate, "error_feedback": error_feedback}
+
+
+def native_torch_hooks() -> dict[str, str]:
+    """torch hook functions that fastddp runs natively, and the built-in that runs them."""
+    return {
+        "default_hooks.allreduce_hook": "allreduce",
+        "default_hooks.fp16_compress_hook": "fp16",
+        "default_hooks.bf16_compress_hook": "bf16",
+        "default_hooks.fp16_compress_wrapper(allreduce_hook)": "fp16",
+        "default_hooks.bf16_compress_wrapper(allreduce_hook)": "bf16",
+    }
+
+
+def _torch_builtin(hook: Any) -> str | None:
+    """The fastddp built-in equivalent to one of torch's default hooks, or None."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
+
+    direct = {dh.allreduce_hook: "allreduce", dh.fp16_compress_hook: "fp16",
+              dh.bf16_compress_hook: "bf16"}
+    if not inspect.isfunction(hook):
+        return None
+    if hook in direct:
+        return direct[hook]
+    half = _WRAPPERS.get(hook.__qualname__)
+    if half is None or hook.__module__ != dh.__name__ or hook.__closure__ is None:
+        return None
+    # The wrapper's closure holds the hook it wraps; only allreduce_hook is equivalent.
+    cells = dict(zip(hook.__code__.co_freevars, hook.__closure__))
+    wrapped = cells.get("hook")
+    try:
+        return half if wrapped is not None and wrapped.cell_contents is dh.allreduce_hook else None
+    except ValueError:  # an empty cell
+        return None
+
+
+def check_comm_hook(hook: Any) -> None:
+    """torch DDP's checks of a hook's signature, with torch's exceptions and messages.
+    (torch's extra "BF16 ... required CUDA 11+ and NCCL 2.10+" check does not apply:
+    fastddp runs bf16 hooks on gloo too.)"""
+    if isinstance(hook, CommHook):
+        return
+    if not callable(hook):
+        raise TypeError("Communication hook must be callable.")
+    sig = inspect.signature(hook)
+    if (sig.parameters["bucket"].annotation != inspect._empty
+            and sig.parameters["bucket"].annotation != dist.GradBucket):
+        raise ValueError("Communication hook: bucket annotation should be dist.GradBucket.")
+    if (sig.return_annotation != inspect._empty
+            and sig.return_annotation != torch.futures.Future[torch.Tensor]):
+        raise ValueError("Communication hook: return annotation should be "
+                         "torch.futures.Future[torch.Tensor].")
+
+
+def resolve(state: object, hook: Any, process_group: dist.ProcessGroup,
+            params: list[torch.Tensor]) -> "_C.CommHook":
+    """The C++ hook that runs `hook(state, ...)` for a model over `process_group`."""
+    if isinstance(hook, CommHook):
+        if state is not None and not isinstance(state, dist.ProcessGroup):
+            raise ValueError(f"{hook!r}: state must be None (the model's process group) or a "
+                             f"ProcessGroup, got {type(state).__name__}")
+        return hook.native(state if state is not None else process_group)
+    builtin = _torch_builtin(hook)
+    if builtin is not None and (state is None or isinstance(state, dist.ProcessGroup)):
+        # torch's hooks reduce over `state`, or WORLD when it is None.
+        group = state if state is not None else dist.group.WORLD
+        return CommHook(builtin).native(group)
+    name = getattr(hook, "__qualname__", type(hook).__name__)
+    return _C.PythonCommHook(state, hook, params, name)
+
+
+def builtin_for_type(comm_hook_type: Any) -> CommHook:
+    """torch's dist.BuiltinCommHookType as a fastddp built-in."""
+    if comm_hook_type == dist.BuiltinCommHookType.ALLREDUCE:
+        return allreduce()
+    if comm_hook_type == dist.BuiltinCommHookType.FP16_COMPRESS:
+        return fp16()
+    raise NotImplementedError(f"fastddp: built-in comm hook type {comm_hook_type} is not supported")

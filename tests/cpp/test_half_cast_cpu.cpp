@@ -1,0 +1,92 @@
+// CPU half-cast kernels (csrc/kernels/half_cast_cpu.cpp) against scalar loops
+// over the rounding helpers, at sizes and offsets that break vector widths.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kernels/half_cast.h"
+
+using fastddp::HalfKind;
+namespace k = fastddp::kernels;
+
+namespace {
+
+std::vector<float> random_floats(size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = normal(rng) * std::ldexp(1.0f, static_cast<int>(i % 40) - 20);
+  if (n > 3) {
+    v[0] = NAN;
+    v[1] = INFINITY;
+    v[2] = -std::ldexp(1.0f, -140);  // float32 subnormal
+    v[n - 1] = -INFINITY;
+  }
+  return v;
+}
+
+float back(HalfKind kind, uint16_t h) {
+  return kind == HalfKind::kBFloat16 ? fastddp::float_from_bf16_bits(h)
+                                     : fastddp::float_from_fp16_bits(h);
+}
+
+uint16_t to_half(HalfKind kind, float f) {
+  return kind == HalfKind::kBFloat16 ? fastddp::bf16_bits_from_float(f)
+                                     : fastddp::fp16_bits_from_float(f);
+}
+
+bool same(float a, float b) {
+  return (std::isnan(a) && std::isnan(b)) || std::memcmp(&a, &b, sizeof(a)) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("compress, decompress and error feedback match the scalar definition") {
+  for (HalfKind kind : {HalfKind::kBFloat16, HalfKind::kFloat16}) {
+    for (int64_t n : {0, 1, 7, 33, 1000, 4099}) {
+      for (int64_t offset : {0, 1, 3}) {  // unaligned starts
+        const auto src = random_floats(static_cast<size_t>(n + offset), static_cast<unsigned>(n));
+        const float scale = 1.0f / 3.0f;
+        std::vector<uint16_t> dst(static_cast<size_t>(n + offset), 0xABCD);
+        k::compress_cpu(kind, src.data() + offset, scale, nullptr, dst.data() + offset, n);
+        for (int64_t i = 0; i < offset; ++i) REQUIRE(dst[i] == 0xABCD);
+        for (int64_t i = 0; i < n; ++i) {
+          REQUIRE(same(back(kind, dst[offset + i]), back(kind, to_half(kind, src[offset + i] * scale))));
+        }
+        std::vector<float> out(static_cast<size_t>(n + offset));
+        k::decompress_cpu(kind, dst.data() + offset, out.data() + offset, n);
+        for (int64_t i = 0; i < n; ++i) REQUIRE(same(out[offset + i], back(kind, dst[offset + i])));
+
+        std::vector<float> residual(static_cast<size_t>(n), 0.25f);
+        k::compress_cpu(kind, src.data() + offset, scale, residual.data(), dst.data() + offset, n);
+        for (int64_t i = 0; i < n; ++i) {
+          const float v = src[offset + i] * scale + 0.25f;
+          REQUIRE(same(back(kind, dst[offset + i]), back(kind, to_half(kind, v))));
+          REQUIRE(same(residual[i], v - back(kind, to_half(kind, v))));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("sum_shards adds in rank order in float and rounds once") {
+  for (HalfKind kind : {HalfKind::kBFloat16, HalfKind::kFloat16}) {
+    for (int64_t count : {1, 2, 5}) {
+      const int64_t n = 2500, stride = 2503;
+      const auto values = random_floats(static_cast<size_t>(stride * count), 7);
+      std::vector<uint16_t> shards(values.size());
+      for (size_t i = 0; i < values.size(); ++i) shards[i] = to_half(kind, values[i] * 1e-3f);
+      std::vector<uint16_t> out(static_cast<size_t>(n));
+      k::sum_shards_cpu(kind, shards.data(), stride, count, out.data(), n);
+      for (int64_t i = 0; i < n; ++i) {
+        float acc = back(kind, shards[i]);
+        for (int64_t r = 1; r < count; ++r) acc += back(kind, shards[r * stride + i]);
+        REQUIRE(same(back(kind, out[i]), back(kind, to_half(kind, acc))));
+      }
+    }
+  }
+}

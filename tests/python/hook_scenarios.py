@@ -1,0 +1,153 @@
+"""Comm-hook scenarios, run on every rank of a harness world (see harness.py).
+
+A hook is named by a string (kwargs must pickle): "fastddp.<builtin>[_fp32][_ef]",
+"torch.<default hook or wrapper>", or "custom". Each scenario trains torch DDP and fastddp
+side by side from one seed and compares grads after every backward.
+"""
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import fastddp
+from scenarios import agree, mlp, unwrap, vector_batch
+
+EXACT = {"rtol": 0.0, "atol": 0.0}
+
+
+def custom_hook(state: dict, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A Python hook that uses the GradBucket API and is not torch's average."""
+    grads = bucket.gradients()
+    state["calls"].append((bucket.index(), bucket.is_last(), len(bucket.parameters()),
+                           [tuple(g.shape) for g in grads]))
+    buffer = bucket.buffer()
+    buffer.mul_(2.0 / dist.get_world_size())
+    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def make_hook(spec: str) -> tuple[object, object]:
+    """(state, hook) for a spec string."""
+    if spec == "custom":
+        return {"calls": []}, custom_hook
+    if spec == "torch.bf16_wrapper_custom":
+        return {"calls": []}, dh.bf16_compress_wrapper(custom_hook)
+    if spec.startswith("torch."):
+        name = spec.removeprefix("torch.")
+        if name.endswith("_wrapper"):
+            return None, getattr(dh, f"{name}")(dh.allreduce_hook)
+        return None, getattr(dh, name)
+    parts = spec.removeprefix("fastddp.").split("_")
+    options = {}
+    if "fp32" in parts:
+        options["accumulate"] = "fp32"
+    if "ef" in parts:
+        options["error_feedback"] = True
+    return None, getattr(fastddp.hooks, parts[0])(**options)
+
+
+def compare_grads(ref: nn.Module, fast: nn.Module, where: str, tol: dict) -> None:
+    for (name, p), q in zip(ref.named_parameters(), fast.parameters(), strict=True):
+        if tol is EXACT:
+            bad = (q.grad != p.grad).sum().item()
+            assert bad == 0, (f"{where}: grad of {name}: {bad} of {p.grad.numel()} elements differ, "
+                              f"max |diff| {(q.grad - p.grad).abs().max().item():.3g}")
+        else:
+            atol = tol["atol"] * p.grad.abs().max().item()
+            torch.testing.assert_close(q.grad, p.grad, rtol=tol["rtol"], atol=atol,
+                                       msg=lambda m: f"{where}: grad of {name}: {m}")
+
+
+def hooked_training(fast_hook: str, ref_hook: str, exact: bool, steps: int = 4,
+                    **ddp_kwargs) -> list:
+    """torch DDP with `ref_hook` against fastddp with `fast_hook`. Exact: grads bit for bit
+    and parameters follow. Otherwise grads within bf16 tolerance, and fastddp takes torch's
+    parameters after each step so that differences cannot compound."""
+    torch.manual_seed(0)
+    base = mlp()
+    ref = TorchDDP(copy.deepcopy(base), **ddp_kwargs)
+    fast = fastddp.DistributedDataParallel(copy.deepcopy(base), **ddp_kwargs)
+    ref_state, ref_fn = make_hook(ref_hook)
+    fast_state, fast_fn = make_hook(fast_hook)
+    ref.register_comm_hook(ref_state, ref_fn)
+    fast.register_comm_hook(fast_state, fast_fn)
+    tol = EXACT if exact else {"rtol": 2e-2, "atol": 2e-2}
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ref, fast)]
+    for step in range(steps):
+        inputs, target = vector_batch(step)
+        for model, opt in zip((ref, fast), opts):
+            opt.zero_grad(set_to_none=step % 2 == 0)
+            F.mse_loss(model(inputs), target).backward()
+        agree(lambda: compare_grads(unwrap(ref), unwrap(fast), f"step {step}", tol))
+        for opt in opts:
+            opt.step()
+        if not exact:
+            with torch.no_grad():
+                for p, q in zip(ref.parameters(), fast.parameters()):
+                    q.copy_(p)
+    if isinstance(fast_state, dict):
+        assert fast_state["calls"] == ref_state["calls"], (fast_state["calls"], ref_state["calls"])
+    return fast._reducer.hook_name if fast._reducer is not None else None
+
+
+def accumulation_error(ranks_expected: int = 4) -> dict[str, float]:
+    """Relative error of bf16 and fp32-accumulated bf16 averages against float32."""
+    assert dist.get_world_size() == ranks_expected
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))
+    models = {name: fastddp.DistributedDataParallel(copy.deepcopy(base))
+              for name in ("fp32", "bf16", "bf16_fp32")}
+    models["bf16"].register_comm_hook(None, fastddp.hooks.bf16())
+    models["bf16_fp32"].register_comm_hook(None, fastddp.hooks.bf16(accumulate="fp32"))
+    g = torch.Generator().manual_seed(dist.get_rank())
+    inputs, target = torch.randn(32, 64, generator=g), torch.randn(32, 64, generator=g)
+    for model in models.values():
+        F.mse_loss(model(inputs), target).backward()
+    exact = torch.cat([p.grad.flatten() for p in models["fp32"].parameters()])
+    errors = {}
+    for name in ("bf16", "bf16_fp32"):
+        got = torch.cat([p.grad.flatten() for p in models[name].parameters()])
+        errors[name] = ((got - exact).abs().sum() / exact.abs().sum()).item()
+    return errors
+
+
+def registration_errors() -> list[str]:
+    """Returns the messages of torch's registration errors, raised by fastddp."""
+    torch.manual_seed(0)
+    model = fastddp.DistributedDataParallel(mlp())
+    messages = []
+    for hook, error in ((3, TypeError), (lambda state, bucket: None, None),
+                        (_bad_annotation, ValueError), (_bad_return, ValueError)):
+        if error is None:
+            continue
+        try:
+            model.register_comm_hook(None, hook)
+        except error as e:
+            messages.append(str(e))
+        else:
+            raise AssertionError(f"{hook!r} was accepted")
+    model.register_comm_hook(None, fastddp.hooks.bf16())
+    try:
+        model.register_comm_hook(None, fastddp.hooks.bf16())
+    except RuntimeError as e:
+        messages.append(str(e))
+    else:
+        raise AssertionError("a second register_comm_hook was accepted")
+    for bad in ({"accumulate": "fp64"}, {"error_feedback": 1}):
+        try:
+            fastddp.hooks.bf16(**bad)
+        except (ValueError, TypeError) as e:
+            messages.append(str(e))
+    return messages
+
+
+def _bad_annotation(state: object, bucket: int) -> torch.futures.Future[torch.Tensor]:
+    raise AssertionError("never called")
+
+
+def _bad_return(state: object, bucket: dist.GradBucket) -> int:
+    raise AssertionError("never called")
