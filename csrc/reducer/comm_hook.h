@@ -50,7 +50,8 @@ class CommHook {
   // and divides by the world size itself.
   virtual void copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad);
 
-  // Starts reducing a full bucket. The future's value is the averaged flat
+  // Starts reducing a full bucket. Only this hook's write_back reads the
+  // future's value; for the default write_back it is the averaged flat
   // gradient (a tensor, or a list whose first element is that tensor, as c10d
   // Work futures give), of the bucket's numel and dtype.
   virtual c10::intrusive_ptr<c10::ivalue::Future> run(Bucket& bucket, size_t index,

@@ -394,12 +394,15 @@ std::string Reducer::hook_name() const {
 void Reducer::shadow_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
-  std::vector<Bucket> shadows;
-  shadows.reserve(buckets_.size());
+  // Kept across join iterations: hooks may key per-bucket state by buffer.
+  if (shadow_buckets_.size() != buckets_.size()) {
+    shadow_buckets_.clear();
+    for (const Bucket& bucket : buckets_) shadow_buckets_.push_back(bucket.zeros_like());
+  }
   hook_->set_divide_factor(world_size_);
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    shadows.push_back(buckets_[b].zeros_like());
-    Bucket& shadow = shadows.back();
+    Bucket& shadow = shadow_buckets_[b];
+    shadow.flat.zero_();
     // Hooks may keep their own per-bucket buffers: fill them with zeros too.
     for (size_t k = 0; k < shadow.params.size(); ++k) hook_->copy_in(shadow, k, at::Tensor());
     futures.push_back(hook_->run(shadow, b, b + 1 == buckets_.size()));

@@ -176,6 +176,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   int world_size_;
 
   std::vector<Bucket> buckets_;
+  std::vector<Bucket> shadow_buckets_;  // join(): zero copies of buckets_, made on first use
   // Where each parameter lives: bucket index and slot within the bucket.
   std::vector<std::pair<size_t, size_t>> locator_;
 

@@ -13,6 +13,7 @@ void Reducer::rebuild_buckets() {
   for (const at::Tensor& p : params_) specs.push_back(spec_of(p, /*expect_sparse=*/false));
   BucketPlan plan = plan_buckets_from_ready_order(specs, ready_order_, options_.rebuild_limits);
   buckets_ = make_buckets(params_, broadcast_plan(plan.buckets));
+  shadow_buckets_.clear();
   reset_bucket_views();
   hook_->on_new_buckets(buckets_);
   ready_order_.clear();

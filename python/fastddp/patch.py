@@ -93,8 +93,11 @@ def _fastddp_hook_maker(spec: HookSpec, option: str) -> Callable[[], tuple[Any, 
     kwargs: dict[str, Any] = {}
     if spec.name in ("bf16", "bf16-fp32acc"):
         kwargs["accumulate"] = "fp32" if spec.name == "bf16-fp32acc" else "bf16"
-    elif spec.rank is not None:
-        kwargs["rank"] = spec.rank
+    elif spec.name == "powersgd":
+        # torch's PowerSGDState names; start early as the FASTDDP_DISABLE comparison does.
+        kwargs["start_powerSGD_iter"] = 2
+        if spec.rank is not None:
+            kwargs["matrix_approximation_rank"] = spec.rank
     return lambda: (None, factory(**kwargs))
 
 
