@@ -244,9 +244,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 "register_comm_hook or register_builtin_comm_hook can only be called once.")
         self._comm_hooks.append((hook, state))
         if self._reducer is not None:  # world size 1 reduces nothing
-            params = _params_for_reducer(self.module, self.parameters_to_ignore)[1]
             self._reducer.set_comm_hook(
-                fastddp_hooks.resolve(state, hook, self.process_group, params))
+                fastddp_hooks.resolve(state, hook, self.process_group, self._reducer_params))
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
         """torch's built-in hook types (ALLREDUCE, FP16_COMPRESS) as fastddp built-ins."""
