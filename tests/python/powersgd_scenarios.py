@@ -38,6 +38,18 @@ class Mixed(nn.Module):
         return self.head(h)
 
 
+def serialized_powerSGD_hook(state: psgd.PowerSGDState,
+                             bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's powerSGD_hook, waited for before the next bucket's hook runs. torch issues the
+    P and Q allreduces from completion callbacks, racing the next bucket's first allreduce; on
+    gloo, which pairs collectives by issue order, ranks then mismatch ("Received data size
+    doesn't match expected size"). Waiting changes no number."""
+    value = psgd.powerSGD_hook(state, bucket).wait()
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(value)
+    return done
+
+
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
     return torch.randn(6, 4, 5, 5, generator=g), torch.randn(6, 2, generator=g)
@@ -52,7 +64,7 @@ def powersgd_training(steps: int = 6, how: str = "fastddp", fast_seed: int | Non
     base = Mixed()
     ref = TorchDDP(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb)
     fast = fastddp.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb)
-    ref.register_comm_hook(psgd.PowerSGDState(None, **state_args), psgd.powerSGD_hook)
+    ref.register_comm_hook(psgd.PowerSGDState(None, **state_args), serialized_powerSGD_hook)
     fast_args = dict(state_args)
     if fast_seed is not None:
         fast_args["random_seed"] = fast_seed
