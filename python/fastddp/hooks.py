@@ -176,7 +176,8 @@ def powersgd(matrix_approximation_rank: int = 1, start_powerSGD_iter: int = 1_00
     for arg, value in (("use_error_feedback", use_error_feedback), ("warm_start", warm_start),
                        ("batch_tensors_with_same_shape", batch_tensors_with_same_shape)):
         if not isinstance(value, bool):
-            raise ValueError(f"{name}: {arg} must be a bool, got {type(value).__name__}")
+            # ValueError, as for every bad powersgd argument (torch's PowerSGDState raises it).
+            raise ValueError(f"{name}: {arg} must be a bool, got {type(value).__name__}")  # noqa: TRY004
     for arg, value in (("min_compression_rate", min_compression_rate),
                        ("orthogonalization_epsilon", orthogonalization_epsilon)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:

@@ -56,14 +56,16 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def powersgd_training(steps: int = 6, how: str = "fastddp", fast_seed: int | None = None,
-                      bucket_cap_mb: float = 0.004, **state_args) -> dict:
+                      bucket_cap_mb: float = 0.004, gradient_as_bucket_view: bool = False,
+                      **state_args) -> dict:
     """torch DDP + torch's powerSGD_hook against fastddp + the native hook. `how`:
     "fastddp" (fastddp.hooks.powersgd) or "torch" (torch's hook and a PowerSGDState).
     fast_seed: a different random_seed for fastddp (a mismatch the check must catch)."""
     torch.manual_seed(0)
     base = Mixed()
-    ref = TorchDDP(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb)
-    fast = fastddp.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb)
+    ddp_args = {"bucket_cap_mb": bucket_cap_mb, "gradient_as_bucket_view": gradient_as_bucket_view}
+    ref = TorchDDP(copy.deepcopy(base), **ddp_args)
+    fast = fastddp.DistributedDataParallel(copy.deepcopy(base), **ddp_args)
     ref.register_comm_hook(psgd.PowerSGDState(None, **state_args), serialized_powerSGD_hook)
     fast_args = dict(state_args)
     if fast_seed is not None:
@@ -80,7 +82,7 @@ def powersgd_training(steps: int = 6, how: str = "fastddp", fast_seed: int | Non
         for model, opt in zip((ref, fast), opts):
             opt.zero_grad(set_to_none=step % 2 == 0)
             F.mse_loss(model(inputs), target).backward()
-        agree(lambda: compare_grads(unwrap(ref), unwrap(fast), f"step {step}", tol))
+        agree(lambda s=step: compare_grads(unwrap(ref), unwrap(fast), f"step {s}", tol))
         if step >= state_args.get("start_powerSGD_iter", 1000):
             differs_from_mean |= _differs_from_plain_mean(base, fast, inputs, target)
         for opt in opts:

@@ -9,20 +9,20 @@ import torch
 import powersgd_scenarios
 from fastddp import _C
 
+RANK = "matrix_approximation_rank"
+START = "start_powerSGD_iter"
+NO_EF_WS = {"use_error_feedback": False, "warm_start": False}
 CASES = {
-    "rank1_ef_ws": dict(matrix_approximation_rank=1, start_powerSGD_iter=2),
-    "rank2_ef_ws": dict(matrix_approximation_rank=2, start_powerSGD_iter=3),
-    "rank1_plain_start1": dict(matrix_approximation_rank=1, start_powerSGD_iter=1,
-                               use_error_feedback=False, warm_start=False),
-    "rank2_plain_start3": dict(matrix_approximation_rank=2, start_powerSGD_iter=3,
-                               use_error_feedback=False, warm_start=False),
-    "rank2_ef_only": dict(matrix_approximation_rank=2, start_powerSGD_iter=3, warm_start=False),
-    "rank1_ws_only_eps": dict(matrix_approximation_rank=1, start_powerSGD_iter=3,
-                              use_error_feedback=False, orthogonalization_epsilon=1e-8),
-    "rank3_qr": dict(matrix_approximation_rank=3, start_powerSGD_iter=2),
-    "rank2_batched": dict(matrix_approximation_rank=2, start_powerSGD_iter=2,
-                          batch_tensors_with_same_shape=True),
-    "rank1_seed7": dict(matrix_approximation_rank=1, start_powerSGD_iter=2, random_seed=7),
+    "rank1_ef_ws": {RANK: 1, START: 2},
+    "rank2_ef_ws": {RANK: 2, START: 3},
+    "rank1_plain_start1": {RANK: 1, START: 1, **NO_EF_WS},
+    "rank2_plain_start3": {RANK: 2, START: 3, **NO_EF_WS},
+    "rank2_ef_only": {RANK: 2, START: 3, "warm_start": False},
+    "rank1_ws_only_eps": {RANK: 1, START: 3, "use_error_feedback": False,
+                          "orthogonalization_epsilon": 1e-8},
+    "rank3_qr": {RANK: 3, START: 2},
+    "rank2_batched": {RANK: 2, START: 2, "batch_tensors_with_same_shape": True},
+    "rank1_seed7": {RANK: 1, START: 2, "random_seed": 7},
 }
 
 
@@ -34,8 +34,10 @@ def test_matches_torch_powersgd(world, case):
     assert out["bytes_sent"] < out["bytes_reduced"], out
 
 
-def test_one_bucket(world):
-    out = world.check(powersgd_scenarios.powersgd_training, bucket_cap_mb=25,
+@pytest.mark.parametrize("ddp_args", [{"bucket_cap_mb": 25}, {"gradient_as_bucket_view": True}],
+                         ids=["one_bucket", "gradient_as_bucket_view"])
+def test_bucketing_variants(world, ddp_args):
+    out = world.check(powersgd_scenarios.powersgd_training, **ddp_args,
                       matrix_approximation_rank=2, start_powerSGD_iter=2)[0]
     assert out["differs_from_mean"]
 
