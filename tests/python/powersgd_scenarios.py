@@ -66,12 +66,17 @@ def powersgd_training(steps: int = 6, how: str = "fastddp", fast_seed: int | Non
     ddp_args = {"bucket_cap_mb": bucket_cap_mb, "gradient_as_bucket_view": gradient_as_bucket_view}
     ref = TorchDDP(copy.deepcopy(base), **ddp_args)
     fast = fastddp.DistributedDataParallel(copy.deepcopy(base), **ddp_args)
-    ref.register_comm_hook(psgd.PowerSGDState(None, **state_args), serialized_powerSGD_hook)
+    ref_state = psgd.PowerSGDState(None, **state_args)
+    ref.register_comm_hook(ref_state, serialized_powerSGD_hook)
     fast_args = dict(state_args)
     if fast_seed is not None:
         fast_args["random_seed"] = fast_seed
     if how == "torch":
-        fast.register_comm_hook(psgd.PowerSGDState(None, **fast_args), psgd.powerSGD_hook)
+        fast_state = psgd.PowerSGDState(None, **fast_args)
+        # A generator already used: the native hook must go on from where it stands.
+        for state in (ref_state, fast_state):
+            state.rng.randint(1_000_000_000, size=1000)
+        fast.register_comm_hook(fast_state, psgd.powerSGD_hook)
     else:
         fast.register_comm_hook(None, fastddp.hooks.powersgd(**fast_args))
     tol = {"rtol": 1e-4, "atol": 1e-5}
