@@ -25,9 +25,10 @@ HalfKind kind_from_name(const std::string& dtype) {
 }
 
 at::Tensor half_compress(const at::Tensor& src, double scale, const std::string& dtype,
-                         std::optional<at::Tensor> residual) {
+                         std::optional<at::Tensor> residual, std::optional<at::Tensor> out_arg) {
   const HalfKind kind = kind_from_name(dtype);
-  at::Tensor out = at::empty({src.numel()}, src.options().dtype(scalar_type_of(kind)));
+  at::Tensor out = out_arg ? *out_arg
+                           : at::empty({src.numel()}, src.options().dtype(scalar_type_of(kind)));
   half_compress_into(kind, src, scale, residual ? &*residual : nullptr, out);
   return out;
 }
@@ -71,7 +72,7 @@ void bind_hooks(py::module& m) {
       "fastddp.RegisterCommHookFn");
 
   m.def("half_compress", &half_compress, py::arg("src"), py::arg("scale"), py::arg("dtype"),
-        py::arg("residual") = py::none(),
+        py::arg("residual") = py::none(), py::arg("out") = py::none(),
         "half(src * scale [+ residual]) as a 1-D bf16/fp16 tensor; residual updated in place.");
   m.def("half_decompress", &half_decompress, py::arg("src"));
   m.def("half_decompress_into", &half_decompress_into, py::arg("srcs"), py::arg("dsts"),
@@ -90,7 +91,9 @@ void bind_hooks(py::module& m) {
       "numpy_randint",
       [](int64_t seed, int64_t high, int64_t count) {
         if (seed < 0 || seed > 0xffffffffLL) throw py::value_error("seed must be in [0, 2**32)");
-        if (high < 1 || high > (int64_t{1} << 32)) throw py::value_error("high must be in [1, 2**32]");
+        if (high < 1 || high > (int64_t{1} << 32)) {
+          throw py::value_error("high must be in [1, 2**32]");
+        }
         NumpyRandomState rng(static_cast<uint32_t>(seed));
         std::vector<int64_t> out;
         for (int64_t i = 0; i < count; ++i) out.push_back(rng.randint(high));

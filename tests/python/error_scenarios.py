@@ -5,7 +5,6 @@ collective that another rank never reaches."""
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.nn.parallel.distributed import _MixedPrecision
 
@@ -49,11 +48,7 @@ def unsupported_argument(argument: str) -> None:
         "mixed_precision": _MixedPrecision(param_dtype=torch.float16),
         "delay_all_reduce_named_params": [("0.weight", nn.Parameter(torch.zeros(1)))],
     }
-    if argument == "register_comm_hook":
-        model = fastddp.DistributedDataParallel(mlp())
-        model.register_comm_hook(None, default_hooks.allreduce_hook)
-    else:
-        fastddp.DistributedDataParallel(mlp(), **{argument: values[argument]})
+    fastddp.DistributedDataParallel(mlp(), **{argument: values[argument]})
 
 
 class TwoHeads(nn.Module):

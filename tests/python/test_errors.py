@@ -36,7 +36,7 @@ def test_sparse_gradients(world):
 
 
 @pytest.mark.parametrize("argument", ["skip_all_reduce_unused_params", "mixed_precision",
-                                      "delay_all_reduce_named_params", "register_comm_hook"])
+                                      "delay_all_reduce_named_params"])
 def test_unsupported_arguments(world, argument):
     world.expect_error(error_scenarios.unsupported_argument, NotImplementedError,
                        match=argument, argument=argument)

@@ -1,0 +1,115 @@
+"""Throughput of fastddp's half-cast kernels against plain torch, in GB/s moved.
+
+    python benchmarks/kernels.py [--device cpu|cuda] [--threads N] [--sizes 1e6,16e6]
+
+compress:   float32 grad -> bf16(grad * 1/world)   fastddp: one pass; torch: mul, then cast
+compress+ef: the same with error feedback          torch: v = x*s + r; c = v.to(bf16); r = v - c
+decompress: bf16 -> float32                        torch: out.copy_(h)
+sum_shards: 4 bf16 shards -> bf16(float32 sum)     torch: float adds, then .to(bf16)
+
+Bytes moved count what the fused kernel must read and write (e.g. 6 B/element for
+compress), for both columns, so the GB/s are comparable. On CUDA the last column is the
+fraction of the GPU's HBM bandwidth (nominal, from the device name). This is a benchmark,
+not a test.
+"""
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+
+from fastddp import _C
+
+HBM_GBPS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0}
+
+
+def timed(fn, device: str, reps: int) -> float:
+    """Median seconds per call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def cases(n: int, device: str):
+    # Outputs are preallocated on both sides, as the hooks' wire buffers are: the
+    # figures are the passes over memory, not the allocator's page faults.
+    x = torch.randn(n, device=device)
+    s = 1.0 / 3.0
+    c16 = torch.empty(n, dtype=torch.bfloat16, device=device)
+    tmp = torch.empty(n, device=device)
+    r = torch.zeros(n, device=device)
+    h = x.to(torch.bfloat16)
+    out = torch.empty(n, device=device)
+    shards = torch.randn(4, n // 4, device=device).to(torch.bfloat16)
+
+    def torch_compress():
+        torch.mul(x, s, out=tmp)
+        return c16.copy_(tmp)
+
+    def torch_ef():
+        torch.mul(x, s, out=tmp)
+        tmp.add_(r)
+        c16.copy_(tmp)
+        torch.sub(tmp, c16.float(), out=r)
+        return c16
+
+    def torch_sum():
+        total = shards[0].float()
+        for k in range(1, 4):
+            total = total + shards[k].float()
+        return total.to(torch.bfloat16)
+
+    return [
+        ("compress", 6 * n, lambda: _C.half_compress(x, s, "bf16", out=c16), torch_compress),
+        ("compress+ef", 14 * n, lambda: _C.half_compress(x, s, "bf16", r, out=c16), torch_ef),
+        ("decompress", 6 * n, lambda: _C.half_decompress_into([h], [out]),
+         lambda: out.copy_(h)),
+        ("sum_shards(4)", 2 * n + 2 * (n // 4), lambda: _C.half_sum_shards(shards), torch_sum),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    parser.add_argument("--sizes", default="1e6,16e6", help="elements per buffer")
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+        peak = next((v for k, v in HBM_GBPS.items() if k in name), None)
+        where = f"{name} (HBM {peak or '?'} GB/s nominal)"
+    else:
+        peak = None
+        where = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    print(f"torch {torch.__version__}, {device}: {where}\n")
+    print("| kernel | elements | fastddp GB/s | torch GB/s | speed-up |"
+          + (" fastddp / HBM |" if peak else ""))
+    print("|---|---:|---:|---:|---:|" + ("---:|" if peak else ""))
+    for size in args.sizes.split(","):
+        n = int(float(size)) // 4 * 4
+        for name, n_bytes, ours, theirs in cases(n, device):
+            t_ours, t_theirs = timed(ours, device, args.reps), timed(theirs, device, args.reps)
+            ours_gbps, theirs_gbps = n_bytes / t_ours / 1e9, n_bytes / t_theirs / 1e9
+            row = (f"| {name} | {n:,} | {ours_gbps:.1f} | {theirs_gbps:.1f} | "
+                   f"{t_theirs / t_ours:.2f}x |")
+            if peak:
+                row += f" {100 * ours_gbps / peak:.0f}% |"
+            print(row)
+
+
+if __name__ == "__main__":
+    main()
