@@ -7,7 +7,9 @@
 #include <optional>
 #include <string>
 
+#include "../core/numpy_random.h"
 #include "../hooks/half_ops.h"
+#include "../hooks/powersgd.h"
 #include "../hooks/registry.h"
 #include "python_hook.h"
 
@@ -76,6 +78,29 @@ void bind_hooks(py::module& m) {
   m.def("half_decompress_into", &half_decompress_into, py::arg("srcs"), py::arg("dsts"),
         "Many 16-bit -> float32 casts in one call (one launch on CUDA).");
   m.def("half_sum_shards", &half_sum_shards, py::arg("shards"));
+
+  m.def(
+      "powersgd_orthogonalize",
+      [](at::Tensor matrices, double epsilon) {
+        powersgd_orthogonalize(matrices, epsilon);
+        return matrices;
+      },
+      py::arg("matrices"), py::arg("epsilon") = 0.0,
+      "torch's PowerSGD _orthogonalize on a (batch, n, r) tensor, in place; returns it.");
+  m.def(
+      "numpy_randint",
+      [](int64_t seed, int64_t high, int64_t count) {
+        if (seed < 0 || seed > 0xffffffffLL) throw py::value_error("seed must be in [0, 2**32)");
+        if (high < 1 || high > (int64_t{1} << 32)) {
+          throw py::value_error("high must be in [1, 2**32]");
+        }
+        NumpyRandomState rng(static_cast<uint32_t>(seed));
+        std::vector<int64_t> out;
+        for (int64_t i = 0; i < count; ++i) out.push_back(rng.randint(high));
+        return out;
+      },
+      py::arg("seed"), py::arg("high"), py::arg("count"),
+      "numpy.random.RandomState(seed).randint(high) `count` times, as the powersgd hook draws.");
 }
 
 }  // namespace fastddp

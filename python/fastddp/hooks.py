@@ -6,10 +6,14 @@ Built-ins run in C++ (no Python per bucket)::
     model.register_comm_hook(None, fastddp.hooks.bf16(accumulate="fp32", error_feedback=True))
     model.register_comm_hook(None, fastddp.hooks.fp16())
     model.register_comm_hook(None, fastddp.hooks.allreduce())
+    model.register_comm_hook(None, fastddp.hooks.powersgd(matrix_approximation_rank=2,
+                                                          start_powerSGD_iter=10))
 
 torch's own hook functions are recognized and run by the same C++ code:
 ``default_hooks.allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``, and
-``fp16_compress_wrapper(allreduce_hook)`` / ``bf16_compress_wrapper(allreduce_hook)``. Any
+``fp16_compress_wrapper(allreduce_hook)`` / ``bf16_compress_wrapper(allreduce_hook)``, and
+``powerSGD_hook`` with a ``PowerSGDState`` (its settings, iteration and generator are read at
+registration; the native hook keeps its own state from then on). Any
 other callable ``hook(state, bucket) -> torch.futures.Future`` runs as it would under torch
 DDP, on a real ``torch.distributed.GradBucket``.
 
@@ -26,7 +30,8 @@ import torch.distributed as dist
 
 from fastddp import _C
 
-__all__ = ["CommHook", "allreduce", "bf16", "fp16", "from_registry", "native_torch_hooks"]
+__all__ = ["CommHook", "allreduce", "bf16", "fp16", "from_registry", "native_torch_hooks",
+           "powersgd"]
 
 _WRAPPERS = {
     "fp16_compress_wrapper.<locals>.fp16_compress_wrapper_hook": "fp16",
@@ -65,7 +70,9 @@ class CommHook:
             return _reference_allreduce(group, bucket)
         if self.name in _HALF_DTYPES:
             return self._reference_half(group, bucket)
-        raise NotImplementedError(f"{self!r} has no pure-torch reference")
+        raise NotImplementedError(f"{self!r} has no pure-torch reference"
+                                  + (" (torch's powerSGD_hook is its reference)"
+                                     if self.name == "powersgd" else ""))
 
     def _reference_half(self, group: dist.ProcessGroup,
                         bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -148,6 +155,66 @@ def fp16(accumulate: str = "fp16", error_feedback: bool = False) -> CommHook:
     return CommHook("fp16", **_half_options("fp16", accumulate, error_feedback))
 
 
+def powersgd(matrix_approximation_rank: int = 1, start_powerSGD_iter: int = 1_000,
+             min_compression_rate: float = 2, use_error_feedback: bool = True,
+             warm_start: bool = True, orthogonalization_epsilon: float = 0,
+             random_seed: int = 0, batch_tensors_with_same_shape: bool = False) -> CommHook:
+    """PowerSGD low-rank compression, torch's ``powerSGD_hook`` run in C++.
+
+    The arguments are ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.PowerSGDState``'s
+    (without the process group, which is the model's, and the logging frequency), and the
+    gradients are torch's for the same arguments (within float rounding): allreduce for the
+    first `start_powerSGD_iter` steps, then rank-`matrix_approximation_rank` P Q^T
+    approximations of the matrices worth compressing, with error feedback and warm start.
+    """
+    name = "fastddp.hooks.powersgd"
+    _check_int(name, "matrix_approximation_rank", matrix_approximation_rank, minimum=1)
+    _check_int(name, "start_powerSGD_iter", start_powerSGD_iter, minimum=0)
+    _check_int(name, "random_seed", random_seed, minimum=0)
+    if random_seed > 2**32 - 1:
+        raise ValueError(f"{name}: random_seed must be between 0 and 2**32 - 1, got {random_seed}")
+    for arg, value in (("use_error_feedback", use_error_feedback), ("warm_start", warm_start),
+                       ("batch_tensors_with_same_shape", batch_tensors_with_same_shape)):
+        if not isinstance(value, bool):
+            # ValueError, as for every bad powersgd argument (torch's PowerSGDState raises it).
+            raise ValueError(f"{name}: {arg} must be a bool, got {type(value).__name__}")  # noqa: TRY004
+    for arg, value in (("min_compression_rate", min_compression_rate),
+                       ("orthogonalization_epsilon", orthogonalization_epsilon)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{name}: {arg} must be a number >= 0, got {value!r}")
+    if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:
+        raise ValueError(f"{name}: start_powerSGD_iter must be > 1 if use_error_feedback or "
+                         f"warm_start is enabled (torch's rule: DDP rebuilds its buckets after "
+                         f"the first iteration), got {start_powerSGD_iter}")
+    return CommHook("powersgd", matrix_approximation_rank=matrix_approximation_rank,
+                    start_powerSGD_iter=start_powerSGD_iter,
+                    min_compression_rate=float(min_compression_rate),
+                    use_error_feedback=use_error_feedback, warm_start=warm_start,
+                    orthogonalization_epsilon=float(orthogonalization_epsilon),
+                    random_seed=random_seed,
+                    batch_tensors_with_same_shape=batch_tensors_with_same_shape)
+
+
+def _check_int(hook: str, arg: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{hook}: {arg} must be an int >= {minimum}, got {value!r}")
+
+
+def _from_powersgd_state(state: Any) -> tuple[dist.ProcessGroup | None, CommHook]:
+    """torch's PowerSGDState as the native hook: its settings, iteration and generator."""
+    _, key, pos, *_ = state.rng.get_state()
+    hook = CommHook("powersgd", matrix_approximation_rank=int(state.matrix_approximation_rank),
+                    start_powerSGD_iter=int(state.start_powerSGD_iter),
+                    min_compression_rate=float(state.min_compression_rate),
+                    use_error_feedback=bool(state.use_error_feedback),
+                    warm_start=bool(state.warm_start),
+                    orthogonalization_epsilon=float(state.orthogonalization_epsilon),
+                    batch_tensors_with_same_shape=bool(state.batch_tensors_with_same_shape),
+                    iter=int(state.iter),
+                    numpy_rng_state=" ".join(str(int(v)) for v in [pos, *key]))
+    return state.process_group, hook
+
+
 def from_registry(name: str, **options: Any) -> CommHook:
     """Any hook in the C++ registry, built-in or added by another extension."""
     if name not in _C.comm_hook_names():
@@ -173,6 +240,7 @@ def native_torch_hooks() -> dict[str, str]:
         "default_hooks.bf16_compress_hook": "bf16",
         "default_hooks.fp16_compress_wrapper(allreduce_hook)": "fp16",
         "default_hooks.bf16_compress_wrapper(allreduce_hook)": "bf16",
+        "powerSGD_hook.powerSGD_hook (with a PowerSGDState)": "powersgd",
     }
 
 
@@ -224,6 +292,12 @@ def resolve(state: object, hook: Any, process_group: dist.ProcessGroup,
             raise ValueError(f"{hook!r}: state must be None (the model's process group) or a "
                              f"ProcessGroup, got {type(state).__name__}")
         return hook.native(state if state is not None else process_group)
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    if hook is psgd.powerSGD_hook and isinstance(state, psgd.PowerSGDState):
+        group, native = _from_powersgd_state(state)
+        # torch's hook reduces over state.process_group, or WORLD when it is None.
+        return native.native(group if group is not None else dist.group.WORLD)
     builtin = _torch_builtin(hook)
     if builtin is not None and (state is None or isinstance(state, dist.ProcessGroup)):
         # torch's hooks reduce over `state`, or WORLD when it is None.

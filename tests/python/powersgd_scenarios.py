@@ -1,0 +1,128 @@
+"""PowerSGD scenarios, run on every rank of a harness world (see harness.py).
+
+torch DDP runs torch's ``powerSGD_hook`` with a ``PowerSGDState``; fastddp runs the native
+hook with the same arguments, given as ``fastddp.hooks.powersgd(...)`` or as torch's own hook
+and state. Grads are compared after every backward.
+"""
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import fastddp
+from hook_scenarios import compare_grads
+from scenarios import agree, unwrap
+
+
+class Mixed(nn.Module):
+    """Matrices worth compressing (two of one shape, for batching; a conv viewed as 8 x 36),
+    a matrix that is not (2 x 24: (2 + 24) * 2 > 48), and 1-D biases."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 8, 3, padding=1)
+        self.a = nn.Linear(32, 24)
+        self.b = nn.Linear(24, 24)
+        self.c = nn.Linear(24, 24)
+        self.head = nn.Linear(24, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv(x)).mean(dim=(2, 3))  # (batch, 8)
+        h = torch.tanh(self.a(h.repeat(1, 4)))
+        h = torch.tanh(self.b(h)) + torch.tanh(self.c(h))
+        return self.head(h)
+
+
+def serialized_powerSGD_hook(state: psgd.PowerSGDState,
+                             bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's powerSGD_hook, waited for before the next bucket's hook runs. torch issues the
+    P and Q allreduces from completion callbacks, racing the next bucket's first allreduce; on
+    gloo, which pairs collectives by issue order, ranks then mismatch ("Received data size
+    doesn't match expected size"). Waiting changes no number."""
+    value = psgd.powerSGD_hook(state, bucket).wait()
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(value)
+    return done
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    return torch.randn(6, 4, 5, 5, generator=g), torch.randn(6, 2, generator=g)
+
+
+def powersgd_training(steps: int = 6, how: str = "fastddp", fast_seed: int | None = None,
+                      bucket_cap_mb: float = 0.004, gradient_as_bucket_view: bool = False,
+                      **state_args) -> dict:
+    """torch DDP + torch's powerSGD_hook against fastddp + the native hook. `how`:
+    "fastddp" (fastddp.hooks.powersgd) or "torch" (torch's hook and a PowerSGDState).
+    fast_seed: a different random_seed for fastddp (a mismatch the check must catch)."""
+    torch.manual_seed(0)
+    base = Mixed()
+    ddp_args = {"bucket_cap_mb": bucket_cap_mb, "gradient_as_bucket_view": gradient_as_bucket_view}
+    ref = TorchDDP(copy.deepcopy(base), **ddp_args)
+    fast = fastddp.DistributedDataParallel(copy.deepcopy(base), **ddp_args)
+    ref_state = psgd.PowerSGDState(None, **state_args)
+    ref.register_comm_hook(ref_state, serialized_powerSGD_hook)
+    fast_args = dict(state_args)
+    if fast_seed is not None:
+        fast_args["random_seed"] = fast_seed
+    if how == "torch":
+        fast_state = psgd.PowerSGDState(None, **fast_args)
+        # A generator already used: the native hook must go on from where it stands.
+        for state in (ref_state, fast_state):
+            state.rng.randint(1_000_000_000, size=1000)
+        fast.register_comm_hook(fast_state, psgd.powerSGD_hook)
+    else:
+        fast.register_comm_hook(None, fastddp.hooks.powersgd(**fast_args))
+    tol = {"rtol": 1e-4, "atol": 1e-5}
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ref, fast)]
+    differs_from_mean = False
+    for step in range(steps):
+        inputs, target = batch(step)
+        for model, opt in zip((ref, fast), opts):
+            opt.zero_grad(set_to_none=step % 2 == 0)
+            F.mse_loss(model(inputs), target).backward()
+        agree(lambda s=step: compare_grads(unwrap(ref), unwrap(fast), f"step {s}", tol))
+        if step >= state_args.get("start_powerSGD_iter", 1000):
+            differs_from_mean |= _differs_from_plain_mean(base, fast, inputs, target)
+        for opt in opts:
+            opt.step()
+        with torch.no_grad():  # float rounding must not compound through the optimizer
+            for p, q in zip(ref.parameters(), fast.parameters()):
+                q.copy_(p)
+    stats = fast.comm_stats()
+    return {"hook": fast._reducer.hook_name, "differs_from_mean": differs_from_mean,
+            "bytes_sent": stats["bytes_sent"], "bytes_reduced": stats["bytes_reduced"]}
+
+
+def _differs_from_plain_mean(base: nn.Module, fast: nn.Module, inputs: torch.Tensor,
+                             target: torch.Tensor) -> bool:
+    """Whether the compressed grads differ from the exact average (compression ran)."""
+    model = copy.deepcopy(unwrap(fast))
+    model.zero_grad()
+    F.mse_loss(model(inputs), target).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    for g in grads:
+        dist.all_reduce(g)
+        g.div_(dist.get_world_size())
+    return any(not torch.allclose(g, p.grad, rtol=1e-3, atol=1e-6)
+               for g, p in zip(grads, unwrap(fast).parameters()))
+
+
+def argument_errors() -> list[str]:
+    messages = []
+    for bad in ({"matrix_approximation_rank": 0}, {"start_powerSGD_iter": 1},
+                {"random_seed": -1}, {"warm_start": 1}, {"min_compression_rate": "2"},
+                {"orthogonalization_epsilon": -1.0}):
+        try:
+            fastddp.hooks.powersgd(**bad)
+        except ValueError as e:
+            messages.append(str(e))
+        else:
+            raise AssertionError(f"{bad} was accepted")
+    return messages
