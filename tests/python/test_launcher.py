@@ -213,3 +213,16 @@ def test_format_comm_stats() -> None:
     assert rows[1].split()[-1] == "120.250"
     partial = format_comm_stats({"steps": 0, "buckets": []})
     assert "world size -" in partial and "no buckets" in partial
+
+
+@needs_hooks
+@pytest.mark.parametrize("hook", ["fp16", "bf16-fp32acc", "powersgd:2"])
+def test_each_launcher_hook_trains(tmp_path: Path, hook: str, fast_run) -> None:
+    """Every --hook the launcher offers runs the unmodified script to a lower loss, with
+    the report on rank 0; the compressed ones differ from the plain fp32 run."""
+    fast, out = launch(tmp_path, hook.replace(":", "_"), ["--hook", hook, "--report"])
+    assert FASTDDP_CLASS in fast["classes"]
+    assert fast["losses"][-1] < fast["losses"][0], fast["losses"]
+    assert f"hook={hook} (launcher" in out, out
+    assert out.count("[fastddp] communication report:") == 1, out
+    assert max_param_diff(fast, fast_run[0]) > 0
