@@ -5,6 +5,7 @@ saw (the wrapper's classes, bucket cap, final parameters, losses, hook calls) to
 """
 
 import argparse
+import gc
 import json
 
 import torch
@@ -64,4 +65,10 @@ if rank == 0:
             "losses": losses,
             "hook_calls": hook_calls[0],
         }, f)
+# Free the wrapper before tearing gloo down: torch DDP sits in reference cycles, and a gloo
+# thread still releasing a Python hook's last future while the interpreter finalizes
+# aborts the process ("terminate called without an active exception", see RESULTS.md).
+del ddp, opt
+gc.collect()
+dist.barrier()
 dist.destroy_process_group()
