@@ -153,10 +153,7 @@ void Reducer::on_grad_ready(size_t index) {
               "DistributedDataParallel reduces once per forward: a second backward through the "
               "same forward output is not supported. Run the forward again, or do the extra "
               "backward passes under no_sync().");
-  if (!hooks_seen_) {
-    hooks_seen_ = true;
-    backward_start_ = std::chrono::steady_clock::now();
-  }
+  note_backward_start();
   if (static_first_iteration()) {
     ++expected_hooks_[index];
     return;
@@ -250,10 +247,7 @@ void Reducer::on_output_grad() {
 
 void Reducer::reduce_all_delayed() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!hooks_seen_) {
-    hooks_seen_ = true;
-    backward_start_ = std::chrono::steady_clock::now();
-  }
+  note_backward_start();
   unused_.clear();
   for (size_t i = 0; i < params_.size(); ++i) {
     if (expected_hooks_[i] == 0) unused_.push_back(i);
@@ -361,6 +355,12 @@ void Reducer::write_back(Bucket& bucket, const c10::IValue& result) {
     }
   }
   hook_->write_back(bucket, result, dsts);
+}
+
+void Reducer::note_backward_start() {
+  if (hooks_seen_) return;
+  hooks_seen_ = true;
+  backward_start_ = std::chrono::steady_clock::now();
 }
 
 double Reducer::elapsed_us() const {

@@ -165,6 +165,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void check_not_ready(size_t index) const;
   std::string unready_params() const;
   std::vector<size_t> search_unused_parameters(const std::vector<at::Tensor>& outputs) const;
+  void note_backward_start();  // the comm stats' time origin, once per backward
   double elapsed_us() const;
 
   std::vector<at::Tensor> params_;

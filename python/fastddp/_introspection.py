@@ -19,7 +19,8 @@ def _dtype_name(dtype) -> str:
     return _DTYPE_NAMES.get(name, name)
 
 
-def _bucket_sizes(params, plan) -> str:
+def bucket_sizes(params, plan) -> str:
+    """Bytes per bucket in torch's logging format ("a, b, c")."""
     return ", ".join(str(sum(params[i].numel() * params[i].element_size() for i in b)) for b in plan)
 
 
@@ -55,7 +56,7 @@ def logging_data(ddp: DistributedDataParallel) -> dict[str, Any]:
         "num_backward_syncs": reducer.num_backward_syncs if reducer is not None else 0,
     }
     if reducer is not None and reducer.has_rebuilt_buckets:
-        data["rebuilt_bucket_sizes"] = _bucket_sizes(params, plan)
+        data["rebuilt_bucket_sizes"] = bucket_sizes(params, plan)
         data["rebuilt_per_bucket_param_indices"] = ", ".join(
             " ".join(str(i) for i in b) for b in plan)
     if reducer is not None:

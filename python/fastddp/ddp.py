@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fastddp import _C
 from fastddp import hooks as fastddp_hooks
-from fastddp._introspection import comm_stats, logging_data
+from fastddp._introspection import bucket_sizes, comm_stats, logging_data
 from fastddp._join import _JoinHook, announce_backward_sync, sync_buffers
 from fastddp._module_sync import broadcast_tensors, verify_param_shapes
 
@@ -147,8 +147,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._comm_hooks: list[tuple[Any, object]] = []
         plan, _ = _C.compute_bucket_assignment_by_size(params, initial_limits)
         plan = list(reversed(plan))
-        self._initial_bucket_sizes = ", ".join(
-            str(sum(params[i].numel() * params[i].element_size() for i in b)) for b in plan)
+        self._initial_bucket_sizes = bucket_sizes(params, plan)
         if world > 1:
             self._reducer = _C.Reducer(
                 params, names, plan, self.process_group,

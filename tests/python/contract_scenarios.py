@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.checkpoint import checkpoint
 
 import fastddp
+from error_scenarios import TwoHeads
 from scenarios import (
     Tied, agree, compare_grads, compare_state, mlp, side_by_side, train,
     vector_batch,
@@ -57,18 +58,12 @@ class Branchy(nn.Module):
         return self.head(h)
 
 
-class TwoOutputs(nn.Module):
-    """Returns two outputs; the loss uses only the first."""
-
-    def __init__(self):
-        super().__init__()
-        self.trunk = nn.Linear(8, 16)
-        self.used = nn.Linear(16, 4)
-        self.ignored = nn.Linear(16, 4)
+class TwoOutputs(TwoHeads):
+    """TwoHeads with its outputs in a dict; the loss uses only "out"."""
 
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        h = torch.tanh(self.trunk(x))
-        return {"out": self.used(h), "aux": self.ignored(h)}
+        out, aux = super().forward(x)
+        return {"out": out, "aux": aux}
 
 
 def static_graph(model: str, set_later: bool) -> None:
@@ -110,7 +105,7 @@ def outputs_not_in_loss() -> None:
         agree(lambda: compare_grads(ref.module, fast.module, f"step {step}"))
         for opt in opts:
             opt.step()
-    assert fast.module.ignored.weight.grad is None
+    assert fast.module.unused.weight.grad is None
 
 
 def uneven_inputs(divide_by_initial_world_size: bool, find_unused_parameters: bool) -> None:
