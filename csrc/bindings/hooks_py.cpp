@@ -9,7 +9,7 @@
 
 #include "../core/numpy_random.h"
 #include "../hooks/half_ops.h"
-#include "../hooks/powersgd.h"
+#include "../hooks/powersgd_plan.h"
 #include "../hooks/registry.h"
 #include "python_hook.h"
 

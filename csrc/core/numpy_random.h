@@ -36,6 +36,9 @@ class NumpyRandomState {
     pos_ = pos;
   }
 
+  const std::array<uint32_t, kN>& key() const { return key_; }
+  int pos() const { return pos_; }
+
   uint32_t next_uint32() {
     if (pos_ >= kN) regenerate();
     uint32_t y = key_[pos_++];

@@ -6,112 +6,14 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <algorithm>
-#include <array>
-#include <sstream>
 #include <utility>
+#include <variant>
 
 #include "../reducer/nvtx.h"
 #include "registry.h"
 
 namespace fastddp {
 namespace {
-
-// torch's _orthogonalize_gram_schmidt, op for op, so rounding matches.
-void gram_schmidt(at::Tensor& matrices, double epsilon) {
-  const int64_t cols = matrices.size(2);
-  for (int64_t i = 0; i < cols; ++i) {
-    at::Tensor col = matrices.narrow(2, i, 1);
-    at::Tensor norm = at::linalg_vector_norm(col, 2, at::IntArrayRef{1}, /*keepdim=*/true);
-    // epsilon == 0: a zero column becomes NaN, as in torch (tensor division
-    // never raises the ZeroDivisionError torch's code catches).
-    if (epsilon == 0) {
-      col.div_(norm);
-    } else {
-      col.div_(norm + epsilon);
-    }
-    if (i + 1 < cols) {
-      at::Tensor rest = matrices.narrow(2, i + 1, cols - i - 1);
-      rest.sub_(at::sum(col * rest, at::IntArrayRef{1}, /*keepdim=*/true) * col);
-    }
-  }
-}
-
-// One compressed matrix batch: B same-shape (n, m) matrices and their P, Q.
-struct Batch {
-  at::Tensor matrices;               // (B, n, m): views of the bucket, or a stacked copy
-  std::vector<at::Tensor> originals;  // when stacked: the (n, m) views to copy back into
-  at::Tensor p, q;                    // (B, n, r), (B, m, r) views of the P, Q memories
-};
-
-struct Plan {
-  std::vector<at::Tensor> uncompressed;  // flat slices of the bucket
-  int64_t uncompressed_numel = 0;
-  // Compressed (n, m) matrices grouped by shape, in order of first appearance.
-  std::vector<std::pair<std::pair<int64_t, int64_t>, std::vector<at::Tensor>>> groups;
-  int64_t p_numel = 0, q_numel = 0;
-  int64_t numel_before = 0, numel_after = 0;
-};
-
-// torch's per-tensor view: tensor.view(tensor.shape[0], -1) over the slot's
-// slice of the flat buffer (row-major, as torch's contiguous bucket views).
-Plan plan_bucket(const Bucket& bucket, const PowerSGDOptions& o) {
-  Plan plan;
-  for (size_t k = 0; k < bucket.views.size(); ++k) {
-    const int64_t numel = bucket.numels[k];
-    at::Tensor slice = bucket.flat.narrow(0, bucket.offsets[k], numel);
-    const int64_t n = bucket.views[k].dim() > 0 ? bucket.views[k].size(0) : 1;
-    const int64_t m = n > 0 ? numel / n : 0;
-    const int64_t r = std::min({n, m, o.matrix_approximation_rank});
-    const int64_t compressed = (n + m) * r;
-    plan.numel_before += numel;
-    if (static_cast<double>(compressed) * o.min_compression_rate < static_cast<double>(numel)) {
-      plan.numel_after += compressed;
-      plan.p_numel += n * r;
-      plan.q_numel += m * r;
-      at::Tensor matrix = slice.view({n, m});
-      auto it = std::find_if(plan.groups.begin(), plan.groups.end(),
-                             [&](const auto& g) { return g.first == std::make_pair(n, m); });
-      if (it == plan.groups.end()) {
-        plan.groups.push_back({{n, m}, {matrix}});
-      } else {
-        it->second.push_back(matrix);
-      }
-    } else {
-      plan.numel_after += numel;
-      plan.uncompressed.push_back(slice);
-      plan.uncompressed_numel += numel;
-    }
-  }
-  return plan;
-}
-
-// torch's maybe_batched_tensors_to_compress, with P and Q laid out in the same order.
-std::vector<Batch> make_batches(const Plan& plan, const PowerSGDOptions& o, const at::Tensor& p_mem,
-                                const at::Tensor& q_mem) {
-  std::vector<Batch> batches;
-  int64_t p_at = 0, q_at = 0;
-  auto add = [&](at::Tensor matrices, std::vector<at::Tensor> originals) {
-    const int64_t b = matrices.size(0), n = matrices.size(1), m = matrices.size(2);
-    const int64_t r = std::min({n, m, o.matrix_approximation_rank});
-    Batch batch;
-    batch.matrices = std::move(matrices);
-    batch.originals = std::move(originals);
-    batch.p = p_mem.narrow(0, p_at, b * n * r).view({b, n, r});
-    batch.q = q_mem.narrow(0, q_at, b * m * r).view({b, m, r});
-    p_at += b * n * r;
-    q_at += b * m * r;
-    batches.push_back(std::move(batch));
-  };
-  for (const auto& group : plan.groups) {
-    const std::vector<at::Tensor>& matrices = group.second;
-    if (o.batch_tensors_with_same_shape && matrices.size() > 1) {
-      add(at::stack(matrices), matrices);
-    } else {
-      for (const at::Tensor& m : matrices) add(m.unsqueeze(0), {});
-    }
-  }
-  return batches;
-}
 
 c10::intrusive_ptr<c10::ivalue::Future> allreduce(c10d::ProcessGroup& group, at::Tensor t) {
   std::vector<at::Tensor> tensors{std::move(t)};
@@ -120,19 +22,16 @@ c10::intrusive_ptr<c10::ivalue::Future> allreduce(c10d::ProcessGroup& group, at:
 
 }  // namespace
 
-void powersgd_orthogonalize(at::Tensor& matrices, double epsilon) {
-  TORCH_CHECK(matrices.dim() == 3 && matrices.size(2) <= matrices.size(1),
-              "fastddp powersgd_orthogonalize: matrices must be (batch, n, r) with r <= n, got ",
-              matrices.sizes());
-  const int64_t rank = matrices.size(2);
-  const auto dtype = matrices.scalar_type();
-  if (rank <= 2 || dtype == at::kHalf || dtype == at::kBFloat16) {
-    gram_schmidt(matrices, epsilon);
-  } else {
-    // torch: linalg.qr(matrices, out=(matrices, R)); epsilon is not used.
-    matrices.copy_(std::get<0>(at::linalg_qr(matrices)));
-  }
-}
+// A compressed bucket between the P allreduce and the Q allreduce.
+struct PowerSGDHook::PowerSGDStage : PipelinedHook::Stage {
+  std::shared_ptr<BucketState> state;
+  PowerSGDPlan plan;
+  std::vector<PowerSGDBatch> batches;
+  at::Tensor input;       // the bucket's flat gradient: the result, in place
+  at::Tensor input_copy;  // M before compression (error feedback)
+  at::Tensor wire;
+  c10::intrusive_ptr<c10::ivalue::Future> p_reduced;
+};
 
 PowerSGDHook::PowerSGDHook(c10::intrusive_ptr<c10d::ProcessGroup> group, PowerSGDOptions options,
                            NumpyRandomState rng)
@@ -141,162 +40,127 @@ PowerSGDHook::PowerSGDHook(c10::intrusive_ptr<c10d::ProcessGroup> group, PowerSG
   world_size_ = group_->getSize();
 }
 
-void PowerSGDHook::on_new_buckets(const std::vector<Bucket>& buckets) {
-  (void)buckets;
-  std::lock_guard<std::mutex> lock(mutex_);
-  states_.clear();
-}
-
-std::vector<double> PowerSGDHook::compression_stats() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  const double rate = numel_after_ > 0 ? static_cast<double>(numel_before_) / numel_after_ : 0.0;
-  return {rate, static_cast<double>(numel_before_), static_cast<double>(numel_after_)};
-}
+PowerSGDHook::~PowerSGDHook() = default;
 
 int64_t PowerSGDHook::wire_bytes(const Bucket& bucket) const {
   if (iter_.load() < options_.start_powerSGD_iter) return bucket.bytes();
-  const Plan plan = plan_bucket(bucket, options_);
+  const PowerSGDPlan plan = plan_powersgd(bucket, bucket.flat, options_);
   return (plan.uncompressed_numel + plan.p_numel + plan.q_numel) *
          static_cast<int64_t>(bucket.flat.element_size());
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> PowerSGDHook::run(Bucket& bucket, size_t index,
-                                                          bool is_last) {
-  if (iter_.load() >= options_.start_powerSGD_iter) return run_compressed(bucket, index, is_last);
-  FASTDDP_NVTX_RANGE("fastddp launch (powersgd vanilla)");
-  // torch's vanilla phase (default._allreduce_fut): divide first, then sum.
-  if (is_last) ++iter_;
-  bucket.flat.div_(world_size_);
-  return allreduce(*group_, bucket.flat);
-}
-
-c10::intrusive_ptr<c10::ivalue::Future> PowerSGDHook::run_compressed(Bucket& bucket, size_t index,
-                                                                     bool is_last) {
-  FASTDDP_NVTX_RANGE("fastddp launch (powersgd)");
-  at::Tensor input = bucket.flat;
-  std::shared_ptr<BucketState> state;
-  Plan plan = plan_bucket(bucket, options_);
+std::shared_ptr<PipelinedHook::Stage> PowerSGDHook::start(
+    Bucket& bucket, size_t index, bool is_last, c10::intrusive_ptr<c10::ivalue::Future>& done) {
+  if (iter_.load() < options_.start_powerSGD_iter) {
+    FASTDDP_NVTX_RANGE("fastddp launch (powersgd vanilla)");
+    // torch's vanilla phase (default._allreduce_fut): divide first, then sum.
+    if (is_last) ++iter_;
+    bucket.flat.div_(world_size_);
+    done = allreduce(*group_, bucket.flat);
+    return nullptr;
+  }
+  FASTDDP_NVTX_RANGE("fastddp launch (powersgd P)");
+  auto stage = std::make_shared<PowerSGDStage>();
+  stage->input = bucket.flat;
+  stage->result = make_result(stage->input);
+  stage->plan = plan_powersgd(bucket, bucket.flat, options_);
+  const PowerSGDPlan& plan = stage->plan;
+  count(plan, index, is_last, bucket.flat.element_size());
   bool randomize = false;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    std::shared_ptr<BucketState>& slot = states_[index];
-    if (!slot) slot = std::make_shared<BucketState>();
-    state = slot;
-    numel_before_ += plan.numel_before;
-    numel_after_ += plan.numel_after;
-    if (!options_.warm_start || !state->p_memory.defined() ||
-        state->p_memory.numel() != plan.p_numel || state->q_memory.numel() != plan.q_numel) {
-      randomize = true;
-      state->p_memory = at::empty({plan.p_numel}, input.options());
-      state->q_memory = at::empty({plan.q_numel}, input.options());
-    }
-  }
-  at::Tensor input_copy;
-  if (options_.use_error_feedback) {
-    if (state->error.defined() && state->error.numel() == input.numel()) {
-      input.add_(state->error);
-    } else {
-      state->error = at::zeros_like(input);
-    }
-    input_copy = input.clone();
-  }
+  stage->state = bucket_state(bucket, index, plan, randomize);
+  BucketState& state = *stage->state;
 
-  // Matrices are stacked (when batching) after the error feedback is added:
-  // torch stacks views of the already-corrected buffer.
-  std::vector<Batch> batches = make_batches(plan, options_, state->p_memory, state->q_memory);
+  at::Tensor& input = stage->input;
+  if (options_.use_error_feedback) {
+    input.add_(state.error);  // zeros on the first compressed step, as torch's
+    stage->input_copy = input.clone();
+  }
+  // Stacked after the error feedback: torch stacks views of the corrected buffer.
+  at::Tensor p_memory = state.wire.narrow(0, plan.uncompressed_numel, plan.p_numel);
+  stage->batches = make_powersgd_batches(plan, options_, p_memory, state.q_memory);
   const double eps = options_.orthogonalization_epsilon;
-  if (!randomize) {
-    for (Batch& b : batches) powersgd_orthogonalize(b.q, eps);
-  } else {
+  if (randomize) {
     // torch: fork_rng; manual_seed(rng.randint(1e9)); q.copy_(randn(q.shape, cpu)) per Q.
     at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(
         static_cast<uint64_t>(rng_.randint(1000000000)));
-    for (Batch& b : batches) {
+    for (PowerSGDBatch& b : stage->batches) {
       b.q.copy_(at::randn(b.q.sizes(), gen, input.options().device(at::kCPU)));
-      powersgd_orthogonalize(b.q, eps);
     }
   }
-  for (Batch& b : batches) at::bmm_out(b.p, b.matrices, b.q);
-
-  // The uncompressed slots in one buffer; both allreduces are in flight together.
-  at::Tensor uncompressed = plan.uncompressed.empty() ? at::empty({0}, input.options())
-                                                      : at::cat(plan.uncompressed);
-  auto uncompressed_fut = allreduce(*group_, uncompressed);
-  auto p_fut = allreduce(*group_, state->p_memory);
-  p_fut->wait();
-  uncompressed_fut->wait();
-  TORCH_CHECK(!p_fut->hasError() && !uncompressed_fut->hasError(),
-              "fastddp: the powersgd comm hook's allreduce failed for bucket ", index, ": ",
-              p_fut->hasError() ? p_fut->tryRetrieveErrorMessage()
-                                : uncompressed_fut->tryRetrieveErrorMessage());
-  uncompressed.div_(world_size_);
-  int64_t at_elem = 0;
-  for (at::Tensor& slice : plan.uncompressed) {
-    slice.copy_(uncompressed.narrow(0, at_elem, slice.numel()));
-    at_elem += slice.numel();
+  for (const auto& carried : state.qs_after_draw) {
+    state.q_memory.narrow(0, carried.first, carried.second.numel()).copy_(carried.second.reshape(-1));
   }
-  for (Batch& b : batches) {
-    powersgd_orthogonalize(b.p, eps);
+  state.qs_after_draw.clear();
+  for (PowerSGDBatch& b : stage->batches) {
+    powersgd_orthogonalize(b.q, eps);
+    at::bmm_out(b.p, b.matrices, b.q);
+  }
+  if (!plan.uncompressed.empty()) {
+    std::vector<at::Tensor> slices;
+    slices.reserve(plan.uncompressed.size());
+    for (size_t k : plan.uncompressed) {
+      slices.push_back(input.narrow(0, bucket.offsets[k], bucket.numels[k]));
+    }
+    at::Tensor head = state.wire.narrow(0, 0, plan.uncompressed_numel);
+    at::cat_out(head, slices);
+  }
+  stage->wire = state.wire;
+  stage->p_reduced = allreduce(*group_, state.wire);
+  if (is_last) ++iter_;
+  return stage;
+}
+
+void PowerSGDHook::finish(Stage& base) {
+  auto& stage = static_cast<PowerSGDStage&>(base);
+  stage.p_reduced->wait();
+  TORCH_CHECK(!stage.p_reduced->hasError(), "fastddp: the powersgd comm hook's allreduce of P "
+              "failed for bucket ", stage.index, ": ", stage.p_reduced->tryRetrieveErrorMessage());
+  FASTDDP_NVTX_RANGE("fastddp launch (powersgd Q)");
+  const PowerSGDPlan& plan = stage.plan;
+  BucketState& state = *stage.state;
+  if (!plan.uncompressed.empty()) {
+    at::Tensor head = stage.wire.narrow(0, 0, plan.uncompressed_numel);
+    head.div_(world_size_);
+    int64_t at_elem = 0;
+    for (size_t k : plan.uncompressed) {
+      const int64_t numel = state.numels[k];
+      stage.input.narrow(0, state.offsets[k], numel).copy_(head.narrow(0, at_elem, numel));
+      at_elem += numel;
+    }
+  }
+  for (PowerSGDBatch& b : stage.batches) {
+    powersgd_orthogonalize(b.p, options_.orthogonalization_epsilon);
     at::bmm_out(b.q, b.matrices.transpose(1, 2), b.p);
   }
-  auto q_fut = allreduce(*group_, state->q_memory);
-
-  // Local work only from here: safe in the completion callback.
-  const int world = world_size_;
-  const bool error_feedback = options_.use_error_feedback;
-  const bool warm_start = options_.warm_start;
-  auto decompress = [this, state, batches = std::move(batches), input, input_copy, world,
-                     error_feedback, warm_start, is_last](c10::ivalue::Future& done) {
-    if (done.hasError()) std::rethrow_exception(done.exception_ptr());
-    FASTDDP_NVTX_RANGE("fastddp decompress (powersgd)");
-    state->q_memory.div_(world);
-    for (const Batch& b : batches) {
-      at::Tensor out = b.matrices;  // a handle: bmm_out writes the bucket's memory
-      at::bmm_out(out, b.p, b.q.transpose(1, 2));
-      for (size_t i = 0; i < b.originals.size(); ++i) b.originals[i].copy_(b.matrices[i]);
-    }
-    if (error_feedback) state->error = input_copy - input;
-    if (!warm_start) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      state->p_memory = at::Tensor();
-      state->q_memory = at::Tensor();
-    }
-    if (is_last) ++iter_;
-    return c10::IValue(input);
-  };
-  return q_fut->then(std::move(decompress), c10::TensorType::get());
+  auto q_reduced = allreduce(*group_, state.q_memory);
+  complete_after(q_reduced, stage.result,
+                 [this, state = stage.state, batches = std::move(stage.batches),
+                  input = stage.input, input_copy = stage.input_copy]() mutable {
+                   FASTDDP_NVTX_RANGE("fastddp decompress (powersgd)");
+                   state->q_memory.div_(world_size_);
+                   for (PowerSGDBatch& b : batches) {
+                     at::bmm_out(b.matrices, b.p, b.q.transpose(1, 2));
+                     for (size_t i = 0; i < b.originals.size(); ++i) {
+                       b.originals[i].copy_(b.matrices[static_cast<int64_t>(i)]);
+                     }
+                   }
+                   if (options_.use_error_feedback) at::sub_out(state->error, input_copy, input);
+                   if (!options_.warm_start) {
+                     std::lock_guard<std::mutex> lock(mutex_);
+                     state->q_memory = at::Tensor();
+                   }
+                   return c10::IValue(input);
+                 });
 }
 
 namespace {
-
-NumpyRandomState rng_from_options(const HookOptions& o) {
-  const int64_t seed = o.get_int("random_seed", 0);
-  TORCH_CHECK_VALUE(seed >= 0 && seed <= 0xffffffffLL,
-                    "comm hook 'powersgd': random_seed must be between 0 and 2**32 - 1 "
-                    "(numpy's RandomState seeds), got ", seed);
-  NumpyRandomState rng(static_cast<uint32_t>(seed));
-  // A torch PowerSGDState's generator, possibly advanced: "pos k0 ... k623".
-  auto it = o.values().find("numpy_rng_state");
-  if (it != o.values().end()) {
-    TORCH_CHECK_VALUE(std::holds_alternative<std::string>(it->second),
-                      "comm hook 'powersgd': numpy_rng_state must be a str");
-    std::istringstream in(std::get<std::string>(it->second));
-    int pos = 0;
-    std::array<uint32_t, NumpyRandomState::kN> key{};
-    in >> pos;
-    for (uint32_t& k : key) in >> k;
-    TORCH_CHECK_VALUE(in && pos >= 0 && pos <= NumpyRandomState::kN,
-                      "comm hook 'powersgd': numpy_rng_state must be a position and 624 words");
-    rng.set_state(key, pos);
-  }
-  return rng;
-}
 
 std::shared_ptr<CommHook> make_powersgd(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                         const HookOptions& o) {
   o.check_known({"matrix_approximation_rank", "start_powerSGD_iter", "min_compression_rate",
                  "use_error_feedback", "warm_start", "orthogonalization_epsilon", "random_seed",
-                 "batch_tensors_with_same_shape", "iter", "numpy_rng_state"});
+                 "batch_tensors_with_same_shape", "compression_stats_logging_frequency", "iter",
+                 "numpy_rng_state"});
   PowerSGDOptions p;
   p.matrix_approximation_rank = o.get_int("matrix_approximation_rank", 1);
   p.start_powerSGD_iter = o.get_int("start_powerSGD_iter", 1000);
@@ -305,6 +169,9 @@ std::shared_ptr<CommHook> make_powersgd(const c10::intrusive_ptr<c10d::ProcessGr
   p.warm_start = o.get_bool("warm_start", true);
   p.orthogonalization_epsilon = o.get_double("orthogonalization_epsilon", 0.0);
   p.batch_tensors_with_same_shape = o.get_bool("batch_tensors_with_same_shape", false);
+  // torch: max(1, frequency).
+  p.compression_stats_logging_frequency =
+      std::max<int64_t>(1, o.get_int("compression_stats_logging_frequency", 10000));
   p.iter = o.get_int("iter", 0);
   TORCH_CHECK_VALUE(p.matrix_approximation_rank >= 1,
                     "comm hook 'powersgd': matrix_approximation_rank must be >= 1, got ",
@@ -313,7 +180,18 @@ std::shared_ptr<CommHook> make_powersgd(const c10::intrusive_ptr<c10d::ProcessGr
                     "comm hook 'powersgd': start_powerSGD_iter must be > 1 when "
                     "use_error_feedback or warm_start is enabled (torch's rule: buckets are "
                     "rebuilt after the first iteration), got ", p.start_powerSGD_iter);
-  return std::make_shared<PowerSGDHook>(group, p, rng_from_options(o));
+  const int64_t seed = o.get_int("random_seed", 0);
+  TORCH_CHECK_VALUE(seed >= 0 && seed <= 0xffffffffLL,
+                    "comm hook 'powersgd': random_seed must be between 0 and 2**32 - 1 "
+                    "(numpy's RandomState seeds), got ", seed);
+  NumpyRandomState rng(static_cast<uint32_t>(seed));
+  auto it = o.values().find("numpy_rng_state");
+  if (it != o.values().end()) {
+    TORCH_CHECK_VALUE(std::holds_alternative<std::string>(it->second),
+                      "comm hook 'powersgd': numpy_rng_state must be a str");
+    set_numpy_rng_state(rng, std::get<std::string>(it->second));
+  }
+  return std::make_shared<PowerSGDHook>(group, p, rng);
 }
 
 }  // namespace

@@ -9,8 +9,8 @@
 //     error feedback: M += error[bucket]; keep a copy of M;
 //     each slot viewed as an (n, m) matrix (n = its first dimension) is
 //       compressed when (n + m) r * min_compression_rate < n m, with
-//       r = min(n, m, rank); the others are concatenated and allreduced as
-//       one flat buffer, then divided by the world size;
+//       r = min(n, m, rank); the others are allreduced as they are, then
+//       divided by the world size;
 //     matrices are grouped by (n, m) in order of first appearance (this order
 //       lays out the P and Q memories and draws the random Q), and batched per
 //       group when batch_tensors_with_same_shape;
@@ -23,15 +23,14 @@
 //     error feedback: error[bucket] = copy - M.
 // Orthogonalization is torch's: Gram-Schmidt (with epsilon) for r <= 2 or
 // 16-bit dtypes, linalg.qr otherwise.
-// State is keyed by bucket index, as torch's; the bucket rebuild drops it
-// (torch requires start_iter > 1 with error feedback or warm start, so the
-// rebuild after the first step comes before any state exists).
 //
-// Collectives are issued from run() only, never from a completion callback,
-// so every rank issues them in the same order (gloo pairs collectives by
-// issue order): run() issues the uncompressed and P allreduces, waits for P,
-// computes Q and issues its allreduce; the decompression (local work only)
-// runs in that allreduce's then() callback.
+// Where fastddp differs from torch (not in the numbers):
+//   - the uncompressed slots and P go out in one allreduce (one buffer,
+//     [uncompressed | P]); torch sends two, one after the other;
+//   - Q's allreduce is pipelined with the next bucket (Note [pipelined
+//     hooks]), so any bucket size works, on gloo too;
+//   - state (error, Q) is per parameter across a bucket rebuild and in a
+//     checkpoint (powersgd_state.cpp), where torch keys it by bucket index.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -45,7 +44,8 @@
 #include <vector>
 
 #include "../core/numpy_random.h"
-#include "../reducer/comm_hook.h"
+#include "pipelined_hook.h"
+#include "powersgd_plan.h"
 
 namespace c10d {
 class ProcessGroup;
@@ -53,56 +53,96 @@ class ProcessGroup;
 
 namespace fastddp {
 
-struct PowerSGDOptions {
-  int64_t matrix_approximation_rank = 1;
-  int64_t start_powerSGD_iter = 1000;
-  double min_compression_rate = 2.0;
-  bool use_error_feedback = true;
-  bool warm_start = true;
-  double orthogonalization_epsilon = 0.0;
-  bool batch_tensors_with_same_shape = false;
-  int64_t iter = 0;  // the step to start counting from (a resumed PowerSGDState's iter)
+// The hook's state apart from the bucket layout: what a checkpoint holds.
+struct PowerSGDCheckpoint {
+  int64_t iter = 0;
+  std::string rng_state;  // numpy RandomState: "pos key0 ... key623"
+  int64_t numel_before = 0, numel_after = 0;  // torch's running totals
+  int64_t next_stats_report = 0;
+  // By parameter index (the reducer's): the error feedback (the parameter's
+  // numel, flat) and the warm-start Q (m x r) of compressed parameters.
+  std::map<int64_t, at::Tensor> errors;
+  std::map<int64_t, at::Tensor> qs;
 };
 
-// torch's _orthogonalize on a batch of (n, r) matrices, in place.
-void powersgd_orthogonalize(at::Tensor& matrices, double epsilon);
+// One compression-statistics log line, as torch's hook would log it.
+struct PowerSGDStatsReport {
+  int64_t iter, numel_before, numel_after;
+};
 
-class PowerSGDHook : public CommHook {
+// numpy RandomState.get_state()'s position and key as "pos key0 ... key623",
+// and back (raises ValueError for anything else).
+std::string numpy_rng_state(const NumpyRandomState& rng);
+void set_numpy_rng_state(NumpyRandomState& rng, const std::string& state);
+
+class PowerSGDHook : public PipelinedHook {
  public:
   PowerSGDHook(c10::intrusive_ptr<c10d::ProcessGroup> group, PowerSGDOptions options,
                NumpyRandomState rng);
+  ~PowerSGDHook() override;  // here ProcessGroup is incomplete
 
   std::string name() const override { return "powersgd"; }
   void on_new_buckets(const std::vector<Bucket>& buckets) override;
-  c10::intrusive_ptr<c10::ivalue::Future> run(Bucket& bucket, size_t index,
-                                              bool is_last) override;
   // The bucket's bytes before compression starts; then the uncompressed
   // slots plus the P and Q memories.
   int64_t wire_bytes(const Bucket& bucket) const override;
 
+  const PowerSGDOptions& options() const { return options_; }
   int64_t iter() const { return iter_.load(); }
   // torch's PowerSGDState.compression_stats(): (rate, numel before, numel after).
   std::vector<double> compression_stats() const;
+  // Bytes of the last compressed step: gradients in, and what went on the wire.
+  std::pair<int64_t, int64_t> last_step_bytes() const;
+  // The log lines due since the last call (every
+  // compression_stats_logging_frequency steps); Python logs them.
+  std::vector<PowerSGDStatsReport> take_stats_reports();
+
+  // Call between steps (no backward in flight).
+  PowerSGDCheckpoint state_dict() const;
+  void load_state_dict(const PowerSGDCheckpoint& checkpoint);
+
+ protected:
+  std::shared_ptr<Stage> start(Bucket& bucket, size_t index, bool is_last,
+                               c10::intrusive_ptr<c10::ivalue::Future>& done) override;
+  void finish(Stage& stage) override;
 
  private:
   struct BucketState {
-    at::Tensor error;                // error feedback, the bucket's numel
-    at::Tensor p_memory, q_memory;   // flat, all P (Q) matrices of the bucket
+    // The layout it was made for, to hand its state on per parameter.
+    std::vector<int64_t> params, offsets, numels;
+    std::vector<int64_t> q_offsets, q_rows, q_cols;  // per compressed slot; -1 offset: none
+    at::Tensor error;     // error feedback, the bucket's numel
+    at::Tensor wire;      // [uncompressed | P]: one allreduce
+    at::Tensor q_memory;  // every Q of the bucket, flat
+    // Carried Qs (q_offset, Q) to put in place once Q is initialized.
+    std::vector<std::pair<int64_t, at::Tensor>> qs_after_draw;
   };
+  struct PowerSGDStage;
 
-  c10::intrusive_ptr<c10::ivalue::Future> run_compressed(Bucket& bucket, size_t index,
-                                                         bool is_last);
+  std::shared_ptr<BucketState> bucket_state(const Bucket& bucket, size_t index,
+                                            const PowerSGDPlan& plan, bool& randomize);
+  void adopt_carried(BucketState& state, const PowerSGDPlan& plan, bool& randomize);
+  void count(const PowerSGDPlan& plan, size_t index, bool is_last, int64_t element_size);
+  // Moves a bucket's state into carried_errors_ / carried_qs_.
+  void carry(const BucketState& state, std::map<int64_t, at::Tensor>& errors,
+             std::map<int64_t, at::Tensor>& qs) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   PowerSGDOptions options_;
   NumpyRandomState rng_;
   int world_size_;
   std::atomic<int64_t> iter_;
-  // Guards states_ and the statistics: decompression callbacks run on the
-  // process group's threads while run() goes on with the next bucket.
+  // Guards everything below: decompression callbacks run on the process
+  // group's threads while run() goes on with the next bucket.
   mutable std::mutex mutex_;
   std::map<size_t, std::shared_ptr<BucketState>> states_;
-  int64_t numel_before_ = 0, numel_after_ = 0;
+  // Per parameter, waiting for its bucket's next compressed step: loaded
+  // from a checkpoint, or left by a bucket rebuild.
+  std::map<int64_t, at::Tensor> carried_errors_, carried_qs_;
+  int64_t numel_before_ = 0, numel_after_ = 0, next_stats_report_ = 0;
+  int64_t step_bytes_in_ = 0, step_bytes_out_ = 0;
+  std::pair<int64_t, int64_t> last_step_bytes_{0, 0};
+  std::vector<PowerSGDStatsReport> reports_;
 };
 
 }  // namespace fastddp

@@ -1,0 +1,75 @@
+#include "pipelined_hook.h"
+
+#include <ATen/ATen.h>
+
+#include <exception>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+namespace fastddp {
+
+c10::intrusive_ptr<c10::ivalue::Future> PipelinedHook::run(Bucket& bucket, size_t index,
+                                                           bool is_last) {
+  if (pending_ && index == 0) {
+    // Left over from a step that failed before its last bucket: nobody waits
+    // for it any more, and its second collective must not be issued now.
+    pending_->result->setErrorIfNeeded(std::make_exception_ptr(
+        std::runtime_error("fastddp: comm hook '" + name() + "': the step was abandoned")));
+    pending_.reset();
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> done;
+  std::shared_ptr<Stage> stage = start(bucket, index, is_last, done);
+  if (stage) {
+    stage->index = index;
+    done = stage->result;
+  }
+  TORCH_INTERNAL_ASSERT(done, "comm hook '", name(), "' started bucket ", index, " without a future");
+  if (pending_) {
+    std::shared_ptr<Stage> previous = std::move(pending_);
+    finish_or_fail(*previous);
+  }
+  if (stage) {
+    if (is_last) {
+      finish_or_fail(*stage);
+    } else {
+      pending_ = std::move(stage);
+    }
+  }
+  return done;
+}
+
+void PipelinedHook::finish_or_fail(Stage& stage) {
+  try {
+    finish(stage);
+  } catch (...) {
+    // The reducer reports it from backward(), naming the bucket and hook.
+    stage.result->setErrorIfNeeded(std::current_exception());
+  }
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> PipelinedHook::make_result(const at::Tensor& like) {
+  std::vector<c10::Device> devices;
+  if (!like.device().is_cpu()) devices.push_back(like.device());
+  return c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get(), std::move(devices));
+}
+
+void PipelinedHook::complete_after(const c10::intrusive_ptr<c10::ivalue::Future>& collective,
+                                   const c10::intrusive_ptr<c10::ivalue::Future>& result,
+                                   std::function<c10::IValue()> local_work) {
+  // The callback runs on the collective's streams (CUDA), so its work is
+  // ordered after the collective and `result` records events after it.
+  collective->addCallback([result, work = std::move(local_work)](c10::ivalue::Future& fut) {
+    if (fut.hasError()) {
+      result->setErrorIfNeeded(fut.exception_ptr());
+      return;
+    }
+    try {
+      result->markCompleted(work());
+    } catch (...) {
+      result->setErrorIfNeeded(std::current_exception());
+    }
+  });
+}
+
+}  // namespace fastddp

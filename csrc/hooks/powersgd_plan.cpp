@@ -1,0 +1,117 @@
+#include "powersgd_plan.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+namespace fastddp {
+namespace {
+
+// torch's _orthogonalize_gram_schmidt, op for op, so rounding matches.
+void gram_schmidt(at::Tensor& matrices, double epsilon) {
+  const int64_t cols = matrices.size(2);
+  for (int64_t i = 0; i < cols; ++i) {
+    at::Tensor col = matrices.narrow(2, i, 1);
+    at::Tensor norm = at::linalg_vector_norm(col, 2, at::IntArrayRef{1}, /*keepdim=*/true);
+    // epsilon == 0: a zero column becomes NaN, as in torch (tensor division
+    // never raises the ZeroDivisionError torch's code catches).
+    if (epsilon == 0) {
+      col.div_(norm);
+    } else {
+      col.div_(norm + epsilon);
+    }
+    if (i + 1 < cols) {
+      at::Tensor rest = matrices.narrow(2, i + 1, cols - i - 1);
+      rest.sub_(at::sum(col * rest, at::IntArrayRef{1}, /*keepdim=*/true) * col);
+    }
+  }
+}
+
+}  // namespace
+
+PowerSGDPlan plan_powersgd(const Bucket& bucket, const at::Tensor& flat,
+                           const PowerSGDOptions& o) {
+  PowerSGDPlan plan;
+  for (size_t k = 0; k < bucket.views.size(); ++k) {
+    const int64_t numel = bucket.numels[k];
+    // torch's per-tensor view: tensor.view(tensor.shape[0], -1) over the
+    // slot's slice (row-major, as torch's contiguous bucket views).
+    const int64_t n = bucket.views[k].dim() > 0 ? bucket.views[k].size(0) : 1;
+    const int64_t m = n > 0 ? numel / n : 0;
+    const int64_t r = std::min({n, m, o.matrix_approximation_rank});
+    const int64_t compressed = (n + m) * r;
+    plan.numel_before += numel;
+    if (!(static_cast<double>(compressed) * o.min_compression_rate < static_cast<double>(numel))) {
+      plan.numel_after += numel;
+      plan.uncompressed.push_back(k);
+      plan.uncompressed_numel += numel;
+      continue;
+    }
+    plan.numel_after += compressed;
+    PowerSGDMatrix mat{k, n, m, r, 0, 0, flat.narrow(0, bucket.offsets[k], numel).view({n, m})};
+    auto group = std::find_if(plan.groups.begin(), plan.groups.end(), [&](const auto& g) {
+      return g.front().n == n && g.front().m == m;
+    });
+    if (group == plan.groups.end()) {
+      plan.groups.push_back({std::move(mat)});
+    } else {
+      group->push_back(std::move(mat));
+    }
+  }
+  // Group order is memory order, batched or not.
+  for (auto& group : plan.groups) {
+    for (PowerSGDMatrix& mat : group) {
+      mat.p_offset = plan.p_numel;
+      mat.q_offset = plan.q_numel;
+      plan.p_numel += mat.n * mat.r;
+      plan.q_numel += mat.m * mat.r;
+    }
+  }
+  return plan;
+}
+
+std::vector<PowerSGDBatch> make_powersgd_batches(const PowerSGDPlan& plan,
+                                                 const PowerSGDOptions& o,
+                                                 const at::Tensor& p_memory,
+                                                 const at::Tensor& q_memory) {
+  std::vector<PowerSGDBatch> batches;
+  auto add = [&](const PowerSGDMatrix& first, int64_t count, at::Tensor matrices,
+                 std::vector<at::Tensor> originals) {
+    PowerSGDBatch batch;
+    batch.matrices = std::move(matrices);
+    batch.originals = std::move(originals);
+    batch.p = p_memory.narrow(0, first.p_offset, count * first.n * first.r)
+                  .view({count, first.n, first.r});
+    batch.q = q_memory.narrow(0, first.q_offset, count * first.m * first.r)
+                  .view({count, first.m, first.r});
+    batches.push_back(std::move(batch));
+  };
+  for (const auto& group : plan.groups) {
+    if (o.batch_tensors_with_same_shape && group.size() > 1) {
+      std::vector<at::Tensor> views;
+      views.reserve(group.size());
+      for (const PowerSGDMatrix& mat : group) views.push_back(mat.matrix);
+      add(group.front(), static_cast<int64_t>(group.size()), at::stack(views), views);
+    } else {
+      for (const PowerSGDMatrix& mat : group) add(mat, 1, mat.matrix.unsqueeze(0), {});
+    }
+  }
+  return batches;
+}
+
+void powersgd_orthogonalize(at::Tensor& matrices, double epsilon) {
+  TORCH_CHECK(matrices.dim() == 3 && matrices.size(2) <= matrices.size(1),
+              "fastddp powersgd_orthogonalize: matrices must be (batch, n, r) with r <= n, got ",
+              matrices.sizes());
+  const int64_t rank = matrices.size(2);
+  const auto dtype = matrices.scalar_type();
+  if (rank <= 2 || dtype == at::kHalf || dtype == at::kBFloat16) {
+    gram_schmidt(matrices, epsilon);
+  } else {
+    // torch: linalg.qr(matrices, out=(matrices, R)); epsilon is not used.
+    matrices.copy_(std::get<0>(at::linalg_qr(matrices)));
+  }
+}
+
+}  // namespace fastddp

@@ -1,0 +1,69 @@
+// How the PowerSGD hook cuts a bucket into matrices (Note [powersgd]):
+// which slots are compressed, how same-shape matrices are batched, and
+// where each matrix's P and Q live in the bucket's P and Q memories.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "../reducer/bucket.h"
+
+namespace fastddp {
+
+struct PowerSGDOptions {
+  int64_t matrix_approximation_rank = 1;
+  int64_t start_powerSGD_iter = 1000;
+  double min_compression_rate = 2.0;
+  bool use_error_feedback = true;
+  bool warm_start = true;
+  double orthogonalization_epsilon = 0.0;
+  bool batch_tensors_with_same_shape = false;
+  int64_t compression_stats_logging_frequency = 10000;
+  int64_t iter = 0;  // the step to start counting from (a resumed PowerSGDState's iter)
+};
+
+// A compressed slot: the (n, m) matrix view of its slice, rank r, and the
+// offsets of its P (n x r) and Q (m x r) in the memories.
+struct PowerSGDMatrix {
+  size_t slot = 0;
+  int64_t n = 0, m = 0, r = 0;
+  int64_t p_offset = 0, q_offset = 0;
+  at::Tensor matrix;
+};
+
+struct PowerSGDPlan {
+  std::vector<size_t> uncompressed;  // slots sent as they are
+  int64_t uncompressed_numel = 0;
+  // Compressed matrices grouped by (n, m) in order of first appearance
+  // (torch's order: it lays out P and Q and draws the random Q).
+  std::vector<std::vector<PowerSGDMatrix>> groups;
+  int64_t p_numel = 0, q_numel = 0;
+  int64_t numel_before = 0, numel_after = 0;  // torch's compression statistics
+};
+
+// One bmm's worth: B same-shape matrices and their P, Q.
+struct PowerSGDBatch {
+  at::Tensor matrices;                // (B, n, m): a view of the bucket, or a stacked copy
+  std::vector<at::Tensor> originals;  // when stacked: the (n, m) views to copy back into
+  at::Tensor p, q;                    // (B, n, r), (B, m, r) views of the memories
+};
+
+// `flat` is the memory the matrices view (the bucket's, or a shadow's of the
+// same layout).
+PowerSGDPlan plan_powersgd(const Bucket& bucket, const at::Tensor& flat,
+                           const PowerSGDOptions& options);
+
+// torch's maybe_batched_tensors_to_compress, over the current contents of
+// the matrices (stacked copies are taken now).
+std::vector<PowerSGDBatch> make_powersgd_batches(const PowerSGDPlan& plan,
+                                                 const PowerSGDOptions& options,
+                                                 const at::Tensor& p_memory,
+                                                 const at::Tensor& q_memory);
+
+// torch's _orthogonalize on a batch of (n, r) matrices, in place.
+void powersgd_orthogonalize(at::Tensor& matrices, double epsilon);
+
+}  // namespace fastddp

@@ -1,0 +1,181 @@
+// The PowerSGD hook's state: per bucket while training, per parameter across
+// a bucket rebuild and in a checkpoint; its statistics.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <array>
+#include <sstream>
+
+#include "powersgd.h"
+
+namespace fastddp {
+
+std::string numpy_rng_state(const NumpyRandomState& rng) {
+  std::ostringstream out;
+  out << rng.pos();
+  for (uint32_t k : rng.key()) out << ' ' << k;
+  return out.str();
+}
+
+void set_numpy_rng_state(NumpyRandomState& rng, const std::string& state) {
+  std::istringstream in(state);
+  int pos = 0;
+  std::array<uint32_t, NumpyRandomState::kN> key{};
+  in >> pos;
+  for (uint32_t& k : key) in >> k;
+  std::string rest;
+  TORCH_CHECK_VALUE(in && !(in >> rest) && pos >= 0 && pos <= NumpyRandomState::kN,
+                    "comm hook 'powersgd': a numpy generator state must be a position in "
+                    "[0, 624] and 624 words");
+  rng.set_state(key, pos);
+}
+
+std::shared_ptr<PowerSGDHook::BucketState> PowerSGDHook::bucket_state(const Bucket& bucket,
+                                                                      size_t index,
+                                                                      const PowerSGDPlan& plan,
+                                                                      bool& randomize) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::shared_ptr<BucketState>& slot = states_[index];
+  const bool fresh = !slot;
+  if (fresh) {
+    slot = std::make_shared<BucketState>();
+    BucketState& s = *slot;
+    s.params.assign(bucket.params.begin(), bucket.params.end());
+    s.offsets = bucket.offsets;
+    s.numels = bucket.numels;
+    s.q_offsets.assign(bucket.params.size(), -1);
+    s.q_rows.assign(bucket.params.size(), 0);
+    s.q_cols.assign(bucket.params.size(), 0);
+    for (const auto& group : plan.groups) {
+      for (const PowerSGDMatrix& mat : group) {
+        s.q_offsets[mat.slot] = mat.q_offset;
+        s.q_rows[mat.slot] = mat.m;
+        s.q_cols[mat.slot] = mat.r;
+      }
+    }
+    const auto options = bucket.flat.options();
+    s.wire = at::empty({plan.uncompressed_numel + plan.p_numel}, options);
+    if (options_.use_error_feedback) s.error = at::zeros({bucket.flat.numel()}, options);
+  }
+  BucketState& s = *slot;
+  randomize = !s.q_memory.defined();  // first step, or no warm start
+  if (randomize) s.q_memory = at::empty({plan.q_numel}, bucket.flat.options());
+  if (fresh) adopt_carried(s, plan, randomize);
+  return slot;
+}
+
+void PowerSGDHook::adopt_carried(BucketState& s, const PowerSGDPlan& plan, bool& randomize) {
+  for (size_t k = 0; k < s.params.size(); ++k) {
+    auto it = carried_errors_.find(s.params[k]);
+    if (it == carried_errors_.end()) continue;
+    if (s.error.defined()) s.error.narrow(0, s.offsets[k], s.numels[k]).copy_(it->second.reshape(-1));
+    carried_errors_.erase(it);
+  }
+  if (!options_.warm_start) return;
+  // Without every Q of the bucket torch would draw them all: do the same
+  // (the draw keeps the generator where the uninterrupted run has it), then
+  // put back the ones we have.
+  bool all = true;
+  for (const auto& group : plan.groups) {
+    for (const PowerSGDMatrix& mat : group) all = all && carried_qs_.count(s.params[mat.slot]);
+  }
+  if (randomize && all) randomize = false;
+  for (const auto& group : plan.groups) {
+    for (const PowerSGDMatrix& mat : group) {
+      auto it = carried_qs_.find(s.params[mat.slot]);
+      if (it == carried_qs_.end()) continue;
+      TORCH_CHECK_VALUE(it->second.numel() == mat.m * mat.r,
+                        "fastddp powersgd: the saved Q of parameter ", s.params[mat.slot],
+                        " has ", it->second.numel(), " elements, expected ", mat.m, " x ", mat.r);
+      s.qs_after_draw.emplace_back(mat.q_offset, it->second);
+      carried_qs_.erase(it);
+    }
+  }
+}
+
+void PowerSGDHook::carry(const BucketState& s, std::map<int64_t, at::Tensor>& errors,
+                         std::map<int64_t, at::Tensor>& qs) const {
+  for (size_t k = 0; k < s.params.size(); ++k) {
+    if (s.error.defined()) errors[s.params[k]] = s.error.narrow(0, s.offsets[k], s.numels[k]);
+    if (s.q_offsets[k] >= 0 && s.q_memory.defined()) {
+      qs[s.params[k]] = s.q_memory.narrow(0, s.q_offsets[k], s.q_rows[k] * s.q_cols[k])
+                            .view({s.q_rows[k], s.q_cols[k]});
+    }
+  }
+}
+
+void PowerSGDHook::on_new_buckets(const std::vector<Bucket>& buckets) {
+  (void)buckets;
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& entry : states_) carry(*entry.second, carried_errors_, carried_qs_);
+  states_.clear();
+}
+
+void PowerSGDHook::count(const PowerSGDPlan& plan, size_t index, bool is_last,
+                         int64_t element_size) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  numel_before_ += plan.numel_before;
+  numel_after_ += plan.numel_after;
+  if (index == 0) step_bytes_in_ = step_bytes_out_ = 0;
+  step_bytes_in_ += plan.numel_before * element_size;
+  step_bytes_out_ += (plan.uncompressed_numel + plan.p_numel + plan.q_numel) * element_size;
+  if (!is_last) return;
+  last_step_bytes_ = {step_bytes_in_, step_bytes_out_};
+  // torch's _report_compression_stats, with the counter before this step's increment.
+  const int64_t iter = iter_.load();
+  if (iter >= next_stats_report_) {
+    reports_.push_back({iter, numel_before_, numel_after_});
+    next_stats_report_ = iter + options_.compression_stats_logging_frequency;
+  }
+}
+
+std::vector<double> PowerSGDHook::compression_stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const double rate = numel_after_ > 0 ? static_cast<double>(numel_before_) / numel_after_ : 0.0;
+  return {rate, static_cast<double>(numel_before_), static_cast<double>(numel_after_)};
+}
+
+std::pair<int64_t, int64_t> PowerSGDHook::last_step_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return last_step_bytes_;
+}
+
+std::vector<PowerSGDStatsReport> PowerSGDHook::take_stats_reports() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<PowerSGDStatsReport> out;
+  out.swap(reports_);
+  return out;
+}
+
+PowerSGDCheckpoint PowerSGDHook::state_dict() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  PowerSGDCheckpoint ck;
+  ck.iter = iter_.load();
+  ck.rng_state = numpy_rng_state(rng_);
+  ck.numel_before = numel_before_;
+  ck.numel_after = numel_after_;
+  ck.next_stats_report = next_stats_report_;
+  ck.errors = carried_errors_;
+  ck.qs = carried_qs_;
+  for (const auto& entry : states_) carry(*entry.second, ck.errors, ck.qs);
+  // Copies: the checkpoint must not change as training goes on.
+  for (auto& e : ck.errors) e.second = e.second.clone();
+  for (auto& q : ck.qs) q.second = q.second.clone();
+  return ck;
+}
+
+void PowerSGDHook::load_state_dict(const PowerSGDCheckpoint& ck) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  set_numpy_rng_state(rng_, ck.rng_state);
+  iter_.store(ck.iter);
+  numel_before_ = ck.numel_before;
+  numel_after_ = ck.numel_after;
+  next_stats_report_ = ck.next_stats_report;
+  states_.clear();
+  carried_errors_.clear();
+  carried_qs_.clear();
+  for (const auto& e : ck.errors) carried_errors_[e.first] = e.second.clone();
+  for (const auto& q : ck.qs) carried_qs_[q.first] = q.second.clone();
+}
+
+}  // namespace fastddp
