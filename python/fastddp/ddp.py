@@ -11,6 +11,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fastddp import _C
+from fastddp import _hook_state
 from fastddp import hooks as fastddp_hooks
 from fastddp._introspection import bucket_sizes, comm_stats, logging_data
 from fastddp._join import _JoinHook, announce_backward_sync, sync_buffers
@@ -145,6 +146,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
 
         self._reducer = None
         self._comm_hooks: list[tuple[Any, object]] = []
+        self._native_hook = None  # the registered C++ hook (None: the default allreduce)
         plan, _ = _C.compute_bucket_assignment_by_size(params, initial_limits)
         plan = list(reversed(plan))
         self._initial_bucket_sizes = bucket_sizes(params, plan)
@@ -175,6 +177,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         reducer = self._reducer
         if reducer is None:
             return self.module(*inputs, **kwargs)
+        if self._native_hook is not None and hasattr(self._native_hook, "take_stats_reports"):
+            _hook_state.log_stats(self._native_hook)
         grad_enabled = torch.is_grad_enabled()
         sync = grad_enabled and self.require_backward_grad_sync
         # Collective order must match _join.py's main_hook on joined ranks.
@@ -243,8 +247,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 "register_comm_hook or register_builtin_comm_hook can only be called once.")
         self._comm_hooks.append((hook, state))
         if self._reducer is not None:  # world size 1 reduces nothing
-            self._reducer.set_comm_hook(
-                fastddp_hooks.resolve(state, hook, self.process_group, self._reducer_params))
+            self._native_hook = fastddp_hooks.resolve(state, hook, self.process_group,
+                                                      self._reducer_params)
+            self._reducer.set_comm_hook(self._native_hook)
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
         """torch's built-in hook types (ALLREDUCE, FP16_COMPRESS) as fastddp built-ins."""
@@ -254,7 +259,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 "register_builtin_comm_hook or register_comm_hook can only be called once.")
         self._comm_hooks.append((hook, None))
         if self._reducer is not None:
-            self._reducer.set_comm_hook(hook.native(self.process_group))
+            self._native_hook = hook.native(self.process_group)
+            self._reducer.set_comm_hook(self._native_hook)
 
     def _register_fused_optim(self, optim: Any, *args: Any, **kwargs: Any) -> None:
         raise _not_yet("_register_fused_optim", "it needs communication hooks")
@@ -292,6 +298,24 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         """torch DDP's logging data, for the keys that describe the run and
         its buckets (no timing keys: see comm_stats())."""
         return logging_data(self)
+
+    def comm_hook_state_dict(self) -> dict:
+        """The registered comm hook's state for a checkpoint: for PowerSGD its iteration,
+        generator, statistics, and error feedback and warm-start Q by parameter name. Call
+        it between steps; restore with load_comm_hook_state_dict() after registering the
+        same hook on the new model."""
+        return _hook_state.state_dict(self)
+
+    def load_comm_hook_state_dict(self, state: dict) -> None:
+        """Restores comm_hook_state_dict()'s state: the next steps are those the
+        uninterrupted run would take."""
+        _hook_state.load_state_dict(self, state)
+
+    def compression_stats(self) -> dict:
+        """PowerSGD's statistics: torch's running totals (rate, numel_before, numel_after,
+        as PowerSGDState.compression_stats()) and the bytes of the last step before and
+        after compression."""
+        return _hook_state.compression_stats(self)
 
     def comm_stats(self) -> dict:
         """Communication figures of the last synchronized step: bytes reduced

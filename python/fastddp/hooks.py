@@ -158,11 +158,12 @@ def fp16(accumulate: str = "fp16", error_feedback: bool = False) -> CommHook:
 def powersgd(matrix_approximation_rank: int = 1, start_powerSGD_iter: int = 1_000,
              min_compression_rate: float = 2, use_error_feedback: bool = True,
              warm_start: bool = True, orthogonalization_epsilon: float = 0,
-             random_seed: int = 0, batch_tensors_with_same_shape: bool = False) -> CommHook:
+             random_seed: int = 0, batch_tensors_with_same_shape: bool = False,
+             compression_stats_logging_frequency: int = 10_000) -> CommHook:
     """PowerSGD low-rank compression, torch's ``powerSGD_hook`` run in C++.
 
     The arguments are ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.PowerSGDState``'s
-    (without the process group, which is the model's, and the logging frequency), and the
+    (without the process group, which is the model's), and the
     gradients are torch's for the same arguments (within float rounding): allreduce for the
     first `start_powerSGD_iter` steps, then rank-`matrix_approximation_rank` P Q^T
     approximations of the matrices worth compressing, with error feedback and warm start.
@@ -171,6 +172,8 @@ def powersgd(matrix_approximation_rank: int = 1, start_powerSGD_iter: int = 1_00
     _check_int(name, "matrix_approximation_rank", matrix_approximation_rank, minimum=1)
     _check_int(name, "start_powerSGD_iter", start_powerSGD_iter, minimum=0)
     _check_int(name, "random_seed", random_seed, minimum=0)
+    _check_int(name, "compression_stats_logging_frequency", compression_stats_logging_frequency,
+               minimum=0)
     if random_seed > 2**32 - 1:
         raise ValueError(f"{name}: random_seed must be between 0 and 2**32 - 1, got {random_seed}")
     for arg, value in (("use_error_feedback", use_error_feedback), ("warm_start", warm_start),
@@ -192,7 +195,8 @@ def powersgd(matrix_approximation_rank: int = 1, start_powerSGD_iter: int = 1_00
                     use_error_feedback=use_error_feedback, warm_start=warm_start,
                     orthogonalization_epsilon=float(orthogonalization_epsilon),
                     random_seed=random_seed,
-                    batch_tensors_with_same_shape=batch_tensors_with_same_shape)
+                    batch_tensors_with_same_shape=batch_tensors_with_same_shape,
+                    compression_stats_logging_frequency=compression_stats_logging_frequency)
 
 
 def _check_int(hook: str, arg: str, value: Any, minimum: int) -> None:
