@@ -26,9 +26,9 @@ c10::intrusive_ptr<c10::ivalue::Future> allreduce(c10d::ProcessGroup& group, at:
 struct PowerSGDHook::PowerSGDStage : PipelinedHook::Stage {
   std::shared_ptr<BucketState> state;
   PowerSGDPlan plan;
-  std::vector<PowerSGDBatch> batches;
+  PowerSGDWork work;
   at::Tensor input;       // the bucket's flat gradient: the result, in place
-  at::Tensor input_copy;  // M before compression (error feedback)
+  at::Tensor input_copy;  // M = gradient + error (error feedback)
   at::Tensor wire;
   c10::intrusive_ptr<c10::ivalue::Future> p_reduced;
 };
@@ -44,7 +44,7 @@ PowerSGDHook::~PowerSGDHook() = default;
 
 int64_t PowerSGDHook::wire_bytes(const Bucket& bucket) const {
   if (iter_.load() < options_.start_powerSGD_iter) return bucket.bytes();
-  const PowerSGDPlan plan = plan_powersgd(bucket, bucket.flat, options_);
+  const PowerSGDPlan plan = plan_powersgd(bucket, bucket.flat, bucket.flat, options_);
   return (plan.uncompressed_numel + plan.p_numel + plan.q_numel) *
          static_cast<int64_t>(bucket.flat.element_size());
 }
@@ -63,47 +63,53 @@ std::shared_ptr<PipelinedHook::Stage> PowerSGDHook::start(
   auto stage = std::make_shared<PowerSGDStage>();
   stage->input = bucket.flat;
   stage->result = make_result(stage->input);
-  stage->plan = plan_powersgd(bucket, bucket.flat, options_);
-  const PowerSGDPlan& plan = stage->plan;
-  count(plan, index, is_last, bucket.flat.element_size());
+  // The plan does not depend on the source's values: plan over the bucket
+  // for the state, then view the source.
   bool randomize = false;
+  PowerSGDPlan plan = plan_powersgd(bucket, bucket.flat, bucket.flat, options_);
+  count(plan, index, is_last, bucket.flat.element_size());
   stage->state = bucket_state(bucket, index, plan, randomize);
   BucketState& state = *stage->state;
 
-  at::Tensor& input = stage->input;
+  const at::Tensor& input = stage->input;
+  at::Tensor source = input;
   if (options_.use_error_feedback) {
-    input.add_(state.error);  // zeros on the first compressed step, as torch's
-    stage->input_copy = input.clone();
+    // M = gradient + error, out of place: M is also the copy the new error
+    // is taken from, and the bucket receives P Q^T.
+    stage->input_copy = at::add(input, state.error);
+    source = stage->input_copy;
+    plan = plan_powersgd(bucket, source, input, options_);
   }
   // Stacked after the error feedback: torch stacks views of the corrected buffer.
   at::Tensor p_memory = state.wire.narrow(0, plan.uncompressed_numel, plan.p_numel);
-  stage->batches = make_powersgd_batches(plan, options_, p_memory, state.q_memory);
-  const double eps = options_.orthogonalization_epsilon;
+  stage->work = make_powersgd_work(plan, options_, p_memory, state.q_memory);
+  PowerSGDWork& work = stage->work;
   if (randomize) {
     // torch: fork_rng; manual_seed(rng.randint(1e9)); q.copy_(randn(q.shape, cpu)) per Q.
     at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(
         static_cast<uint64_t>(rng_.randint(1000000000)));
-    for (PowerSGDBatch& b : stage->batches) {
+    for (PowerSGDBatch& b : work.batches) {
       b.q.copy_(at::randn(b.q.sizes(), gen, input.options().device(at::kCPU)));
     }
   }
   for (const auto& carried : state.qs_after_draw) {
-    state.q_memory.narrow(0, carried.first, carried.second.numel()).copy_(carried.second.reshape(-1));
+    state.q_memory.narrow(0, carried.first, carried.second.numel())
+        .copy_(carried.second.reshape(-1));
   }
   state.qs_after_draw.clear();
-  for (PowerSGDBatch& b : stage->batches) {
-    powersgd_orthogonalize(b.q, eps);
-    at::bmm_out(b.p, b.matrices, b.q);
-  }
+  // Orthogonalization is per matrix: one call per same-shape group.
+  for (at::Tensor& q : work.q_groups) powersgd_orthogonalize(q, options_.orthogonalization_epsilon);
+  for (PowerSGDBatch& b : work.batches) at::bmm_out(b.p, b.matrices, b.q);
   if (!plan.uncompressed.empty()) {
     std::vector<at::Tensor> slices;
     slices.reserve(plan.uncompressed.size());
     for (size_t k : plan.uncompressed) {
-      slices.push_back(input.narrow(0, bucket.offsets[k], bucket.numels[k]));
+      slices.push_back(source.narrow(0, bucket.offsets[k], bucket.numels[k]));
     }
     at::Tensor head = state.wire.narrow(0, 0, plan.uncompressed_numel);
     at::cat_out(head, slices);
   }
+  stage->plan = std::move(plan);
   stage->wire = state.wire;
   stage->p_reduced = allreduce(*group_, state.wire);
   if (is_last) ++iter_;
@@ -128,20 +134,19 @@ void PowerSGDHook::finish(Stage& base) {
       at_elem += numel;
     }
   }
-  for (PowerSGDBatch& b : stage.batches) {
-    powersgd_orthogonalize(b.p, options_.orthogonalization_epsilon);
-    at::bmm_out(b.q, b.matrices.transpose(1, 2), b.p);
-  }
+  PowerSGDWork& work = stage.work;
+  for (at::Tensor& p : work.p_groups) powersgd_orthogonalize(p, options_.orthogonalization_epsilon);
+  for (PowerSGDBatch& b : work.batches) at::bmm_out(b.q, b.matrices.transpose(1, 2), b.p);
   auto q_reduced = allreduce(*group_, state.q_memory);
   complete_after(q_reduced, stage.result,
-                 [this, state = stage.state, batches = std::move(stage.batches),
+                 [this, state = stage.state, batches = std::move(work.batches),
                   input = stage.input, input_copy = stage.input_copy]() mutable {
                    FASTDDP_NVTX_RANGE("fastddp decompress (powersgd)");
                    state->q_memory.div_(world_size_);
                    for (PowerSGDBatch& b : batches) {
-                     at::bmm_out(b.matrices, b.p, b.q.transpose(1, 2));
-                     for (size_t i = 0; i < b.originals.size(); ++i) {
-                       b.originals[i].copy_(b.matrices[static_cast<int64_t>(i)]);
+                     at::bmm_out(b.out, b.p, b.q.transpose(1, 2));
+                     for (size_t i = 0; i < b.unstack.size(); ++i) {
+                       b.unstack[i].copy_(b.out[static_cast<int64_t>(i)]);
                      }
                    }
                    if (options_.use_error_feedback) at::sub_out(state->error, input_copy, input);

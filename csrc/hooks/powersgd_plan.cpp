@@ -30,8 +30,8 @@ void gram_schmidt(at::Tensor& matrices, double epsilon) {
 
 }  // namespace
 
-PowerSGDPlan plan_powersgd(const Bucket& bucket, const at::Tensor& flat,
-                           const PowerSGDOptions& o) {
+PowerSGDPlan plan_powersgd(const Bucket& bucket, const at::Tensor& source,
+                           const at::Tensor& dest, const PowerSGDOptions& o) {
   PowerSGDPlan plan;
   for (size_t k = 0; k < bucket.views.size(); ++k) {
     const int64_t numel = bucket.numels[k];
@@ -49,7 +49,8 @@ PowerSGDPlan plan_powersgd(const Bucket& bucket, const at::Tensor& flat,
       continue;
     }
     plan.numel_after += compressed;
-    PowerSGDMatrix mat{k, n, m, r, 0, 0, flat.narrow(0, bucket.offsets[k], numel).view({n, m})};
+    PowerSGDMatrix mat{k, n, m, r, 0, 0, source.narrow(0, bucket.offsets[k], numel).view({n, m}),
+                       dest.narrow(0, bucket.offsets[k], numel).view({n, m})};
     auto group = std::find_if(plan.groups.begin(), plan.groups.end(), [&](const auto& g) {
       return g.front().n == n && g.front().m == m;
     });
@@ -71,33 +72,42 @@ PowerSGDPlan plan_powersgd(const Bucket& bucket, const at::Tensor& flat,
   return plan;
 }
 
-std::vector<PowerSGDBatch> make_powersgd_batches(const PowerSGDPlan& plan,
-                                                 const PowerSGDOptions& o,
-                                                 const at::Tensor& p_memory,
-                                                 const at::Tensor& q_memory) {
-  std::vector<PowerSGDBatch> batches;
-  auto add = [&](const PowerSGDMatrix& first, int64_t count, at::Tensor matrices,
-                 std::vector<at::Tensor> originals) {
-    PowerSGDBatch batch;
-    batch.matrices = std::move(matrices);
-    batch.originals = std::move(originals);
-    batch.p = p_memory.narrow(0, first.p_offset, count * first.n * first.r)
-                  .view({count, first.n, first.r});
-    batch.q = q_memory.narrow(0, first.q_offset, count * first.m * first.r)
-                  .view({count, first.m, first.r});
-    batches.push_back(std::move(batch));
+PowerSGDWork make_powersgd_work(const PowerSGDPlan& plan, const PowerSGDOptions& o,
+                                const at::Tensor& p_memory, const at::Tensor& q_memory) {
+  PowerSGDWork work;
+  auto p_view = [&](const PowerSGDMatrix& first, int64_t count) {
+    return p_memory.narrow(0, first.p_offset, count * first.n * first.r)
+        .view({count, first.n, first.r});
+  };
+  auto q_view = [&](const PowerSGDMatrix& first, int64_t count) {
+    return q_memory.narrow(0, first.q_offset, count * first.m * first.r)
+        .view({count, first.m, first.r});
   };
   for (const auto& group : plan.groups) {
-    if (o.batch_tensors_with_same_shape && group.size() > 1) {
+    const auto count = static_cast<int64_t>(group.size());
+    work.p_groups.push_back(p_view(group.front(), count));
+    work.q_groups.push_back(q_view(group.front(), count));
+    if (o.batch_tensors_with_same_shape && count > 1) {
+      PowerSGDBatch batch;
       std::vector<at::Tensor> views;
       views.reserve(group.size());
-      for (const PowerSGDMatrix& mat : group) views.push_back(mat.matrix);
-      add(group.front(), static_cast<int64_t>(group.size()), at::stack(views), views);
-    } else {
-      for (const PowerSGDMatrix& mat : group) add(mat, 1, mat.matrix.unsqueeze(0), {});
+      for (const PowerSGDMatrix& mat : group) {
+        views.push_back(mat.matrix);
+        batch.unstack.push_back(mat.out);
+      }
+      batch.matrices = at::stack(views);
+      batch.out = batch.matrices;  // torch decompresses into the stack, then copies back
+      batch.p = p_view(group.front(), count);
+      batch.q = q_view(group.front(), count);
+      work.batches.push_back(std::move(batch));
+      continue;
+    }
+    for (const PowerSGDMatrix& mat : group) {
+      work.batches.push_back(
+          {mat.matrix.unsqueeze(0), mat.out.unsqueeze(0), {}, p_view(mat, 1), q_view(mat, 1)});
     }
   }
-  return batches;
+  return work;
 }
 
 void powersgd_orthogonalize(at::Tensor& matrices, double epsilon) {

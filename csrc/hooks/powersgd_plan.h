@@ -25,13 +25,14 @@ struct PowerSGDOptions {
   int64_t iter = 0;  // the step to start counting from (a resumed PowerSGDState's iter)
 };
 
-// A compressed slot: the (n, m) matrix view of its slice, rank r, and the
-// offsets of its P (n x r) and Q (m x r) in the memories.
+// A compressed slot: the (n, m) matrix views of its slice in the source
+// (M, error feedback included) and in the destination (where P Q^T goes),
+// rank r, and the offsets of its P (n x r) and Q (m x r) in the memories.
 struct PowerSGDMatrix {
   size_t slot = 0;
   int64_t n = 0, m = 0, r = 0;
   int64_t p_offset = 0, q_offset = 0;
-  at::Tensor matrix;
+  at::Tensor matrix, out;
 };
 
 struct PowerSGDPlan {
@@ -46,22 +47,29 @@ struct PowerSGDPlan {
 
 // One bmm's worth: B same-shape matrices and their P, Q.
 struct PowerSGDBatch {
-  at::Tensor matrices;                // (B, n, m): a view of the bucket, or a stacked copy
-  std::vector<at::Tensor> originals;  // when stacked: the (n, m) views to copy back into
-  at::Tensor p, q;                    // (B, n, r), (B, m, r) views of the memories
+  at::Tensor matrices;             // (B, n, m): a view of the source, or a stacked copy
+  at::Tensor out;                  // (B, n, m): where P Q^T goes (a view, or stacked scratch)
+  std::vector<at::Tensor> unstack;  // when stacked: the (n, m) destinations of `out`
+  at::Tensor p, q;                 // (B, n, r), (B, m, r) views of the memories
 };
 
-// `flat` is the memory the matrices view (the bucket's, or a shadow's of the
-// same layout).
-PowerSGDPlan plan_powersgd(const Bucket& bucket, const at::Tensor& flat,
-                           const PowerSGDOptions& options);
+// A step's compression work: the bmm batches (torch's
+// maybe_batched_tensors_to_compress), and every same-shape group's P and Q
+// as one (B, n, r) / (B, m, r) view to orthogonalize in one call (the
+// memories are laid out group by group, so these are plain views).
+struct PowerSGDWork {
+  std::vector<PowerSGDBatch> batches;
+  std::vector<at::Tensor> p_groups, q_groups;
+};
 
-// torch's maybe_batched_tensors_to_compress, over the current contents of
-// the matrices (stacked copies are taken now).
-std::vector<PowerSGDBatch> make_powersgd_batches(const PowerSGDPlan& plan,
-                                                 const PowerSGDOptions& options,
-                                                 const at::Tensor& p_memory,
-                                                 const at::Tensor& q_memory);
+// Matrix views of `source` (M) and `dest` (the result), which have the
+// bucket's layout.
+PowerSGDPlan plan_powersgd(const Bucket& bucket, const at::Tensor& source,
+                           const at::Tensor& dest, const PowerSGDOptions& options);
+
+// Over the current contents of the matrices (stacked copies are taken now).
+PowerSGDWork make_powersgd_work(const PowerSGDPlan& plan, const PowerSGDOptions& options,
+                                const at::Tensor& p_memory, const at::Tensor& q_memory);
 
 // torch's _orthogonalize on a batch of (n, r) matrices, in place.
 void powersgd_orthogonalize(at::Tensor& matrices, double epsilon);
