@@ -150,10 +150,16 @@ void PowerSGDHook::finish(Stage& base) {
                      }
                    }
                    if (options_.use_error_feedback) at::sub_out(state->error, input_copy, input);
-                   if (!options_.warm_start) {
-                     std::lock_guard<std::mutex> lock(mutex_);
-                     state->q_memory = at::Tensor();
+                   std::lock_guard<std::mutex> lock(mutex_);
+                   if (!input.is_cpu()) {
+                     // This callback's kernels run on a side stream: the
+                     // caching allocator must not hand their memory to the
+                     // main stream before it has waited for them (next step).
+                     state->in_flight.push_back(input_copy);
+                     for (PowerSGDBatch& b : batches) state->in_flight.push_back(b.out);
+                     state->in_flight.push_back(state->q_memory);
                    }
+                   if (!options_.warm_start) state->q_memory = at::Tensor();
                    return c10::IValue(input);
                  });
 }

@@ -114,6 +114,8 @@ class PowerSGDHook : public PipelinedHook {
     at::Tensor error;     // error feedback, the bucket's numel
     at::Tensor wire;      // [uncompressed | P]: one allreduce
     at::Tensor q_memory;  // every Q of the bucket, flat
+    // Kept until the next step (CUDA): see the decompression callback.
+    std::vector<at::Tensor> in_flight;
     // Carried Qs (q_offset, Q) to put in place once Q is initialized.
     std::vector<std::pair<int64_t, at::Tensor>> qs_after_draw;
   };

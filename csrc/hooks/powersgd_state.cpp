@@ -58,6 +58,7 @@ std::shared_ptr<PowerSGDHook::BucketState> PowerSGDHook::bucket_state(const Buck
     if (options_.use_error_feedback) s.error = at::zeros({bucket.flat.numel()}, options);
   }
   BucketState& s = *slot;
+  s.in_flight.clear();  // the reducer waited for last step's callbacks
   randomize = !s.q_memory.defined();  // first step, or no warm start
   if (randomize) s.q_memory = at::empty({plan.q_numel}, bucket.flat.options());
   if (fresh) adopt_carried(s, plan, randomize);
