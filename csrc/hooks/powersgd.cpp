@@ -88,8 +88,13 @@ std::shared_ptr<PipelinedHook::Stage> PowerSGDHook::start(
     // torch: fork_rng; manual_seed(rng.randint(1e9)); q.copy_(randn(q.shape, cpu)) per Q.
     at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(
         static_cast<uint64_t>(rng_.randint(1000000000)));
+    // On CUDA through pinned memory, so the copy does not block the host
+    // (without warm start this runs every step).
+    const auto host = input.options().device(at::kCPU).pinned_memory(!input.is_cpu());
     for (PowerSGDBatch& b : work.batches) {
-      b.q.copy_(at::randn(b.q.sizes(), gen, input.options().device(at::kCPU)));
+      at::Tensor q = at::empty(b.q.sizes(), host);
+      q.normal_(0, 1, gen);  // what randn(shape, generator) draws
+      b.q.copy_(q, /*non_blocking=*/true);
     }
   }
   for (const auto& carried : state.qs_after_draw) {
