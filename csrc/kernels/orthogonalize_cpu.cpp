@@ -9,6 +9,7 @@
 // r == 1 needs no copy: a one-column matrix is already a column.
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include "orthogonalize.h"
@@ -23,11 +24,12 @@ namespace fastddp::kernels {
 
 namespace {
 
-constexpr int kLanes = 8;
-
 // sum a[k] * b[k] in double. kLanes independent accumulators let the compiler
-// vectorize without reassociating (no -ffast-math), and fix the summation
-// order, so results do not depend on the vector width the CPU picked.
+// vectorize without reassociating (no -ffast-math), fix the summation order
+// (results do not depend on the vector width the CPU picked), and are enough
+// vectors in flight to hide the adds' latency (8 would leave it latency-bound).
+constexpr int kLanes = 32;
+
 template <typename T>
 FASTDDP_VECTOR_CLONES double dot(const T* __restrict a, const T* __restrict b, int64_t n) {
   double acc[kLanes] = {};
@@ -40,7 +42,10 @@ FASTDDP_VECTOR_CLONES double dot(const T* __restrict a, const T* __restrict b, i
   for (int l = 0; k + l < n; ++l) {
     acc[l] += static_cast<double>(a[k + l]) * static_cast<double>(b[k + l]);
   }
-  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+  for (int width = kLanes / 2; width > 0; width /= 2) {
+    for (int l = 0; l < width; ++l) acc[l] += acc[l + width];
+  }
+  return acc[0];
 }
 
 // A division, not a multiplication by the reciprocal: torch's `col /= norm`
@@ -65,71 +70,112 @@ FASTDDP_VECTOR_CLONES void subtract_scaled(T* __restrict a, T c, const T* __rest
 // its length after projection (the residuals' squares sum to n - i over k),
 // so two projection passes leave it orthogonal to working precision.
 template <typename T>
-void complete_column(T* cols, int64_t n, int64_t i) {
+void complete_column(T* cols, int64_t n, int64_t ld, int64_t i) {
   std::vector<double> covered(static_cast<size_t>(n), 0.0);
   for (int64_t l = 0; l < i; ++l) {
-    const T* cl = cols + l * n;
+    const T* cl = cols + l * ld;
     for (int64_t k = 0; k < n; ++k) covered[k] += static_cast<double>(cl[k]) * cl[k];
   }
   const int64_t best = std::min_element(covered.begin(), covered.end()) - covered.begin();
-  T* ci = cols + i * n;
+  T* ci = cols + i * ld;
   std::fill(ci, ci + n, T(0));
   ci[best] = T(1);
   for (int pass = 0; pass < 2; ++pass) {
     for (int64_t l = 0; l < i; ++l) {
-      const T* cl = cols + l * n;
+      const T* cl = cols + l * ld;
       subtract_scaled(ci, static_cast<T>(dot(cl, ci, n)), cl, n);
     }
   }
   divide(ci, static_cast<T>(std::sqrt(dot(ci, ci, n))), n);
 }
 
-// One modified Gram-Schmidt pass over the r columns (each n long, contiguous).
+// One modified Gram-Schmidt pass over the r columns (each n long, contiguous,
+// ld apart).
 template <typename T>
-void gram_schmidt_pass(T* cols, int64_t n, int64_t r, double epsilon, bool like_qr) {
+void gram_schmidt_pass(T* cols, int64_t n, int64_t ld, int64_t r, double epsilon,
+                       bool like_qr) {
   for (int64_t i = 0; i < r; ++i) {
-    T* ci = cols + i * n;
+    T* ci = cols + i * ld;
     // torch: norm (in T), then `norm + epsilon` in T.
     const T norm = static_cast<T>(std::sqrt(dot(ci, ci, n)));
     if (like_qr && norm == T(0)) {
-      complete_column(cols, n, i);
+      complete_column(cols, n, ld, i);
     } else {
       divide(ci, epsilon == 0 ? norm : norm + static_cast<T>(epsilon), n);
     }
     for (int64_t j = i + 1; j < r; ++j) {
-      T* cj = cols + j * n;
+      T* cj = cols + j * ld;
       subtract_scaled(cj, static_cast<T>(dot(ci, cj, n)), ci, n);
     }
   }
 }
 
+// The scratch copy's column stride: whole cache lines, and not a multiple of
+// 1 KB elements, so that the r columns do not alias to the same cache sets
+// (n = 4096 would put them exactly 16 KB apart).
+int64_t column_stride(int64_t n) {
+  int64_t ld = (n + 15) / 16 * 16;
+  if (ld % 256 == 0) ld += 16;
+  return ld;
+}
+
+// Row blocks of the transposes: each column's slice of a block is one cache line
+// written (or read) whole, while the block's rows stay in L1.
+constexpr int64_t kRowBlock = 16;
+
+// Between the row-major matrix `a` (n, r) and its column-major copy `cols`.
+// R > 0 is r known at compile time, so that the compiler turns the strided
+// accesses into vector shuffles for PowerSGD's usual ranks.
+template <bool kIn, int R, typename T>
+FASTDDP_VECTOR_CLONES void transpose_fixed(T* __restrict a, T* __restrict cols, int64_t n,
+                                           int64_t r, int64_t ld) {
+  if constexpr (R > 0) r = R;
+  for (int64_t k0 = 0; k0 < n; k0 += kRowBlock) {
+    const int64_t len = std::min(kRowBlock, n - k0);
+    for (int64_t j = 0; j < r; ++j) {
+      for (int64_t k = k0; k < k0 + len; ++k) {
+        if constexpr (kIn) {
+          cols[j * ld + k] = a[k * r + j];
+        } else {
+          a[k * r + j] = cols[j * ld + k];
+        }
+      }
+    }
+  }
+}
+
+template <bool kIn, typename T>
+void transpose(T* a, T* cols, int64_t n, int64_t r, int64_t ld) {
+  switch (r) {
+    case 2: return transpose_fixed<kIn, 2>(a, cols, n, r, ld);
+    case 4: return transpose_fixed<kIn, 4>(a, cols, n, r, ld);
+    case 8: return transpose_fixed<kIn, 8>(a, cols, n, r, ld);
+    case 16: return transpose_fixed<kIn, 16>(a, cols, n, r, ld);
+    default: return transpose_fixed<kIn, 0>(a, cols, n, r, ld);
+  }
+}
+
 template <typename T>
 void orthogonalize_one(T* a, int64_t n, int64_t r, double epsilon, T* scratch) {
+  const int64_t ld = r == 1 ? n : column_stride(n);
   T* cols = r == 1 ? a : scratch;
-  if (r > 1) {
-    for (int64_t k = 0; k < n; ++k) {
-      for (int64_t j = 0; j < r; ++j) cols[j * n + k] = a[k * r + j];
-    }
-  }
+  if (r > 1) transpose<true>(a, cols, n, r, ld);
   if (orthogonalize_like_qr(r)) {
-    gram_schmidt_pass(cols, n, r, 0.0, true);
-    gram_schmidt_pass(cols, n, r, 0.0, true);
+    gram_schmidt_pass(cols, n, ld, r, 0.0, true);
+    gram_schmidt_pass(cols, n, ld, r, 0.0, true);
   } else {
-    gram_schmidt_pass(cols, n, r, epsilon, false);
+    gram_schmidt_pass(cols, n, ld, r, epsilon, false);
   }
-  if (r > 1) {
-    for (int64_t k = 0; k < n; ++k) {
-      for (int64_t j = 0; j < r; ++j) a[k * r + j] = cols[j * n + k];
-    }
-  }
+  if (r > 1) transpose<false>(a, cols, n, r, ld);
 }
 
 template <typename T>
 void orthogonalize_batch(T* matrices, int64_t batch, int64_t n, int64_t r, double epsilon) {
   if (batch <= 0 || n <= 0 || r <= 0) return;
-  std::vector<T> scratch(r > 1 ? static_cast<size_t>(n * r) : 0);
+  // Uninitialized on purpose: every element is written by the transpose first.
+  std::unique_ptr<T[]> scratch(r > 1 ? new T[static_cast<size_t>(column_stride(n) * r)] : nullptr);
   for (int64_t b = 0; b < batch; ++b) {
-    orthogonalize_one(matrices + b * n * r, n, r, epsilon, scratch.data());
+    orthogonalize_one(matrices + b * n * r, n, r, epsilon, scratch.get());
   }
 }
 
