@@ -41,6 +41,16 @@ def span_error(a: torch.Tensor, p: torch.Tensor) -> float:
     return ((p @ (p.mT @ a) - a).abs().max() / a.abs().max()).item()
 
 
+def cancellation(m: torch.Tensor) -> float:
+    """How much Gram-Schmidt amplifies rounding in the second column: 1 / sin of the
+    smallest angle between a matrix's two columns (1 for one column)."""
+    if m.shape[2] < 2:
+        return 1.0
+    c = m.double() / m.double().norm(dim=1, keepdim=True)
+    cos = (c[:, :, 0] * c[:, :, 1]).sum(dim=1).abs().clamp(max=1)
+    return (1 / (1 - cos**2).sqrt()).max().item()
+
+
 def fused(m: torch.Tensor, epsilon: float) -> torch.Tensor:
     out = m.clone()
     assert _C.fused_orthogonalize(out, epsilon) is True
@@ -65,8 +75,10 @@ def test_matches_torch(r: int, n: int) -> None:
                 got, want = fused(m, eps), torch_orthogonalize(m, eps)
                 what = f"{dtype} batch {batch} n {n} r {r} eps {eps}"
                 if r <= 2:
-                    # The same op order; only torch's float sums differ from our double ones.
-                    atol = 1e-6 if dtype == torch.float32 else 1e-12
+                    # The same op order; only torch's float sums differ from our double ones
+                    # (differences the cancellation of nearly parallel columns amplifies:
+                    # small n draws some).
+                    atol = (1e-6 if dtype == torch.float32 else 1e-12) * cancellation(m)
                     torch.testing.assert_close(got, want, rtol=1e-5, atol=atol, msg=what)
                 else:
                     # QR and Gram-Schmidt differ by rounding amplified by the condition
@@ -77,8 +89,8 @@ def test_matches_torch(r: int, n: int) -> None:
                     assert orthogonality_error(got) < tol, what
                     assert span_error(m, got) < 100 * tol, what
                     if n >= 2 * r:  # well conditioned: the columns themselves agree
-                        torch.testing.assert_close(match_signs(got, want), want, rtol=1e-4,
-                                                   atol=100 * tol, msg=what)
+                        torch.testing.assert_close(match_signs(got, want), want, rtol=1e-5,
+                                                   atol=tol / 10, msg=what)
 
 
 @pytest.mark.parametrize("r", [3, 4, 8, 16])
