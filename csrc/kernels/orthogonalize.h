@@ -17,10 +17,12 @@
 //   Element-wise operations round in T as torch's do; norms and dot products
 //   accumulate in double, so results agree with torch to a few ulps.
 // r > 2: torch uses linalg.qr, which stays orthogonal on nearly dependent
-//   columns where one Gram-Schmidt pass does not. Here: the same modified
-//   Gram-Schmidt twice ("twice is enough", Giraud et al. 2005), which is as
-//   orthogonal as QR; columns equal QR's up to sign (PowerSGD's P Q^T does not
-//   depend on signs). As QR, epsilon is ignored and the result is always
+//   columns where one Gram-Schmidt pass does not. Here: modified Gram-Schmidt
+//   with a second projection pass ("twice is enough", Giraud et al. 2005),
+//   which is as orthogonal as QR; columns equal QR's up to sign (PowerSGD's
+//   P Q^T does not depend on signs). The CUDA kernel runs both passes over all
+//   columns; the CPU one works in double and re-projects only the columns that
+//   cancellation shrank below 1/sqrt(2) of their length (the DGKS criterion). As QR, epsilon is ignored and the result is always
 //   orthonormal: a column that is exactly zero after projection (rank-deficient
 //   input, e.g. an all-zero gradient) is replaced by a unit vector orthogonal
 //   to the earlier columns instead of becoming NaN.

@@ -89,23 +89,50 @@ void complete_column(T* cols, int64_t n, int64_t ld, int64_t i) {
   divide(ci, static_cast<T>(std::sqrt(dot(ci, ci, n))), n);
 }
 
-// One modified Gram-Schmidt pass over the r columns (each n long, contiguous,
-// ld apart).
+// r <= 2: torch's Gram-Schmidt, right-looking as torch's loop, in T.
 template <typename T>
-void gram_schmidt_pass(T* cols, int64_t n, int64_t ld, int64_t r, double epsilon,
-                       bool like_qr) {
+void gram_schmidt(T* cols, int64_t n, int64_t ld, int64_t r, double epsilon) {
   for (int64_t i = 0; i < r; ++i) {
     T* ci = cols + i * ld;
     // torch: norm (in T), then `norm + epsilon` in T.
     const T norm = static_cast<T>(std::sqrt(dot(ci, ci, n)));
-    if (like_qr && norm == T(0)) {
-      complete_column(cols, n, ld, i);
-    } else {
-      divide(ci, epsilon == 0 ? norm : norm + static_cast<T>(epsilon), n);
-    }
+    divide(ci, epsilon == 0 ? norm : norm + static_cast<T>(epsilon), n);
     for (int64_t j = i + 1; j < r; ++j) {
       T* cj = cols + j * ld;
       subtract_scaled(cj, static_cast<T>(dot(ci, cj, n)), ci, n);
+    }
+  }
+}
+
+// Re-orthogonalize a column when projecting out the earlier ones shrank it
+// below this fraction of its length (Daniel, Gragg, Kaufman, Stewart 1976):
+// only then has cancellation cost it orthogonality worth a second pass.
+constexpr double kReorthogonalize = 0.7071067811865476;  // 1 / sqrt(2)
+
+// r > 2, QR-like: modified Gram-Schmidt in its left-looking order (the same
+// operations on each column as the right-looking loop above), in double, with
+// the second projection pass ("twice is enough") applied to the columns that
+// need it, not to all: random and well-conditioned inputs take one pass, half
+// the work. In double for float input, the one pass already leaves the columns
+// orthogonal far below float rounding whenever the condition number is below
+// about 1e8; nearly dependent columns are caught by the criterion.
+void qr_like(double* cols, int64_t n, int64_t ld, int64_t r) {
+  for (int64_t i = 0; i < r; ++i) {
+    double* ci = cols + i * ld;
+    double norm = std::sqrt(dot(ci, ci, n));
+    for (int pass = 0; pass < 2 && i > 0; ++pass) {
+      const double before = norm;
+      for (int64_t l = 0; l < i; ++l) {
+        const double* cl = cols + l * ld;
+        subtract_scaled(ci, dot(cl, ci, n), cl, n);
+      }
+      norm = std::sqrt(dot(ci, ci, n));
+      if (norm >= kReorthogonalize * before) break;
+    }
+    if (norm == 0) {
+      complete_column(cols, n, ld, i);
+    } else {
+      divide(ci, norm, n);
     }
   }
 }
@@ -126,8 +153,8 @@ constexpr int64_t kRowBlock = 16;
 // Between the row-major matrix `a` (n, r) and its column-major copy `cols`.
 // R > 0 is r known at compile time, so that the compiler turns the strided
 // accesses into vector shuffles for PowerSGD's usual ranks.
-template <bool kIn, int R, typename T>
-FASTDDP_VECTOR_CLONES void transpose_fixed(T* __restrict a, T* __restrict cols, int64_t n,
+template <bool kIn, int R, typename T, typename W>
+FASTDDP_VECTOR_CLONES void transpose_fixed(T* __restrict a, W* __restrict cols, int64_t n,
                                            int64_t r, int64_t ld) {
   if constexpr (R > 0) r = R;
   for (int64_t k0 = 0; k0 < n; k0 += kRowBlock) {
@@ -135,17 +162,17 @@ FASTDDP_VECTOR_CLONES void transpose_fixed(T* __restrict a, T* __restrict cols, 
     for (int64_t j = 0; j < r; ++j) {
       for (int64_t k = k0; k < k0 + len; ++k) {
         if constexpr (kIn) {
-          cols[j * ld + k] = a[k * r + j];
+          cols[j * ld + k] = static_cast<W>(a[k * r + j]);
         } else {
-          a[k * r + j] = cols[j * ld + k];
+          a[k * r + j] = static_cast<T>(cols[j * ld + k]);
         }
       }
     }
   }
 }
 
-template <bool kIn, typename T>
-void transpose(T* a, T* cols, int64_t n, int64_t r, int64_t ld) {
+template <bool kIn, typename T, typename W>
+void transpose(T* a, W* cols, int64_t n, int64_t r, int64_t ld) {
   switch (r) {
     case 2: return transpose_fixed<kIn, 2>(a, cols, n, r, ld);
     case 4: return transpose_fixed<kIn, 4>(a, cols, n, r, ld);
@@ -156,26 +183,31 @@ void transpose(T* a, T* cols, int64_t n, int64_t r, int64_t ld) {
 }
 
 template <typename T>
-void orthogonalize_one(T* a, int64_t n, int64_t r, double epsilon, T* scratch) {
-  const int64_t ld = r == 1 ? n : column_stride(n);
-  T* cols = r == 1 ? a : scratch;
-  if (r > 1) transpose<true>(a, cols, n, r, ld);
-  if (orthogonalize_like_qr(r)) {
-    gram_schmidt_pass(cols, n, ld, r, 0.0, true);
-    gram_schmidt_pass(cols, n, ld, r, 0.0, true);
-  } else {
-    gram_schmidt_pass(cols, n, ld, r, epsilon, false);
-  }
-  if (r > 1) transpose<false>(a, cols, n, r, ld);
-}
-
-template <typename T>
 void orthogonalize_batch(T* matrices, int64_t batch, int64_t n, int64_t r, double epsilon) {
   if (batch <= 0 || n <= 0 || r <= 0) return;
+  if (r == 1) {  // a one-column matrix is already a column: no copy
+    for (int64_t b = 0; b < batch; ++b) gram_schmidt(matrices + b * n, n, n, 1, epsilon);
+    return;
+  }
+  const int64_t ld = column_stride(n);
+  const auto size = static_cast<size_t>(ld * r);
   // Uninitialized on purpose: every element is written by the transpose first.
-  std::unique_ptr<T[]> scratch(r > 1 ? new T[static_cast<size_t>(column_stride(n) * r)] : nullptr);
-  for (int64_t b = 0; b < batch; ++b) {
-    orthogonalize_one(matrices + b * n * r, n, r, epsilon, scratch.get());
+  if (orthogonalize_like_qr(r)) {
+    std::unique_ptr<double[]> cols(new double[size]);
+    for (int64_t b = 0; b < batch; ++b) {
+      T* a = matrices + b * n * r;
+      transpose<true>(a, cols.get(), n, r, ld);
+      qr_like(cols.get(), n, ld, r);
+      transpose<false>(a, cols.get(), n, r, ld);
+    }
+  } else {
+    std::unique_ptr<T[]> cols(new T[size]);
+    for (int64_t b = 0; b < batch; ++b) {
+      T* a = matrices + b * n * r;
+      transpose<true>(a, cols.get(), n, r, ld);
+      gram_schmidt(cols.get(), n, ld, r, epsilon);
+      transpose<false>(a, cols.get(), n, r, ld);
+    }
   }
 }
 
