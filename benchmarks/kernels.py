@@ -1,6 +1,7 @@
-"""Throughput of fastddp's half-cast kernels against plain torch, in GB/s moved.
+"""Throughput of fastddp's kernels against plain torch: half casts and PowerSGD orthogonalization.
 
     python benchmarks/kernels.py [--device cpu|cuda] [--threads N] [--sizes 1e6,16e6]
+                                 [--kernels half,ortho]
 
 compress:   float32 grad -> bf16(grad * 1/world)   fastddp: one pass; torch: mul, then cast
 compress+ef: the same with error feedback          torch: v = x*s + r; c = v.to(bf16); r = v - c
@@ -9,8 +10,14 @@ sum_shards: 4 bf16 shards -> bf16(float32 sum)     torch: float adds, then .to(b
 
 Bytes moved count what the fused kernel must read and write (e.g. 6 B/element for
 compress), for both columns, so the GB/s are comparable. On CUDA the last column is the
-fraction of the GPU's HBM bandwidth (nominal, from the device name). This is a benchmark,
-not a test.
+fraction of the GPU's HBM bandwidth (nominal, from the device name).
+
+ortho: PowerSGD's orthogonalization of a batch of (n, r) P matrices in place, fastddp's
+fused kernel (_C.fused_orthogonalize) against torch's powerSGD_hook._orthogonalize
+(Gram-Schmidt op by op for r <= 2, batched linalg.qr above), on ViT-like P shapes.
+Median microseconds per call; GB/s counts one read and one write of the batch.
+
+This is a benchmark, not a test.
 """
 
 import argparse
@@ -19,6 +26,7 @@ import statistics
 import time
 
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 from fastddp import _C
 
@@ -78,12 +86,51 @@ def cases(n: int, device: str):
     ]
 
 
+def half_table(device: str, sizes: str, reps: int, peak: float | None) -> None:
+    print("| kernel | elements | fastddp GB/s | torch GB/s | speed-up |"
+          + (" fastddp / HBM |" if peak else ""))
+    print("|---|---:|---:|---:|---:|" + ("---:|" if peak else ""))
+    for size in sizes.split(","):
+        n = int(float(size)) // 4 * 4
+        for name, n_bytes, ours, theirs in cases(n, device):
+            t_ours, t_theirs = timed(ours, device, reps), timed(theirs, device, reps)
+            ours_gbps, theirs_gbps = n_bytes / t_ours / 1e9, n_bytes / t_theirs / 1e9
+            row = (f"| {name} | {n:,} | {ours_gbps:.1f} | {theirs_gbps:.1f} | "
+                   f"{t_theirs / t_ours:.2f}x |")
+            if peak:
+                row += f" {100 * ours_gbps / peak:.0f}% |"
+            print(row)
+
+
+# (batch, n): 24 matrices of ViT-Base's 1024-row or ViT-Large's 4096-row gradients.
+ORTHO_SHAPES = [(24, 1024), (24, 4096)]
+ORTHO_RANKS = [1, 2, 4, 8]
+
+
+def ortho_table(device: str, reps: int) -> None:
+    print("\n| P batch (B, n, r) | fastddp us | torch us | speed-up | fastddp GB/s |")
+    print("|---|---:|---:|---:|---:|")
+    for batch, n in ORTHO_SHAPES:
+        for r in ORTHO_RANKS:
+            # In place on the same buffer every call: the work does not depend on the
+            # values, and an orthonormal input stays orthonormal (no NaN creeps in).
+            ours_m = torch.randn(batch, n, r, device=device)
+            theirs_m = ours_m.clone()
+            assert _C.fused_orthogonalize(ours_m, 0.0)
+            t_ours = timed(lambda m=ours_m: _C.fused_orthogonalize(m, 0.0), device, reps)
+            t_theirs = timed(lambda m=theirs_m: psgd._orthogonalize(m, 0.0), device, reps)
+            n_bytes = 2 * ours_m.numel() * ours_m.element_size()
+            print(f"| ({batch}, {n}, {r}) | {1e6 * t_ours:.1f} | {1e6 * t_theirs:.1f} | "
+                  f"{t_theirs / t_ours:.2f}x | {n_bytes / t_ours / 1e9:.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     parser.add_argument("--sizes", default="1e6,16e6", help="elements per buffer")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--kernels", default="half,ortho", help="which tables: half, ortho")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -96,19 +143,11 @@ def main() -> None:
         peak = None
         where = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
     print(f"torch {torch.__version__}, {device}: {where}\n")
-    print("| kernel | elements | fastddp GB/s | torch GB/s | speed-up |"
-          + (" fastddp / HBM |" if peak else ""))
-    print("|---|---:|---:|---:|---:|" + ("---:|" if peak else ""))
-    for size in args.sizes.split(","):
-        n = int(float(size)) // 4 * 4
-        for name, n_bytes, ours, theirs in cases(n, device):
-            t_ours, t_theirs = timed(ours, device, args.reps), timed(theirs, device, args.reps)
-            ours_gbps, theirs_gbps = n_bytes / t_ours / 1e9, n_bytes / t_theirs / 1e9
-            row = (f"| {name} | {n:,} | {ours_gbps:.1f} | {theirs_gbps:.1f} | "
-                   f"{t_theirs / t_ours:.2f}x |")
-            if peak:
-                row += f" {100 * ours_gbps / peak:.0f}% |"
-            print(row)
+    kernels = set(args.kernels.split(","))
+    if "half" in kernels:
+        half_table(device, args.sizes, args.reps, peak)
+    if "ortho" in kernels:
+        ortho_table(device, args.reps)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@
 
 #include "../core/numpy_random.h"
 #include "../hooks/half_ops.h"
+#include "../hooks/orthogonalize.h"
 #include "../hooks/powersgd_plan.h"
 #include "../hooks/registry.h"
 #include "python_hook.h"
@@ -87,6 +88,13 @@ void bind_hooks(py::module& m) {
       },
       py::arg("matrices"), py::arg("epsilon") = 0.0,
       "torch's PowerSGD _orthogonalize on a (batch, n, r) tensor, in place; returns it.");
+  m.def(
+      "fused_orthogonalize",
+      [](at::Tensor matrices, double epsilon) { return fused_orthogonalize(matrices, epsilon); },
+      py::arg("matrices"), py::arg("epsilon") = 0.0,
+      "Orthogonalizes a (batch, n, r) tensor's columns in place with the fused kernels and "
+      "returns True; returns False, leaving it untouched, where they do not apply (see "
+      "csrc/hooks/orthogonalize.h).");
   m.def(
       "numpy_randint",
       [](int64_t seed, int64_t high, int64_t count) {

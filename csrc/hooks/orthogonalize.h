@@ -1,0 +1,19 @@
+// Tensor-level entry point to the fused orthogonalization kernels
+// (kernels/orthogonalize.h): checks what the kernels take, threads the CPU
+// version over the batch and launches the CUDA one on the current stream.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+namespace fastddp {
+
+// Orthogonalizes the columns of a (batch, n, r) tensor in place with the fused
+// kernels (see Note [fused orthogonalization]: torch's Gram-Schmidt for
+// r <= 2, QR-equivalent up to column signs for r > 2) and returns true, when
+// the tensor is contiguous, float32 or float64, with 1 <= r <= n, and r <= 64
+// on CPU or r <= 32 on CUDA (in a CUDA build). Otherwise returns false without
+// touching the tensor: the caller falls back to torch's op-by-op path.
+// Never synchronizes with the GPU.
+bool fused_orthogonalize(at::Tensor& matrices, double epsilon);
+
+}  // namespace fastddp

@@ -1,0 +1,203 @@
+// CPU fused orthogonalization (csrc/kernels/orthogonalize_cpu.cpp): orthonormal
+// columns spanning the input's, torch's Gram-Schmidt op order for r <= 2, and
+// its zero-column behaviour (epsilon, NaN), on sizes that break vector widths.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "kernels/orthogonalize.h"
+
+namespace k = fastddp::kernels;
+
+namespace {
+
+template <typename T>
+std::vector<T> random_matrices(int64_t batch, int64_t n, int64_t r, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::vector<T> v(static_cast<size_t>(batch * n * r));
+  for (T& x : v) x = static_cast<T>(normal(rng));
+  return v;
+}
+
+// Element (row, col) of matrix b of a row-major (batch, n, r) buffer.
+template <typename T>
+T& at(std::vector<T>& m, int64_t n, int64_t r, int64_t b, int64_t row, int64_t col) {
+  return m[static_cast<size_t>((b * n + row) * r + col)];
+}
+
+// torch's _orthogonalize_gram_schmidt written out directly on the row-major
+// layout: the op order the kernel promises for r <= 2.
+template <typename T>
+void reference_gram_schmidt(std::vector<T>& m, int64_t batch, int64_t n, int64_t r,
+                            double epsilon) {
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < r; ++i) {
+      double ss = 0;
+      for (int64_t k = 0; k < n; ++k) ss += double(at(m, n, r, b, k, i)) * at(m, n, r, b, k, i);
+      const T norm = static_cast<T>(std::sqrt(ss));
+      const T d = epsilon == 0 ? norm : norm + static_cast<T>(epsilon);
+      for (int64_t k = 0; k < n; ++k) at(m, n, r, b, k, i) = at(m, n, r, b, k, i) / d;
+      for (int64_t j = i + 1; j < r; ++j) {
+        double dot = 0;
+        for (int64_t k = 0; k < n; ++k) {
+          dot += double(at(m, n, r, b, k, i)) * at(m, n, r, b, k, j);
+        }
+        const T c = static_cast<T>(dot);
+        for (int64_t k = 0; k < n; ++k) {
+          at(m, n, r, b, k, j) = at(m, n, r, b, k, j) - c * at(m, n, r, b, k, i);
+        }
+      }
+    }
+  }
+}
+
+// max |P^T P - I| over the batch.
+template <typename T>
+double orthogonality_error(std::vector<T>& p, int64_t batch, int64_t n, int64_t r) {
+  double worst = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < r; ++i) {
+      for (int64_t j = 0; j < r; ++j) {
+        double dot = 0;
+        for (int64_t k = 0; k < n; ++k) dot += double(at(p, n, r, b, k, i)) * at(p, n, r, b, k, j);
+        worst = std::max(worst, std::abs(dot - (i == j ? 1.0 : 0.0)));
+      }
+    }
+  }
+  return worst;
+}
+
+// max |A - P P^T A| / max |A|: the columns of A lie in the span of P's.
+template <typename T>
+double span_error(std::vector<T>& a, std::vector<T>& p, int64_t batch, int64_t n, int64_t r) {
+  double worst = 0, scale = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t j = 0; j < r; ++j) {
+      std::vector<double> coef(static_cast<size_t>(r), 0.0);  // P^T a_j
+      for (int64_t l = 0; l < r; ++l) {
+        for (int64_t k = 0; k < n; ++k) coef[l] += double(at(p, n, r, b, k, l)) * at(a, n, r, b, k, j);
+      }
+      for (int64_t k = 0; k < n; ++k) {
+        double projected = 0;
+        for (int64_t l = 0; l < r; ++l) projected += at(p, n, r, b, k, l) * coef[l];
+        worst = std::max(worst, std::abs(projected - at(a, n, r, b, k, j)));
+        scale = std::max(scale, std::abs(double(at(a, n, r, b, k, j))));
+      }
+    }
+  }
+  return worst / scale;
+}
+
+template <typename T>
+void check_orthonormal_basis(int64_t batch, int64_t n, int64_t r, double tol, unsigned seed) {
+  std::vector<T> a = random_matrices<T>(batch, n, r, seed);
+  std::vector<T> p = a;
+  k::orthogonalize_cpu(p.data(), batch, n, r, 0.0);
+  INFO("batch " << batch << " n " << n << " r " << r);
+  CHECK(orthogonality_error(p, batch, n, r) < tol);
+  CHECK(span_error(a, p, batch, n, r) < tol);
+}
+
+}  // namespace
+
+TEST_CASE("orthogonalize_cpu: orthonormal columns spanning the input", "[orthogonalize]") {
+  for (int64_t r : {1, 2, 3, 4, 8, 16, 33, 64}) {
+    for (int64_t n : {r, r + 1, r + 7, int64_t{100}, int64_t{1029}}) {
+      if (n < r) continue;
+      check_orthonormal_basis<float>(3, n, r, 2e-5, static_cast<unsigned>(n * 131 + r));
+      check_orthonormal_basis<double>(2, n, r, 1e-12, static_cast<unsigned>(n * 17 + r));
+    }
+  }
+}
+
+TEST_CASE("orthogonalize_cpu: r <= 2 follows torch's Gram-Schmidt op order", "[orthogonalize]") {
+  for (int64_t r : {1, 2}) {
+    for (int64_t n : {int64_t{2}, int64_t{9}, int64_t{1000}, int64_t{4099}}) {
+      for (double eps : {0.0, 1e-8, 0.5}) {
+        std::vector<float> got = random_matrices<float>(5, n, r, static_cast<unsigned>(n + r));
+        std::vector<float> want = got;
+        k::orthogonalize_cpu(got.data(), 5, n, r, eps);
+        reference_gram_schmidt(want, 5, n, r, eps);
+        INFO("n " << n << " r " << r << " eps " << eps);
+        for (size_t e = 0; e < got.size(); ++e) REQUIRE(got[e] == Approx(want[e]).margin(1e-6));
+      }
+    }
+  }
+}
+
+TEST_CASE("orthogonalize_cpu: nearly dependent columns stay orthogonal for r > 2",
+          "[orthogonalize]") {
+  const int64_t n = 512, r = 8;
+  std::vector<float> a = random_matrices<float>(1, n, r, 7);
+  // Every column is column 0 plus a perturbation of 1e-4: condition number ~1e4.
+  for (int64_t k2 = 0; k2 < n; ++k2) {
+    for (int64_t j = 1; j < r; ++j) {
+      at(a, n, r, 0, k2, j) = at(a, n, r, 0, k2, 0) + 1e-4f * at(a, n, r, 0, k2, j);
+    }
+  }
+  std::vector<float> p = a;
+  k::orthogonalize_cpu(p.data(), 1, n, r, 0.0);
+  CHECK(orthogonality_error(p, 1, n, r) < 1e-5);
+}
+
+TEST_CASE("orthogonalize_cpu: a zero column", "[orthogonalize]") {
+  const int64_t n = 37;
+  SECTION("with epsilon it stays zero and the other column is normalized (r = 2)") {
+    std::vector<float> m = random_matrices<float>(1, n, 2, 3);
+    for (int64_t row = 0; row < n; ++row) at(m, n, 2, 0, row, 0) = 0.0f;
+    k::orthogonalize_cpu(m.data(), 1, n, 2, 1e-8);
+    double norm1 = 0;
+    for (int64_t row = 0; row < n; ++row) {
+      CHECK(at(m, n, 2, 0, row, 0) == 0.0f);
+      norm1 += double(at(m, n, 2, 0, row, 1)) * at(m, n, 2, 0, row, 1);
+    }
+    CHECK(std::sqrt(norm1) == Approx(1.0).epsilon(1e-6));
+  }
+  SECTION("without epsilon it becomes NaN, as in torch (r = 1, 2)") {
+    for (int64_t r : {1, 2}) {
+      std::vector<float> m = random_matrices<float>(2, n, r, 5);
+      for (int64_t row = 0; row < n; ++row) at(m, n, r, 1, row, 0) = 0.0f;
+      k::orthogonalize_cpu(m.data(), 2, n, r, 0.0);
+      // Matrix 1 is all NaN (the zero column, then what was projected on it);
+      // matrix 0 is untouched by its neighbour's NaN.
+      for (int64_t row = 0; row < n; ++row) {
+        for (int64_t j = 0; j < r; ++j) {
+          CHECK(std::isnan(at(m, n, r, 1, row, j)));
+          CHECK(std::isfinite(at(m, n, r, 0, row, j)));
+        }
+      }
+    }
+  }
+  SECTION("r > 2 completes it to an orthonormal basis, as QR does") {
+    for (double eps : {0.0, 1e-8}) {
+      const int64_t r = 4;
+      std::vector<double> m = random_matrices<double>(1, n, r, 11);
+      for (int64_t row = 0; row < n; ++row) {
+        at(m, n, r, 0, row, 1) = 0.0;                           // zero column
+        at(m, n, r, 0, row, 3) = 2.0 * at(m, n, r, 0, row, 0);  // dependent column
+      }
+      std::vector<double> p = m;
+      k::orthogonalize_cpu(p.data(), 1, n, r, eps);
+      CHECK(orthogonality_error(p, 1, n, r) < 1e-12);
+      CHECK(span_error(m, p, 1, n, r) < 1e-12);
+    }
+  }
+  SECTION("an all-zero matrix with r > 2 becomes orthonormal") {
+    const int64_t r = 5;
+    std::vector<float> p(static_cast<size_t>(n * r), 0.0f);
+    k::orthogonalize_cpu(p.data(), 1, n, r, 0.0);
+    CHECK(orthogonality_error(p, 1, n, r) < 1e-6);
+  }
+}
+
+TEST_CASE("orthogonalize_cpu: square matrices and empty batches", "[orthogonalize]") {
+  check_orthonormal_basis<double>(4, 1, 1, 1e-12, 1);
+  check_orthonormal_basis<double>(4, 3, 3, 1e-12, 2);
+  check_orthonormal_basis<float>(2, 16, 16, 2e-5, 3);
+  std::vector<float> none;
+  k::orthogonalize_cpu(none.data(), 0, 10, 2, 0.0);  // nothing to touch
+}
