@@ -5,6 +5,8 @@
 
 #include <algorithm>
 
+#include "orthogonalize.h"
+
 namespace fastddp {
 namespace {
 
@@ -114,6 +116,7 @@ void powersgd_orthogonalize(at::Tensor& matrices, double epsilon) {
   TORCH_CHECK(matrices.dim() == 3 && matrices.size(2) <= matrices.size(1),
               "fastddp powersgd_orthogonalize: matrices must be (batch, n, r) with r <= n, got ",
               matrices.sizes());
+  if (fused_orthogonalize(matrices, epsilon)) return;
   const int64_t rank = matrices.size(2);
   const auto dtype = matrices.scalar_type();
   if (rank <= 2 || dtype == at::kHalf || dtype == at::kBFloat16) {

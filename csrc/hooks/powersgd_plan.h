@@ -71,7 +71,9 @@ PowerSGDPlan plan_powersgd(const Bucket& bucket, const at::Tensor& source,
 PowerSGDWork make_powersgd_work(const PowerSGDPlan& plan, const PowerSGDOptions& options,
                                 const at::Tensor& p_memory, const at::Tensor& q_memory);
 
-// torch's _orthogonalize on a batch of (n, r) matrices, in place.
+// torch's _orthogonalize on a batch of (n, r) matrices, in place: the fused
+// kernels where they apply (float32/64, small r; r > 2 gives QR's columns up
+// to sign), else torch's ops.
 void powersgd_orthogonalize(at::Tensor& matrices, double epsilon);
 
 }  // namespace fastddp

@@ -22,8 +22,8 @@
 //   which is as orthogonal as QR; columns equal QR's up to sign (PowerSGD's
 //   P Q^T does not depend on signs). The CUDA kernel runs both passes over all
 //   columns; the CPU one works in double and re-projects only the columns that
-//   cancellation shrank below 1/sqrt(2) of their length (the DGKS criterion). As QR, epsilon is ignored and the result is always
-//   orthonormal: a column that is exactly zero after projection (rank-deficient
+//   cancellation shrank below 1/sqrt(2) of their length (the DGKS criterion).
+//   As QR, epsilon is ignored and the result is always orthonormal: a column that is exactly zero after projection (rank-deficient
 //   input, e.g. an all-zero gradient) is replaced by a unit vector orthogonal
 //   to the earlier columns instead of becoming NaN.
 #pragma once

@@ -79,7 +79,10 @@ def powersgd_training(steps: int = 6, how: str = "fastddp", fast_seed: int | Non
         fast.register_comm_hook(fast_state, psgd.powerSGD_hook)
     else:
         fast.register_comm_hook(None, fastddp.hooks.powersgd(**fast_args))
-    tol = {"rtol": 1e-4, "atol": 1e-5}
+    # atol is relative to the largest gradient element (compare_grads); float32 rounding
+    # of the orthogonalization (fused kernels sum in double, torch in float) is carried
+    # through the error feedback from step to step.
+    tol = {"rtol": 1e-4, "atol": 5e-5}
     opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ref, fast)]
     differs_from_mean = False
     for step in range(steps):

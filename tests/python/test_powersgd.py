@@ -81,4 +81,8 @@ def test_orthogonalize_is_torchs(rank, epsilon, dtype):
     want = m.clone()
     psgd._orthogonalize(want, epsilon)
     got = _C.powersgd_orthogonalize(m.clone(), epsilon)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if rank > 2:  # QR's columns are fixed up to sign only
+        got = got * torch.sign((got * want).sum(dim=1, keepdim=True))
+    # bf16 takes torch's ops (bit for bit); float32/64 the fused kernel.
+    tol = {"rtol": 0, "atol": 0} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(got, want, **tol)
