@@ -29,9 +29,13 @@
 //
 // State across a bucket rebuild and in a checkpoint: the error feedback per
 // parameter (its slice of the padded error); Q and the padding's error per
-// bucket, keyed by the bucket's first parameter index, adopted only by a
-// bucket with that first parameter and the same numel (otherwise Q is
-// drawn again and the padding's error restarts at zero).
+// bucket, keyed by the bucket's first parameter index (torch keys all three
+// by bucket index). A rebuild hands Q and the padding's error on only to a
+// bucket with the same first parameter and numel; a loaded checkpoint's go
+// to the bucket with that first parameter if their shapes fit. Otherwise Q
+// is drawn again and the padding's error restarts at zero. Note that the
+// numbers depend on the layout (a bucket is one matrix): a run resumed in
+// another bucket layout is not the uninterrupted run, under torch either.
 // Collectives are issued as Note [pipelined hooks] says, so any number of
 // buckets works on gloo too (torch's hook issues the Q allreduce from a
 // callback).
@@ -117,7 +121,9 @@ class BatchedPowerSGDHook : public PipelinedHook {
   mutable std::mutex mutex_;
   std::map<size_t, std::shared_ptr<BucketState>> states_;
   // Waiting for a bucket's next compressed step: loaded from a checkpoint,
-  // or left by a bucket rebuild (errors, bucket_qs, bucket_error_tails).
+  // or left by a bucket rebuild. Only its maps are used (errors, bucket_qs,
+  // bucket_error_tails): the same shape as a checkpoint's, so state_dict()
+  // starts from a copy of it.
   PowerSGDCheckpoint carried_;
   PowerSGDStats stats_;
 };

@@ -22,10 +22,12 @@ def _native(state_args: dict) -> "fastddp._C.BatchedPowerSGDHook":
 
 
 def checkpoint_resume(steps: int = 7, split: int = 4, bucket_cap_mb: float = 0.004,
-                      **state_args) -> dict:
-    """fastddp with the native hook for `split` steps, then a new model and a new hook that
-    loads the first one's state_dict, against torch's one uninterrupted run: the grads of
-    every step, and the compression statistics, must be torch's."""
+                      load: bool = True, **state_args) -> dict:
+    """fastddp with the native hook for `split` steps, then a new hook that loads the first
+    one's state_dict, against torch's one uninterrupted run: the grads of every step, and the
+    compression statistics, must be torch's. The new hook goes on the same model: batched
+    PowerSGD's numbers depend on the bucket layout (a bucket is one matrix), and a new model
+    would run its first step in the initial layout, where torch's run has the rebuilt one."""
     torch.manual_seed(0)
     base = Mixed()
     ref = TorchDDP(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb)
@@ -36,15 +38,15 @@ def checkpoint_resume(steps: int = 7, split: int = 4, bucket_cap_mb: float = 0.0
     fast._reducer.set_comm_hook(hook)
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ref, fast)]
     saved = None
+    reports = []
     for step in range(steps):
         if step == split:
+            reports += hook.take_stats_reports()
             saved = hook.state_dict()
-            fast = fastddp.DistributedDataParallel(copy.deepcopy(unwrap(fast)),
-                                                   bucket_cap_mb=bucket_cap_mb)
-            hook = _native(state_args)
-            hook.load_state_dict(saved)
+            hook = _native(state_args)  # a fresh generator, iteration and state
+            if load:  # False: the check must catch a hook that starts afresh
+                hook.load_state_dict(saved)
             fast._reducer.set_comm_hook(hook)
-            opts[1] = torch.optim.SGD(fast.parameters(), lr=0.05)
         inputs, target = batch(step)
         for model, opt in zip((ref, fast), opts):
             opt.zero_grad()
@@ -57,5 +59,7 @@ def checkpoint_resume(steps: int = 7, split: int = 4, bucket_cap_mb: float = 0.0
                 q.copy_(p)
     return {"saved_keys": sorted(saved), "bucket_qs": len(saved.get("bucket_qs", {})),
             "errors": len(saved["errors"]), "iter": hook.iter,
-            "native_stats": hook.compression_stats(), "torch_stats": list(ref_state.compression_stats()),
-            "reports": hook.take_stats_reports(), "last_step_bytes": hook.last_step_bytes()}
+            "native_stats": hook.compression_stats(),
+            "torch_stats": list(ref_state.compression_stats()),
+            "reports": reports + hook.take_stats_reports(),
+            "last_step_bytes": hook.last_step_bytes()}

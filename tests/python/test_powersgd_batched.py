@@ -73,11 +73,18 @@ def test_mismatch_is_caught(world):
 def test_checkpoint_resume_and_stats(world, case):
     out = world.check(powersgd_batched_scenarios.checkpoint_resume, **CASES[case])[0]
     assert out["native_stats"] == pytest.approx(out["torch_stats"]), out
-    assert out["errors"] == 11, out  # every parameter of Mixed
+    assert out["errors"] == 10, out  # every parameter of Mixed
     assert (out["bucket_qs"] > 0) == CASES[case].get("warm_start", True), out
     before, after = out["last_step_bytes"]
     assert 0 < after < before, out
     assert [r[0] for r in out["reports"]] == [CASES[case][START]], out  # torch logs once
+
+
+def test_checkpoint_not_loaded_is_caught(world):
+    results = world.run(powersgd_batched_scenarios.checkpoint_resume, load=False,
+                        **CASES["rank2_ef_ws"])
+    assert not any(r.ok for r in results)
+    assert "step 4" in results[0].error, results[0].error
 
 
 def test_argument_errors(world):
