@@ -20,6 +20,7 @@ namespace py = pybind11;
 namespace fastddp {
 void bind_hooks(py::module& m);  // hooks_py.cpp
 void bind_powersgd(py::module& m);  // powersgd_py.cpp
+void bind_powersgd_batched(py::module& m);  // powersgd_batched_py.cpp
 
 namespace {
 
@@ -147,6 +148,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("process_group"));
   fastddp::bind_hooks(m);  // the registry, the other hooks, the half-cast kernels
   fastddp::bind_powersgd(m);
+  fastddp::bind_powersgd_batched(m);
 
   using Tensors = std::vector<at::Tensor>;
   py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer")

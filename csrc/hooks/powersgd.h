@@ -46,6 +46,7 @@
 #include "../core/numpy_random.h"
 #include "pipelined_hook.h"
 #include "powersgd_plan.h"
+#include "powersgd_stats.h"
 
 namespace c10d {
 class ProcessGroup;
@@ -63,11 +64,10 @@ struct PowerSGDCheckpoint {
   // numel, flat) and the warm-start Q (m x r) of compressed parameters.
   std::map<int64_t, at::Tensor> errors;
   std::map<int64_t, at::Tensor> qs;
-};
-
-// One compression-statistics log line, as torch's hook would log it.
-struct PowerSGDStatsReport {
-  int64_t iter, numel_before, numel_after;
+  // "powersgd_batched" only (empty otherwise): its state per bucket, keyed
+  // by the bucket's first parameter index: the warm-start Q (side x r) and
+  // the error feedback of the zero padding past the bucket's numel.
+  std::map<int64_t, at::Tensor> bucket_qs, bucket_error_tails;
 };
 
 // numpy RandomState.get_state()'s position and key as "pos key0 ... key623",
@@ -141,10 +141,7 @@ class PowerSGDHook : public PipelinedHook {
   // Per parameter, waiting for its bucket's next compressed step: loaded
   // from a checkpoint, or left by a bucket rebuild.
   std::map<int64_t, at::Tensor> carried_errors_, carried_qs_;
-  int64_t numel_before_ = 0, numel_after_ = 0, next_stats_report_ = 0;
-  int64_t step_bytes_in_ = 0, step_bytes_out_ = 0;
-  std::pair<int64_t, int64_t> last_step_bytes_{0, 0};
-  std::vector<PowerSGDStatsReport> reports_;
+  PowerSGDStats stats_;
 };
 
 }  // namespace fastddp

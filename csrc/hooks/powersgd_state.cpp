@@ -115,37 +115,24 @@ void PowerSGDHook::on_new_buckets(const std::vector<Bucket>& buckets) {
 void PowerSGDHook::count(const PowerSGDPlan& plan, size_t index, bool is_last,
                          int64_t element_size) {
   std::lock_guard<std::mutex> lock(mutex_);
-  numel_before_ += plan.numel_before;
-  numel_after_ += plan.numel_after;
-  if (index == 0) step_bytes_in_ = step_bytes_out_ = 0;
-  step_bytes_in_ += plan.numel_before * element_size;
-  step_bytes_out_ += (plan.uncompressed_numel + plan.p_numel + plan.q_numel) * element_size;
-  if (!is_last) return;
-  last_step_bytes_ = {step_bytes_in_, step_bytes_out_};
-  // torch's _report_compression_stats, with the counter before this step's increment.
-  const int64_t iter = iter_.load();
-  if (iter >= next_stats_report_) {
-    reports_.push_back({iter, numel_before_, numel_after_});
-    next_stats_report_ = iter + options_.compression_stats_logging_frequency;
-  }
+  stats_.add_bucket(plan.numel_before, plan.numel_after, plan.numel_before * element_size,
+                    (plan.uncompressed_numel + plan.p_numel + plan.q_numel) * element_size,
+                    index, is_last, iter_.load());
 }
 
 std::vector<double> PowerSGDHook::compression_stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  const double rate = numel_after_ > 0 ? static_cast<double>(numel_before_) / numel_after_ : 0.0;
-  return {rate, static_cast<double>(numel_before_), static_cast<double>(numel_after_)};
+  return stats_.compression_stats();
 }
 
 std::pair<int64_t, int64_t> PowerSGDHook::last_step_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return last_step_bytes_;
+  return stats_.last_step_bytes();
 }
 
 std::vector<PowerSGDStatsReport> PowerSGDHook::take_stats_reports() {
   std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<PowerSGDStatsReport> out;
-  out.swap(reports_);
-  return out;
+  return stats_.take_reports();
 }
 
 PowerSGDCheckpoint PowerSGDHook::state_dict() const {
@@ -153,9 +140,9 @@ PowerSGDCheckpoint PowerSGDHook::state_dict() const {
   PowerSGDCheckpoint ck;
   ck.iter = iter_.load();
   ck.rng_state = numpy_rng_state(rng_);
-  ck.numel_before = numel_before_;
-  ck.numel_after = numel_after_;
-  ck.next_stats_report = next_stats_report_;
+  ck.numel_before = stats_.numel_before;
+  ck.numel_after = stats_.numel_after;
+  ck.next_stats_report = stats_.next_report;
   ck.errors = carried_errors_;
   ck.qs = carried_qs_;
   for (const auto& entry : states_) carry(*entry.second, ck.errors, ck.qs);
@@ -169,9 +156,9 @@ void PowerSGDHook::load_state_dict(const PowerSGDCheckpoint& ck) {
   std::lock_guard<std::mutex> lock(mutex_);
   set_numpy_rng_state(rng_, ck.rng_state);
   iter_.store(ck.iter);
-  numel_before_ = ck.numel_before;
-  numel_after_ = ck.numel_after;
-  next_stats_report_ = ck.next_stats_report;
+  stats_.numel_before = ck.numel_before;
+  stats_.numel_after = ck.numel_after;
+  stats_.next_report = ck.next_stats_report;
   states_.clear();
   carried_errors_.clear();
   carried_qs_.clear();

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("fastddp.hooks")
 
 _SCALARS = ("iter", "rng_state", "numel_before", "numel_after", "next_stats_report")
+# Batched PowerSGD's per-bucket Q and padding error, keyed by the bucket's first parameter
+# (the hook re-draws Q / restarts the padding's error for a bucket that no longer fits).
+_BUCKET_KEYS = {"bucket_q": "bucket_qs", "bucket_error_tail": "bucket_error_tails"}
 
 
 def _hook_name(ddp: DistributedDataParallel) -> str:
@@ -66,6 +69,9 @@ def state_dict(ddp: DistributedDataParallel) -> dict[str, Any]:
     out: dict[str, Any] = {"hook": hook.name, **{k: raw[k] for k in _SCALARS}}
     out["error"] = {names[i]: t.view(params[i].shape) for i, t in sorted(raw["errors"].items())}
     out["q"] = {names[i]: t for i, t in sorted(raw["qs"].items())}
+    for key, raw_key in _BUCKET_KEYS.items():  # batched PowerSGD: per bucket
+        if raw.get(raw_key):
+            out[key] = {names[i]: t for i, t in sorted(raw[raw_key].items())}
     return out
 
 
@@ -100,7 +106,15 @@ def load_state_dict(ddp: DistributedDataParallel, state: dict[str, Any]) -> None
                                  f"{want} elements, got "
                                  f"{getattr(tensor, 'shape', type(tensor).__name__)}")
             out[index[pname]] = tensor.detach().to(device=p.device, dtype=p.dtype)
-    hook.load_state_dict({**{k: state[k] for k in _SCALARS}, "errors": errors, "qs": qs})
+    raw = {**{k: state[k] for k in _SCALARS}, "errors": errors, "qs": qs}
+    for key, raw_key in _BUCKET_KEYS.items():
+        raw[raw_key] = {}
+        for pname, tensor in state.get(key, {}).items():
+            if pname not in index or not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"fastddp: {where}: {key} of parameter {pname!r} must be a "
+                                 "tensor of a parameter this model reduces")
+            raw[raw_key][index[pname]] = tensor.detach()
+    hook.load_state_dict(raw)
 
 
 def _q_numel(hook: Any, p: torch.Tensor) -> int:

@@ -8,14 +8,15 @@ Built-ins run in C++ (no Python per bucket)::
     model.register_comm_hook(None, fastddp.hooks.allreduce())
     model.register_comm_hook(None, fastddp.hooks.powersgd(matrix_approximation_rank=2,
                                                           start_powerSGD_iter=10))
+    model.register_comm_hook(None, fastddp.hooks.batched_powersgd(start_powerSGD_iter=10))
 
 torch's own hook functions are recognized and run by the same C++ code:
 ``default_hooks.allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``, and
 ``fp16_compress_wrapper(allreduce_hook)`` / ``bf16_compress_wrapper(allreduce_hook)``, and
-``powerSGD_hook`` with a ``PowerSGDState`` (its settings, iteration and generator are read at
-registration; the native hook keeps its own state from then on). Any
-other callable ``hook(state, bucket) -> torch.futures.Future`` runs as it would under torch
-DDP, on a real ``torch.distributed.GradBucket``.
+``powerSGD_hook`` and ``batched_powerSGD_hook`` with a ``PowerSGDState`` (its settings,
+iteration and generator are read at registration; the native hook keeps its own state from
+then on). Any other callable ``hook(state, bucket) -> torch.futures.Future`` runs as it
+would under torch DDP, on a real ``torch.distributed.GradBucket``.
 
 A built-in hook object is also a torch-style Python hook: calling it runs the same algorithm
 in plain torch ops, so ``torch_ddp.register_comm_hook(None, fastddp.hooks.bf16())`` gives the
@@ -29,15 +30,20 @@ import torch
 import torch.distributed as dist
 
 from fastddp import _C
+from fastddp._powersgd_args import options_from_state, powersgd_options
 
-__all__ = ["CommHook", "allreduce", "bf16", "fp16", "from_registry", "native_torch_hooks",
-           "powersgd"]
+__all__ = ["CommHook", "allreduce", "batched_powersgd", "bf16", "fp16", "from_registry",
+           "native_torch_hooks", "powersgd"]
 
 _WRAPPERS = {
     "fp16_compress_wrapper.<locals>.fp16_compress_wrapper_hook": "fp16",
     "bf16_compress_wrapper.<locals>.bf16_compress_wrapper_hook": "bf16",
 }
 _HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_TORCH_REFERENCES = {"powersgd": " (torch's powerSGD_hook is its reference)",
+                     "powersgd_batched": " (torch's batched_powerSGD_hook is its reference)"}
+# torch's PowerSGD hook functions (by name in powerSGD_hook) and the native hooks that run them.
+_POWERSGD_HOOKS = {"powerSGD_hook": "powersgd", "batched_powerSGD_hook": "powersgd_batched"}
 
 
 class CommHook:
@@ -71,8 +77,7 @@ class CommHook:
         if self.name in _HALF_DTYPES:
             return self._reference_half(group, bucket)
         raise NotImplementedError(f"{self!r} has no pure-torch reference"
-                                  + (" (torch's powerSGD_hook is its reference)"
-                                     if self.name == "powersgd" else ""))
+                                  + _TORCH_REFERENCES.get(self.name, ""))
 
     def _reference_half(self, group: dist.ProcessGroup,
                         bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -168,55 +173,33 @@ def powersgd(matrix_approximation_rank: int = 1, start_powerSGD_iter: int = 1_00
     first `start_powerSGD_iter` steps, then rank-`matrix_approximation_rank` P Q^T
     approximations of the matrices worth compressing, with error feedback and warm start.
     """
-    name = "fastddp.hooks.powersgd"
-    _check_int(name, "matrix_approximation_rank", matrix_approximation_rank, minimum=1)
-    _check_int(name, "start_powerSGD_iter", start_powerSGD_iter, minimum=0)
-    _check_int(name, "random_seed", random_seed, minimum=0)
-    _check_int(name, "compression_stats_logging_frequency", compression_stats_logging_frequency,
-               minimum=0)
-    if random_seed > 2**32 - 1:
-        raise ValueError(f"{name}: random_seed must be between 0 and 2**32 - 1, got {random_seed}")
-    for arg, value in (("use_error_feedback", use_error_feedback), ("warm_start", warm_start),
-                       ("batch_tensors_with_same_shape", batch_tensors_with_same_shape)):
-        if not isinstance(value, bool):
-            # ValueError, as for every bad powersgd argument (torch's PowerSGDState raises it).
-            raise ValueError(f"{name}: {arg} must be a bool, got {type(value).__name__}")  # noqa: TRY004
-    for arg, value in (("min_compression_rate", min_compression_rate),
-                       ("orthogonalization_epsilon", orthogonalization_epsilon)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ValueError(f"{name}: {arg} must be a number >= 0, got {value!r}")
-    if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:
-        raise ValueError(f"{name}: start_powerSGD_iter must be > 1 if use_error_feedback or "
-                         f"warm_start is enabled (torch's rule: DDP rebuilds its buckets after "
-                         f"the first iteration), got {start_powerSGD_iter}")
-    return CommHook("powersgd", matrix_approximation_rank=matrix_approximation_rank,
-                    start_powerSGD_iter=start_powerSGD_iter,
-                    min_compression_rate=float(min_compression_rate),
-                    use_error_feedback=use_error_feedback, warm_start=warm_start,
-                    orthogonalization_epsilon=float(orthogonalization_epsilon),
-                    random_seed=random_seed,
-                    batch_tensors_with_same_shape=batch_tensors_with_same_shape,
-                    compression_stats_logging_frequency=compression_stats_logging_frequency)
+    return CommHook("powersgd", **powersgd_options(
+        "fastddp.hooks.powersgd", matrix_approximation_rank, start_powerSGD_iter,
+        min_compression_rate, use_error_feedback, warm_start, orthogonalization_epsilon,
+        random_seed, batch_tensors_with_same_shape, compression_stats_logging_frequency))
 
 
-def _check_int(hook: str, arg: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{hook}: {arg} must be an int >= {minimum}, got {value!r}")
+def batched_powersgd(matrix_approximation_rank: int = 1, start_powerSGD_iter: int = 1_000,
+                     min_compression_rate: float = 2, use_error_feedback: bool = True,
+                     warm_start: bool = True, orthogonalization_epsilon: float = 0,
+                     random_seed: int = 0, batch_tensors_with_same_shape: bool = False,
+                     compression_stats_logging_frequency: int = 10_000) -> CommHook:
+    """Batched PowerSGD, torch's ``batched_powerSGD_hook`` run in C++: each bucket's flat
+    gradient, zero-padded to a square, as one rank-`matrix_approximation_rank` P Q^T.
+
+    Arguments and checks are :func:`powersgd`'s (torch's ``PowerSGDState``);
+    `min_compression_rate`, `orthogonalization_epsilon` and `batch_tensors_with_same_shape`
+    are accepted and unused, as by torch's batched hook.
+    """
+    return CommHook("powersgd_batched", **powersgd_options(
+        "fastddp.hooks.batched_powersgd", matrix_approximation_rank, start_powerSGD_iter,
+        min_compression_rate, use_error_feedback, warm_start, orthogonalization_epsilon,
+        random_seed, batch_tensors_with_same_shape, compression_stats_logging_frequency))
 
 
-def _from_powersgd_state(state: Any) -> tuple[dist.ProcessGroup | None, CommHook]:
-    """torch's PowerSGDState as the native hook: its settings, iteration and generator."""
-    _, key, pos, *_ = state.rng.get_state()
-    hook = CommHook("powersgd", matrix_approximation_rank=int(state.matrix_approximation_rank),
-                    start_powerSGD_iter=int(state.start_powerSGD_iter),
-                    min_compression_rate=float(state.min_compression_rate),
-                    use_error_feedback=bool(state.use_error_feedback),
-                    warm_start=bool(state.warm_start),
-                    orthogonalization_epsilon=float(state.orthogonalization_epsilon),
-                    batch_tensors_with_same_shape=bool(state.batch_tensors_with_same_shape),
-                    iter=int(state.iter),
-                    numpy_rng_state=" ".join(str(int(v)) for v in [pos, *key]))
-    return state.process_group, hook
+def _from_powersgd_state(state: Any, name: str) -> tuple[dist.ProcessGroup | None, CommHook]:
+    """torch's PowerSGDState as the native hook `name`: its settings, iteration and generator."""
+    return state.process_group, CommHook(name, **options_from_state(state))
 
 
 def from_registry(name: str, **options: Any) -> CommHook:
@@ -245,6 +228,7 @@ def native_torch_hooks() -> dict[str, str]:
         "default_hooks.fp16_compress_wrapper(allreduce_hook)": "fp16",
         "default_hooks.bf16_compress_wrapper(allreduce_hook)": "bf16",
         "powerSGD_hook.powerSGD_hook (with a PowerSGDState)": "powersgd",
+        "powerSGD_hook.batched_powerSGD_hook (with a PowerSGDState)": "powersgd_batched",
     }
 
 
@@ -298,8 +282,9 @@ def resolve(state: object, hook: Any, process_group: dist.ProcessGroup,
         return hook.native(state if state is not None else process_group)
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
-    if hook is psgd.powerSGD_hook and isinstance(state, psgd.PowerSGDState):
-        group, native = _from_powersgd_state(state)
+    native_name = next((n for f, n in _POWERSGD_HOOKS.items() if hook is getattr(psgd, f)), None)
+    if native_name is not None and isinstance(state, psgd.PowerSGDState):
+        group, native = _from_powersgd_state(state, native_name)
         # torch's hook reduces over state.process_group, or WORLD when it is None.
         return native.native(group if group is not None else dist.group.WORLD)
     builtin = _torch_builtin(hook)

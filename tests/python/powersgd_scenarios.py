@@ -1,11 +1,13 @@
 """PowerSGD scenarios, run on every rank of a harness world (see harness.py).
 
-torch DDP runs torch's ``powerSGD_hook`` with a ``PowerSGDState``; fastddp runs the native
-hook with the same arguments, given as ``fastddp.hooks.powersgd(...)`` or as torch's own hook
-and state. Grads are compared after every backward.
+torch DDP runs torch's ``powerSGD_hook`` (or ``batched_powerSGD_hook``) with a
+``PowerSGDState``; fastddp runs the native hook with the same arguments, given as
+``fastddp.hooks.powersgd(...)`` (``batched_powersgd(...)``) or as torch's own hook and state.
+Grads are compared after every backward.
 """
 
 import copy
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -50,6 +52,27 @@ def serialized_powerSGD_hook(state: psgd.PowerSGDState,
     return done
 
 
+_ORTHOGONALIZE = psgd._orthogonalize
+
+
+def _orthogonalize_2d(matrices: torch.Tensor, epsilon: float = 0) -> None:
+    """torch's _orthogonalize, also on a 2-D matrix (as a batch of one). torch 2.14's
+    batched_powerSGD_hook hands it its 2-D Q and P, and it asserts a 3-D batch (since torch
+    PR #75157): without this the hook raises AssertionError on its first compressed step."""
+    _ORTHOGONALIZE(matrices.unsqueeze(0) if matrices.dim() == 2 else matrices, epsilon)
+
+
+def serialized_batched_powerSGD_hook(
+        state: psgd.PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's batched_powerSGD_hook, serialized as serialized_powerSGD_hook (it issues the Q
+    allreduce from a callback), with _orthogonalize taking its 2-D matrices."""
+    with mock.patch.object(psgd, "_orthogonalize", _orthogonalize_2d):
+        value = psgd.batched_powerSGD_hook(state, bucket).wait()
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(value)
+    return done
+
+
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
     return torch.randn(6, 4, 5, 5, generator=g), torch.randn(6, 2, generator=g)
@@ -57,17 +80,19 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def powersgd_training(steps: int = 6, how: str = "fastddp", fast_seed: int | None = None,
                       bucket_cap_mb: float = 0.004, gradient_as_bucket_view: bool = False,
-                      **state_args) -> dict:
+                      batched: bool = False, **state_args) -> dict:
     """torch DDP + torch's powerSGD_hook against fastddp + the native hook. `how`:
     "fastddp" (fastddp.hooks.powersgd) or "torch" (torch's hook and a PowerSGDState).
-    fast_seed: a different random_seed for fastddp (a mismatch the check must catch)."""
+    fast_seed: a different random_seed for fastddp (a mismatch the check must catch).
+    batched: torch's batched_powerSGD_hook and fastddp.hooks.batched_powersgd instead."""
     torch.manual_seed(0)
     base = Mixed()
     ddp_args = {"bucket_cap_mb": bucket_cap_mb, "gradient_as_bucket_view": gradient_as_bucket_view}
     ref = TorchDDP(copy.deepcopy(base), **ddp_args)
     fast = fastddp.DistributedDataParallel(copy.deepcopy(base), **ddp_args)
     ref_state = psgd.PowerSGDState(None, **state_args)
-    ref.register_comm_hook(ref_state, serialized_powerSGD_hook)
+    ref.register_comm_hook(ref_state, serialized_batched_powerSGD_hook if batched
+                           else serialized_powerSGD_hook)
     fast_args = dict(state_args)
     if fast_seed is not None:
         fast_args["random_seed"] = fast_seed
@@ -76,9 +101,11 @@ def powersgd_training(steps: int = 6, how: str = "fastddp", fast_seed: int | Non
         # A generator already used: the native hook must go on from where it stands.
         for state in (ref_state, fast_state):
             state.rng.randint(1_000_000_000, size=1000)
-        fast.register_comm_hook(fast_state, psgd.powerSGD_hook)
+        fast.register_comm_hook(fast_state,
+                                psgd.batched_powerSGD_hook if batched else psgd.powerSGD_hook)
     else:
-        fast.register_comm_hook(None, fastddp.hooks.powersgd(**fast_args))
+        make = fastddp.hooks.batched_powersgd if batched else fastddp.hooks.powersgd
+        fast.register_comm_hook(None, make(**fast_args))
     # atol is relative to the largest gradient element (compare_grads); float32 rounding
     # of the orthogonalization (fused kernels sum in double, torch in float) is carried
     # through the error feedback from step to step.
@@ -100,7 +127,8 @@ def powersgd_training(steps: int = 6, how: str = "fastddp", fast_seed: int | Non
                 q.copy_(p)
     stats = fast.comm_stats()
     return {"hook": fast._reducer.hook_name, "differs_from_mean": differs_from_mean,
-            "bytes_sent": stats["bytes_sent"], "bytes_reduced": stats["bytes_reduced"]}
+            "bytes_sent": stats["bytes_sent"], "bytes_reduced": stats["bytes_reduced"],
+            "buckets": len(stats["buckets"]), "torch_stats": list(ref_state.compression_stats())}
 
 
 def _differs_from_plain_mean(base: nn.Module, fast: nn.Module, inputs: torch.Tensor,
@@ -117,13 +145,14 @@ def _differs_from_plain_mean(base: nn.Module, fast: nn.Module, inputs: torch.Ten
                for g, p in zip(grads, unwrap(fast).parameters()))
 
 
-def argument_errors() -> list[str]:
+def argument_errors(batched: bool = False) -> list[str]:
+    make = fastddp.hooks.batched_powersgd if batched else fastddp.hooks.powersgd
     messages = []
     for bad in ({"matrix_approximation_rank": 0}, {"start_powerSGD_iter": 1},
                 {"random_seed": -1}, {"warm_start": 1}, {"min_compression_rate": "2"},
                 {"orthogonalization_epsilon": -1.0}):
         try:
-            fastddp.hooks.powersgd(**bad)
+            make(**bad)
         except ValueError as e:
             messages.append(str(e))
         else:

@@ -1,0 +1,155 @@
+#include "powersgd_batched.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <cmath>
+#include <utility>
+
+#include "../reducer/nvtx.h"
+#include "powersgd_options.h"
+#include "registry.h"
+
+namespace fastddp {
+namespace {
+
+c10::intrusive_ptr<c10::ivalue::Future> allreduce(c10d::ProcessGroup& group, at::Tensor t) {
+  std::vector<at::Tensor> tensors{std::move(t)};
+  return group.allreduce(tensors)->getFuture();
+}
+
+// torch's batched hook calls _orthogonalize(matrix) on a 2-D matrix: as a
+// batch of one, with the default epsilon 0 (Note [batched powersgd]).
+void orthogonalize(const at::Tensor& matrix) {
+  at::Tensor batch = matrix.unsqueeze(0);
+  powersgd_orthogonalize(batch, 0.0);
+}
+
+}  // namespace
+
+int64_t batched_powersgd_side(int64_t numel) {
+  auto side = static_cast<int64_t>(std::sqrt(static_cast<double>(numel)));
+  while (side * side < numel) ++side;
+  while (side > 0 && (side - 1) * (side - 1) >= numel) --side;
+  return side;
+}
+
+// A compressed bucket between the P allreduce and the Q allreduce.
+struct BatchedPowerSGDHook::BatchedStage : PipelinedHook::Stage {
+  std::shared_ptr<BucketState> state;
+  at::Tensor flat;        // the bucket's gradient: gets the result
+  at::Tensor input_copy;  // M before compression (error feedback)
+  c10::intrusive_ptr<c10::ivalue::Future> p_reduced;
+};
+
+BatchedPowerSGDHook::BatchedPowerSGDHook(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                         PowerSGDOptions options, NumpyRandomState rng)
+    : group_(std::move(group)),
+      options_(options),
+      rng_(rng),
+      iter_(options.iter),
+      stats_(options.compression_stats_logging_frequency) {
+  TORCH_CHECK(group_, "fastddp: the powersgd_batched comm hook needs a process group");
+  world_size_ = group_->getSize();
+}
+
+BatchedPowerSGDHook::~BatchedPowerSGDHook() = default;
+
+int64_t BatchedPowerSGDHook::wire_bytes(const Bucket& bucket) const {
+  if (iter_.load() < options_.start_powerSGD_iter) return bucket.bytes();
+  return 2 * batched_powersgd_side(bucket.flat.numel()) * options_.matrix_approximation_rank *
+         static_cast<int64_t>(bucket.flat.element_size());
+}
+
+std::shared_ptr<PipelinedHook::Stage> BatchedPowerSGDHook::start(
+    Bucket& bucket, size_t index, bool is_last, c10::intrusive_ptr<c10::ivalue::Future>& done) {
+  if (iter_.load() < options_.start_powerSGD_iter) {
+    FASTDDP_NVTX_RANGE("fastddp launch (powersgd_batched vanilla)");
+    // torch's vanilla phase (default._allreduce_fut): divide first, then sum.
+    if (is_last) ++iter_;
+    bucket.flat.div_(world_size_);
+    done = allreduce(*group_, bucket.flat);
+    return nullptr;
+  }
+  FASTDDP_NVTX_RANGE("fastddp launch (powersgd_batched P)");
+  auto stage = std::make_shared<BatchedStage>();
+  stage->flat = bucket.flat;
+  stage->result = make_result(bucket.flat);
+  stage->state = bucket_state(bucket, index);
+  BucketState& state = *stage->state;
+  const int64_t rank = options_.matrix_approximation_rank;
+  TORCH_CHECK_VALUE(rank <= state.side, "fastddp powersgd_batched: bucket ", index, " has ",
+                    state.numel, " elements, a ", state.side, " x ", state.side,
+                    " matrix: matrix_approximation_rank (", rank, ") must be at most ",
+                    state.side, "; use larger buckets or a smaller rank");
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const int64_t esize = static_cast<int64_t>(bucket.flat.element_size());
+    const int64_t after = state.side * rank * 2;
+    // torch's statistics, its report with the counter before this step's increment.
+    stats_.add_bucket(state.numel, after, state.numel * esize, after * esize, index, is_last,
+                      iter_.load());
+  }
+
+  state.padded.narrow(0, 0, state.numel).copy_(bucket.flat);
+  state.padded.narrow(0, state.numel, state.side * state.side - state.numel).zero_();
+  if (options_.use_error_feedback) {
+    state.padded.add_(state.error);  // zeros on the first compressed step, as torch's
+    stage->input_copy = state.padded.clone();
+  }
+  if (!options_.warm_start || !state.q_ready) {
+    // torch: fork_rng; manual_seed(rng.randint(1e9)); randn(side, r, cpu, dtype).to(device).
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(
+        static_cast<uint64_t>(rng_.randint(1000000000)));
+    state.q.copy_(at::randn({state.side, rank}, gen, state.q.options().device(at::kCPU)));
+    state.q_ready = true;
+  }
+  orthogonalize(state.q);
+  at::mm_out(state.p, state.padded.view({state.side, state.side}), state.q);
+  stage->p_reduced = allreduce(*group_, state.p);
+  if (is_last) ++iter_;
+  return stage;
+}
+
+void BatchedPowerSGDHook::finish(Stage& base) {
+  auto& stage = static_cast<BatchedStage&>(base);
+  stage.p_reduced->wait();
+  TORCH_CHECK(!stage.p_reduced->hasError(), "fastddp: the powersgd_batched comm hook's "
+              "allreduce of P failed for bucket ", stage.index, ": ",
+              stage.p_reduced->tryRetrieveErrorMessage());
+  FASTDDP_NVTX_RANGE("fastddp launch (powersgd_batched Q)");
+  BucketState& state = *stage.state;
+  const at::Tensor matrix = state.padded.view({state.side, state.side});
+  orthogonalize(state.p);
+  at::mm_out(state.q, matrix.t(), state.p);
+  auto q_reduced = allreduce(*group_, state.q);
+  complete_after(q_reduced, stage.result,
+                 [this, state = stage.state, flat = stage.flat,
+                  input_copy = stage.input_copy]() mutable {
+                   FASTDDP_NVTX_RANGE("fastddp decompress (powersgd_batched)");
+                   state->q.div_(world_size_);
+                   at::Tensor m = state->padded.view({state->side, state->side});
+                   at::mm_out(m, state->p, state->q.t());
+                   if (options_.use_error_feedback) {
+                     at::sub_out(state->error, input_copy, state->padded);
+                   }
+                   flat.copy_(state->padded.narrow(0, 0, state->numel));
+                   return c10::IValue(flat);
+                 });
+}
+
+namespace {
+
+std::shared_ptr<CommHook> make_powersgd_batched(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& group, const HookOptions& o) {
+  PowerSGDConfig config = parse_powersgd_options(o, "powersgd_batched");
+  return std::make_shared<BatchedPowerSGDHook>(group, config.options, config.rng);
+}
+
+}  // namespace
+
+FASTDDP_REGISTER_COMM_HOOK("powersgd_batched", make_powersgd_batched);
+
+}  // namespace fastddp

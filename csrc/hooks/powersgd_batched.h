@@ -1,0 +1,135 @@
+// Batched PowerSGD (torch's `batched_powerSGD_hook`): the whole bucket as one
+// square matrix, numerically torch's hook with the same PowerSGDState.
+//
+// Note [batched powersgd]
+// Per step, for every bucket (torch's algorithm, step for step):
+//   iter < start_iter: divide by the world size, one allreduce (torch's
+//     vanilla phase); the iteration counter moves on the last bucket.
+//   otherwise, with numel the bucket's size and side = ceil(sqrt(numel)):
+//     M = the flat gradient (unscaled) zero-padded to side * side, viewed as
+//       (side, side), in a work buffer of the hook (torch resizes the
+//       bucket's buffer, which ours cannot be);
+//     error feedback: M += error[bucket] over the padded length (so the
+//       padding's error is carried too); keep a copy of M;
+//     Q (side x r): warm start reuses last step's; otherwise randn on CPU
+//       from a generator seeded with the numpy RandomState's
+//       randint(1_000_000_000), one draw per bucket, in the order buckets
+//       run; then orthogonalized;
+//     P = M Q; allreduce P (a sum, not divided); orthogonalize P;
+//     Q = M^T P; allreduce Q; Q /= world size; M = P Q^T;
+//     error feedback: error[bucket] = copy - M; the bucket gets M's first
+//       numel elements.
+// Unlike "powersgd", every element is compressed (min_compression_rate and
+// batch_tensors_with_same_shape are accepted and unused, as in torch), and
+// orthogonalization runs with epsilon 0: torch's batched hook never passes
+// orthogonalization_epsilon on.
+// torch 2.14's own batched_powerSGD_hook cannot run: it hands a 2-D Q to an
+// _orthogonalize that asserts a 3-D batch (since torch PR #75157). This hook
+// is that code with Q and P orthogonalized as a batch of one.
+//
+// State across a bucket rebuild and in a checkpoint: the error feedback per
+// parameter (its slice of the padded error); Q and the padding's error per
+// bucket, keyed by the bucket's first parameter index (torch keys all three
+// by bucket index). A rebuild hands Q and the padding's error on only to a
+// bucket with the same first parameter and numel; a loaded checkpoint's go
+// to the bucket with that first parameter if their shapes fit. Otherwise Q
+// is drawn again and the padding's error restarts at zero. Note that the
+// numbers depend on the layout (a bucket is one matrix): a run resumed in
+// another bucket layout is not the uninterrupted run, under torch either.
+// Collectives are issued as Note [pipelined hooks] says, so any number of
+// buckets works on gloo too (torch's hook issues the Q allreduce from a
+// callback).
+#pragma once
+
+#include <ATen/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../core/numpy_random.h"
+#include "pipelined_hook.h"
+#include "powersgd.h"
+#include "powersgd_plan.h"
+#include "powersgd_stats.h"
+
+namespace c10d {
+class ProcessGroup;
+}
+
+namespace fastddp {
+
+class BatchedPowerSGDHook : public PipelinedHook {
+ public:
+  BatchedPowerSGDHook(c10::intrusive_ptr<c10d::ProcessGroup> group, PowerSGDOptions options,
+                      NumpyRandomState rng);
+  ~BatchedPowerSGDHook() override;  // here ProcessGroup is incomplete
+
+  std::string name() const override { return "powersgd_batched"; }
+  void on_new_buckets(const std::vector<Bucket>& buckets) override;
+  // The bucket's bytes before compression starts; then P and Q (side x r each).
+  int64_t wire_bytes(const Bucket& bucket) const override;
+
+  const PowerSGDOptions& options() const { return options_; }
+  int64_t iter() const { return iter_.load(); }
+  // torch's PowerSGDState.compression_stats(): (rate, numel before, numel after).
+  std::vector<double> compression_stats() const;
+  // Bytes of the last compressed step: gradients in, and what went on the wire.
+  std::pair<int64_t, int64_t> last_step_bytes() const;
+  // The log lines due since the last call; Python logs them.
+  std::vector<PowerSGDStatsReport> take_stats_reports();
+
+  // Call between steps (no backward in flight). errors: per parameter;
+  // bucket_qs (warm start only) and bucket_error_tails: per bucket, keyed by
+  // its first parameter index.
+  PowerSGDCheckpoint state_dict() const;
+  void load_state_dict(const PowerSGDCheckpoint& checkpoint);
+
+ protected:
+  std::shared_ptr<Stage> start(Bucket& bucket, size_t index, bool is_last,
+                               c10::intrusive_ptr<c10::ivalue::Future>& done) override;
+  void finish(Stage& stage) override;
+
+ private:
+  struct BucketState {
+    std::vector<int64_t> params, offsets, numels;  // the layout, to carry state per parameter
+    int64_t numel = 0, side = 0;
+    at::Tensor padded;  // M: the gradient zero-padded to side * side
+    at::Tensor error;   // side * side, with use_error_feedback
+    at::Tensor p, q;    // side x r
+    bool q_ready = false;  // q holds last step's Q (warm start)
+  };
+  struct BatchedStage;
+
+  std::shared_ptr<BucketState> bucket_state(const Bucket& bucket, size_t index);
+  void adopt_carried(BucketState& state);
+  // Adds a bucket's state to the per-parameter / per-bucket maps.
+  void carry(const BucketState& state, PowerSGDCheckpoint& into) const;
+
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  PowerSGDOptions options_;
+  NumpyRandomState rng_;
+  int world_size_;
+  std::atomic<int64_t> iter_;
+  // Guards everything below (statistics are read from Python while the
+  // autograd thread runs buckets).
+  mutable std::mutex mutex_;
+  std::map<size_t, std::shared_ptr<BucketState>> states_;
+  // Waiting for a bucket's next compressed step: loaded from a checkpoint,
+  // or left by a bucket rebuild. Only its maps are used (errors, bucket_qs,
+  // bucket_error_tails): the same shape as a checkpoint's, so state_dict()
+  // starts from a copy of it.
+  PowerSGDCheckpoint carried_;
+  PowerSGDStats stats_;
+};
+
+// ceil(sqrt(numel)) in integers (torch: math.ceil(math.sqrt(numel)), equal
+// for any bucket that fits in memory).
+int64_t batched_powersgd_side(int64_t numel);
+
+}  // namespace fastddp

@@ -1,0 +1,151 @@
+// The batched PowerSGD hook's state: per bucket while training; per
+// parameter (errors) and per first parameter (Q, the padding's error)
+// across a bucket rebuild and in a checkpoint; its statistics.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include "powersgd_batched.h"
+
+namespace fastddp {
+
+std::shared_ptr<BatchedPowerSGDHook::BucketState> BatchedPowerSGDHook::bucket_state(
+    const Bucket& bucket, size_t index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::shared_ptr<BucketState>& slot = states_[index];
+  if (slot) return slot;
+  slot = std::make_shared<BucketState>();
+  BucketState& s = *slot;
+  s.params.assign(bucket.params.begin(), bucket.params.end());
+  s.offsets = bucket.offsets;
+  s.numels = bucket.numels;
+  s.numel = bucket.flat.numel();
+  s.side = batched_powersgd_side(s.numel);
+  const auto options = bucket.flat.options();
+  s.padded = at::empty({s.side * s.side}, options);
+  if (options_.use_error_feedback) s.error = at::zeros({s.side * s.side}, options);
+  s.p = at::empty({s.side, options_.matrix_approximation_rank}, options);
+  s.q = at::empty({s.side, options_.matrix_approximation_rank}, options);
+  adopt_carried(s);
+  return slot;
+}
+
+void BatchedPowerSGDHook::adopt_carried(BucketState& s) {
+  const int64_t tail = s.side * s.side - s.numel;
+  if (s.error.defined()) {
+    for (size_t k = 0; k < s.params.size(); ++k) {
+      auto it = carried_.errors.find(s.params[k]);
+      if (it == carried_.errors.end()) continue;
+      TORCH_CHECK_VALUE(it->second.numel() == s.numels[k], "fastddp powersgd_batched: the saved "
+                        "error of parameter ", s.params[k], " has ", it->second.numel(),
+                        " elements, expected ", s.numels[k]);
+      s.error.narrow(0, s.offsets[k], s.numels[k]).copy_(it->second.reshape(-1));
+      carried_.errors.erase(it);
+    }
+  }
+  if (s.params.empty()) return;
+  // Per-bucket state belongs to a bucket with the same first parameter and
+  // numel (checked through the shapes); any other bucket starts afresh.
+  const int64_t key = s.params.front();
+  auto t = carried_.bucket_error_tails.find(key);
+  if (t != carried_.bucket_error_tails.end()) {
+    if (s.error.defined() && t->second.numel() == tail) {
+      s.error.narrow(0, s.numel, tail).copy_(t->second.reshape(-1));
+    }
+    carried_.bucket_error_tails.erase(t);
+  }
+  auto q = carried_.bucket_qs.find(key);
+  if (q != carried_.bucket_qs.end()) {
+    // torch would not draw for a bucket that has its Q: neither do we.
+    if (options_.warm_start && q->second.sizes() == s.q.sizes()) {
+      s.q.copy_(q->second);
+      s.q_ready = true;
+    }
+    carried_.bucket_qs.erase(q);
+  }
+}
+
+void BatchedPowerSGDHook::carry(const BucketState& s, PowerSGDCheckpoint& into) const {
+  if (s.params.empty()) return;
+  if (s.error.defined()) {
+    for (size_t k = 0; k < s.params.size(); ++k) {
+      into.errors[s.params[k]] = s.error.narrow(0, s.offsets[k], s.numels[k]);
+    }
+    const int64_t tail = s.side * s.side - s.numel;
+    if (tail > 0) into.bucket_error_tails[s.params.front()] = s.error.narrow(0, s.numel, tail);
+  }
+  // Without warm start Q is drawn every step: nothing to keep.
+  if (options_.warm_start && s.q_ready) into.bucket_qs[s.params.front()] = s.q;
+}
+
+void BatchedPowerSGDHook::on_new_buckets(const std::vector<Bucket>& buckets) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& entry : states_) {
+    const BucketState& s = *entry.second;
+    carry(s, carried_);
+    // Q and the padding's error only go on to the same bucket: same first
+    // parameter and numel (the shape checks at adoption cannot tell every
+    // other bucket apart).
+    bool same = false;
+    for (const Bucket& b : buckets) {
+      same = same || (!b.params.empty() && !s.params.empty() &&
+                      static_cast<int64_t>(b.params.front()) == s.params.front() &&
+                      b.flat.numel() == s.numel);
+    }
+    if (!same && !s.params.empty()) {
+      carried_.bucket_qs.erase(s.params.front());
+      carried_.bucket_error_tails.erase(s.params.front());
+    }
+  }
+  states_.clear();
+}
+
+std::vector<double> BatchedPowerSGDHook::compression_stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stats_.compression_stats();
+}
+
+std::pair<int64_t, int64_t> BatchedPowerSGDHook::last_step_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stats_.last_step_bytes();
+}
+
+std::vector<PowerSGDStatsReport> BatchedPowerSGDHook::take_stats_reports() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stats_.take_reports();
+}
+
+PowerSGDCheckpoint BatchedPowerSGDHook::state_dict() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  PowerSGDCheckpoint ck = carried_;
+  ck.iter = iter_.load();
+  ck.rng_state = numpy_rng_state(rng_);
+  ck.numel_before = stats_.numel_before;
+  ck.numel_after = stats_.numel_after;
+  ck.next_stats_report = stats_.next_report;
+  for (const auto& entry : states_) carry(*entry.second, ck);
+  // Copies: the checkpoint must not change as training goes on.
+  for (auto* map : {&ck.errors, &ck.bucket_qs, &ck.bucket_error_tails}) {
+    for (auto& e : *map) e.second = e.second.clone();
+  }
+  return ck;
+}
+
+void BatchedPowerSGDHook::load_state_dict(const PowerSGDCheckpoint& ck) {
+  TORCH_CHECK_VALUE(ck.qs.empty(), "fastddp powersgd_batched: the checkpoint has per-parameter "
+                    "Qs (a \"powersgd\" hook's); this hook keeps one Q per bucket (bucket_qs)");
+  std::lock_guard<std::mutex> lock(mutex_);
+  set_numpy_rng_state(rng_, ck.rng_state);
+  iter_.store(ck.iter);
+  stats_.numel_before = ck.numel_before;
+  stats_.numel_after = ck.numel_after;
+  stats_.next_report = ck.next_stats_report;
+  states_.clear();
+  carried_ = PowerSGDCheckpoint();
+  for (const auto& e : ck.errors) carried_.errors[e.first] = e.second.clone();
+  for (const auto& e : ck.bucket_qs) carried_.bucket_qs[e.first] = e.second.clone();
+  for (const auto& e : ck.bucket_error_tails) {
+    carried_.bucket_error_tails[e.first] = e.second.clone();
+  }
+}
+
+}  // namespace fastddp
