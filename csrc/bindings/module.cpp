@@ -18,7 +18,8 @@
 namespace py = pybind11;
 
 namespace fastddp {
-void bind_hooks(py::module& m);  // hooks_py.cpp
+void bind_hooks(py::module& m);        // hooks_py.cpp
+void bind_hook_runner(py::module& m);  // hook_runner.cpp
 
 namespace {
 
@@ -145,6 +146,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       m, "AllreduceHook")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("process_group"));
   fastddp::bind_hooks(m);  // the registry, the other hooks, the half-cast kernels
+  fastddp::bind_hook_runner(m);  // hooks on given gradients, for benchmarks and tests
 
   using Tensors = std::vector<at::Tensor>;
   py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer")
