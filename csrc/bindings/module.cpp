@@ -18,9 +18,10 @@
 namespace py = pybind11;
 
 namespace fastddp {
-void bind_hooks(py::module& m);  // hooks_py.cpp
-void bind_powersgd(py::module& m);  // powersgd_py.cpp
+void bind_hooks(py::module& m);             // hooks_py.cpp
+void bind_powersgd(py::module& m);          // powersgd_py.cpp
 void bind_powersgd_batched(py::module& m);  // powersgd_batched_py.cpp
+void bind_hook_runner(py::module& m);       // hook_runner.cpp
 
 namespace {
 
@@ -149,6 +150,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   fastddp::bind_hooks(m);  // the registry, the other hooks, the half-cast kernels
   fastddp::bind_powersgd(m);
   fastddp::bind_powersgd_batched(m);
+  fastddp::bind_hook_runner(m);  // hooks on given gradients, for benchmarks and tests
 
   using Tensors = std::vector<at::Tensor>;
   py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer")

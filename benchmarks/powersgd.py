@@ -1,0 +1,254 @@
+"""PowerSGD: fastddp's native hook vs torch's powerSGD_hook, side by side in one run.
+
+    python benchmarks/powersgd.py [--parts abc] [--scale 0.25] [--blocks 24] [--rank 4]
+        [--bucket-cap-mb 8] [--world 1] [--rounds 10] [--block 2] [--batch 4] [--device cpu]
+
+Parameters are shaped as ViT-L/32's (patch embed 1024x3x32x32, 24 blocks of qkv 3072x1024,
+proj 1024x1024, fc1 4096x1024, fc2 1024x4096, layernorms and biases, class token,
+position embedding, 1000-class head), hidden and MLP widths times --scale (0.25 on CPU,
+1.0 with --device cuda unless given).
+
+(a) Hook time per step: the native hook (``fastddp.hooks.powersgd(...).native(group)``)
+    and torch's ``powerSGD_hook`` (a ``PowerSGDState``, run through
+    ``_C.PythonCommHook``) on the same gradients, via ``_C.HookRunner`` (buckets of
+    --bucket-cap-mb in reverse parameter order, as DDP's), at --rank after
+    start_powerSGD_iter (warm), on --world ranks. torch's hook is waited for bucket by
+    bucket when there are several (it issues collectives from completion callbacks,
+    which gloo pairs up wrongly across ranks otherwise).
+(b) 2-rank training step time on a ViT-like module of those parameters (a tiny forward:
+    --batch images of 64x64, 5 tokens, one attention head): fastddp + the native hook,
+    torch DDP + torch's hook (serialized as above) with the same buckets, and torch DDP +
+    torch's hook with one bucket (torch's advice for PowerSGD).
+(c) Compression: fastddp's ``comm_stats()`` bytes reduced / sent per step, and torch's
+    ``PowerSGDState.compression_stats()``.
+
+Every figure is a median over --rounds rounds of --block steps, variants in rotating
+order, rank 0's clock. Spawns gloo ranks on 127.0.0.1 (nccl with --device cuda when there
+is a GPU per rank), one intra-op thread per rank on CPU. Not a test.
+"""
+
+import argparse
+import copy
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+import fastddp
+from fastddp import _C
+
+START = 2  # start_powerSGD_iter: torch's minimum with error feedback
+TorchDDP = nn.parallel.DistributedDataParallel
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, mlp: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.fc1, self.fc2 = nn.Linear(hidden, mlp), nn.Linear(mlp, hidden)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.ln1(t)).chunk(3, dim=-1)
+        t = t + self.proj(F.scaled_dot_product_attention(q, k, v))
+        return t + self.fc2(F.gelu(self.fc1(self.ln2(t))))
+
+
+class ViTLike(nn.Module):
+    """ViT-L/32's parameter shapes at widths (hidden, mlp); 64x64 images, 4 patches."""
+
+    def __init__(self, hidden: int, mlp: int, blocks: int, classes: int = 1000):
+        super().__init__()
+        self.patch = nn.Conv2d(3, hidden, 32, stride=32)
+        self.cls = nn.Parameter(torch.zeros(1, 1, hidden))
+        self.pos = nn.Parameter(torch.randn(1, 5, hidden) * 0.02)
+        self.blocks = nn.ModuleList(Block(hidden, mlp) for _ in range(blocks))
+        self.norm, self.head = nn.LayerNorm(hidden), nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.patch(x).flatten(2).transpose(1, 2)
+        t = torch.cat([self.cls.expand(t.shape[0], -1, -1), t], dim=1) + self.pos
+        for block in self.blocks:
+            t = block(t)
+        return self.head(self.norm(t[:, 0]))
+
+
+def serialized_powerSGD_hook(state: psgd.PowerSGDState,
+                             bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's hook, finished before the next bucket's (see (a) above); no number changes."""
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(psgd.powerSGD_hook(state, bucket).wait())
+    return done
+
+
+def timed(fns: dict[str, Callable[[], None]], args: argparse.Namespace,
+          sync: Callable[[], None]) -> dict[str, float]:
+    """Median ms per call of each fn: --rounds rounds of --block calls, rotating order."""
+    names, times = list(fns), {n: [] for n in fns}
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            dist.barrier()
+            sync()
+            t = time.perf_counter()
+            for _ in range(args.block):
+                fns[name]()
+            sync()
+            times[name].append((time.perf_counter() - t) / args.block * 1e3)
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
+def part_a(args: argparse.Namespace, model: nn.Module, device: torch.device) -> dict:
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(dist.get_rank())
+    grads = [torch.randn(p.shape, generator=g).to(device) for p in model.parameters()]
+    cap = int(args.bucket_cap_mb * 2**20)
+    native = _C.HookRunner(fastddp.hooks.powersgd(matrix_approximation_rank=args.rank,
+                                                  start_powerSGD_iter=START).native(group),
+                           grads, cap, group)
+    state = psgd.PowerSGDState(None, matrix_approximation_rank=args.rank,
+                               start_powerSGD_iter=START)
+    reference = _C.HookRunner(_C.PythonCommHook(state, psgd.powerSGD_hook, grads, "powerSGD"),
+                              grads, cap, group)
+    serialize = len(reference.bucket_plan()) > 1
+    fns = {"fastddp native powersgd": lambda: native.run(grads),
+           "torch powerSGD_hook": lambda: reference.run(grads, serialize=serialize)}
+    for fn in fns.values():
+        for _ in range(START + 2):  # past start_powerSGD_iter: P and Q exist, warm start on
+            fn()
+    return {"times": timed(fns, args, _sync(device)), "buckets": len(native.bucket_plan())}
+
+
+def part_b(args: argparse.Namespace, base: nn.Module, device: torch.device) -> dict:
+    one_bucket_mb = sum(p.numel() * p.element_size() for p in base.parameters()) / 2**20 + 1
+    models: dict[str, nn.Module] = {}
+    fast = fastddp.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=args.bucket_cap_mb)
+    fast.register_comm_hook(None, fastddp.hooks.powersgd(matrix_approximation_rank=args.rank,
+                                                         start_powerSGD_iter=START))
+    models["fastddp + native powersgd"] = fast
+    states = {}
+    for name, cap, hook in (
+            (f"torch DDP + powerSGD_hook (serialized), {args.bucket_cap_mb:g} MiB buckets",
+             args.bucket_cap_mb, serialized_powerSGD_hook),
+            ("torch DDP + powerSGD_hook, one bucket", one_bucket_mb, psgd.powerSGD_hook)):
+        model = TorchDDP(copy.deepcopy(base), bucket_cap_mb=cap)
+        states[name] = psgd.PowerSGDState(None, matrix_approximation_rank=args.rank,
+                                          start_powerSGD_iter=START)
+        model.register_comm_hook(states[name], hook)
+        models[name] = model
+    opts = {n: torch.optim.SGD(m.parameters(), lr=1e-3) for n, m in models.items()}
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(args.batch, 3, 64, 64, generator=g).to(device)
+    y = torch.randint(0, 1000, (args.batch,), generator=g).to(device)
+
+    def step(name: str) -> None:
+        opts[name].zero_grad(set_to_none=True)
+        F.cross_entropy(models[name](x), y).backward()
+        opts[name].step()
+
+    fns = {n: (lambda n=n: step(n)) for n in models}
+    for fn in fns.values():
+        for _ in range(START + 2):
+            fn()
+    times = timed(fns, args, _sync(device))
+    torch_stats = {n: s.compression_stats() for n, s in states.items()}
+    return {"times": times, "comm": fast.comm_stats(), "torch_compression": torch_stats,
+            "buckets": {"fastddp": len(fast.comm_stats()["buckets"])}}
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def worker(rank: int, world: int, port: int, part: str, args: argparse.Namespace, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    else:
+        torch.set_num_threads(1)
+    backend = "nccl" if device.type == "cuda" and torch.cuda.device_count() >= world else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    torch.manual_seed(0)
+    base = ViTLike(args.hidden, args.mlp, args.blocks).to(device)
+    out = (part_a if part == "a" else part_b)(args, base, device)
+    out["backend"] = backend
+    if rank == 0:
+        out["numel"] = sum(p.numel() for p in base.parameters())
+        queue.put(out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def spawn(part: str, world: int, args: argparse.Namespace) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = mp.get_context("spawn").Queue()
+    mp.spawn(worker, args=(world, port, part, args, queue), nprocs=world)
+    return queue.get()
+
+
+def table(times: dict[str, float], ref: str) -> None:
+    print(f"| variant | median ms | vs {ref} |\n|---|---:|---:|")
+    for name, ms in times.items():
+        print(f"| {name} | {ms:.2f} | {ms / times[ref]:.3f}x |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="abc", help="which of (a), (b), (c) to run")
+    parser.add_argument("--scale", type=float, help="width factor (0.25 on CPU, 1 on CUDA)")
+    parser.add_argument("--blocks", type=int, default=24)
+    parser.add_argument("--rank", type=int, default=4, help="matrix_approximation_rank")
+    parser.add_argument("--bucket-cap-mb", type=float, default=8.0)
+    parser.add_argument("--world", type=int, default=1, help="ranks for (a); (b) uses 2")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--block", type=int, default=2, help="steps timed together")
+    parser.add_argument("--batch", type=int, default=4, help="images per rank in (b)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    args = parser.parse_args()
+    scale = args.scale if args.scale is not None else (1.0 if args.device == "cuda" else 0.25)
+    args.hidden, args.mlp = int(1024 * scale), int(4096 * scale)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False,
+                            capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout
+    print(f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, device "
+          f"{args.device}, fastddp at {commit.strip() or '?'}; ViT-L/32 shapes x{scale:g} "
+          f"(hidden {args.hidden}, mlp {args.mlp}, {args.blocks} blocks); rank {args.rank}, "
+          f"{args.bucket_cap_mb:g} MiB buckets; {args.rounds} rounds x {args.block} steps\n")
+    if "a" in args.parts:
+        a = spawn("a", args.world, args)
+        print(f"(a) hook time per step, {a['numel'] / 1e6:.1f}M fp32 grads in {a['buckets']} "
+              f"buckets, {args.world} {a['backend']} rank(s)\n")
+        table(a["times"], "torch powerSGD_hook")
+        print()
+    if "b" in args.parts or "c" in args.parts:
+        b = spawn("b", 2, args)
+        if "b" in args.parts:
+            print(f"(b) training step, 2 {b['backend']} ranks, batch {args.batch} per rank, "
+                  f"fastddp in {b['buckets']['fastddp']} buckets\n")
+            fast_name, *refs = b["times"]
+            for ref in refs:
+                table({k: b["times"][k] for k in (fast_name, ref)}, ref)
+                print()
+        if "c" in args.parts:
+            c = b["comm"]
+            print(f"(c) fastddp comm_stats per step: {c['bytes_reduced'] / 2**20:.2f} MiB reduced, "
+                  f"{c['bytes_sent'] / 2**20:.3f} MiB sent, ratio {c['compression_ratio']:.1f}x")
+            for name, (rate, before, after) in b["torch_compression"].items():
+                print(f"    {name}: compression_stats() rate {rate:.1f}x "
+                      f"({before:.0f} -> {after:.0f} elements, all steps)")
+
+
+if __name__ == "__main__":
+    main()
