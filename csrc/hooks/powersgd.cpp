@@ -10,6 +10,7 @@
 
 #include "../reducer/nvtx.h"
 #include "powersgd_options.h"
+#include "lowrank.h"
 #include "registry.h"
 
 namespace fastddp {
@@ -80,7 +81,8 @@ std::shared_ptr<PipelinedHook::Stage> PowerSGDHook::start(
   if (options_.use_error_feedback) {
     // M = gradient + error, out of place: M is also the copy the new error
     // is taken from, and the bucket receives P Q^T.
-    stage->input_copy = at::add(input, state.error);
+    at::add_out(state.source, input, state.error);  // a kept buffer: no page faults per step
+    stage->input_copy = state.source;
     source = stage->input_copy;
     plan = plan_powersgd(bucket, source, input, options_);
   }
@@ -108,7 +110,7 @@ std::shared_ptr<PipelinedHook::Stage> PowerSGDHook::start(
   state.qs_after_draw.clear();
   // Orthogonalization is per matrix: one call per same-shape group.
   for (at::Tensor& q : work.q_groups) powersgd_orthogonalize(q, options_.orthogonalization_epsilon);
-  for (PowerSGDBatch& b : work.batches) at::bmm_out(b.p, b.matrices, b.q);
+  for (PowerSGDBatch& b : work.batches) lowrank_project(b.matrices, b.q, b.p);
   if (!plan.uncompressed.empty()) {
     std::vector<at::Tensor> slices;
     slices.reserve(plan.uncompressed.size());
@@ -145,7 +147,7 @@ void PowerSGDHook::finish(Stage& base) {
   }
   PowerSGDWork& work = stage.work;
   for (at::Tensor& p : work.p_groups) powersgd_orthogonalize(p, options_.orthogonalization_epsilon);
-  for (PowerSGDBatch& b : work.batches) at::bmm_out(b.q, b.matrices.transpose(1, 2), b.p);
+  for (PowerSGDBatch& b : work.batches) lowrank_back_project(b.matrices, b.p, b.q);
   auto q_reduced = allreduce(*group_, state.q_memory);
   complete_after(q_reduced, stage.result,
                  [this, state = stage.state, batches = std::move(work.batches),
@@ -153,7 +155,7 @@ void PowerSGDHook::finish(Stage& base) {
                    FASTDDP_NVTX_RANGE("fastddp decompress (powersgd)");
                    state->q_memory.div_(world_size_);
                    for (PowerSGDBatch& b : batches) {
-                     at::bmm_out(b.out, b.p, b.q.transpose(1, 2));
+                     lowrank_expand(b.p, b.q, b.out);
                      for (size_t i = 0; i < b.unstack.size(); ++i) {
                        b.unstack[i].copy_(b.out[static_cast<int64_t>(i)]);
                      }
@@ -164,7 +166,6 @@ void PowerSGDHook::finish(Stage& base) {
                      // This callback's kernels run on a side stream: the
                      // caching allocator must not hand their memory to the
                      // main stream before it has waited for them (next step).
-                     state->in_flight.push_back(input_copy);
                      for (PowerSGDBatch& b : batches) state->in_flight.push_back(b.out);
                      state->in_flight.push_back(state->q_memory);
                    }

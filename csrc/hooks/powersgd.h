@@ -112,6 +112,7 @@ class PowerSGDHook : public PipelinedHook {
     std::vector<int64_t> params, offsets, numels;
     std::vector<int64_t> q_offsets, q_rows, q_cols;  // per compressed slot; -1 offset: none
     at::Tensor error;     // error feedback, the bucket's numel
+    at::Tensor source;    // M = gradient + error, with error feedback
     at::Tensor wire;      // [uncompressed | P]: one allreduce
     at::Tensor q_memory;  // every Q of the bucket, flat
     // Kept until the next step (CUDA): see the decompression callback.

@@ -10,6 +10,7 @@
 
 #include "../reducer/nvtx.h"
 #include "powersgd_options.h"
+#include "lowrank.h"
 #include "registry.h"
 
 namespace fastddp {
@@ -97,7 +98,8 @@ std::shared_ptr<PipelinedHook::Stage> BatchedPowerSGDHook::start(
   state.padded.narrow(0, state.numel, state.side * state.side - state.numel).zero_();
   if (options_.use_error_feedback) {
     state.padded.add_(state.error);  // zeros on the first compressed step, as torch's
-    stage->input_copy = state.padded.clone();
+    state.copy.copy_(state.padded);  // a kept buffer: no page faults per step
+    stage->input_copy = state.copy;
   }
   if (!options_.warm_start || !state.q_ready) {
     // torch: fork_rng; manual_seed(rng.randint(1e9)); randn(side, r, cpu, dtype).to(device).
@@ -107,7 +109,8 @@ std::shared_ptr<PipelinedHook::Stage> BatchedPowerSGDHook::start(
     state.q_ready = true;
   }
   orthogonalize(state.q);
-  at::mm_out(state.p, state.padded.view({state.side, state.side}), state.q);
+  at::Tensor p3 = state.p.unsqueeze(0);
+  lowrank_project(state.padded.view({1, state.side, state.side}), state.q.unsqueeze(0), p3);
   stage->p_reduced = allreduce(*group_, state.p);
   if (is_last) ++iter_;
   return stage;
@@ -123,15 +126,16 @@ void BatchedPowerSGDHook::finish(Stage& base) {
   BucketState& state = *stage.state;
   const at::Tensor matrix = state.padded.view({state.side, state.side});
   orthogonalize(state.p);
-  at::mm_out(state.q, matrix.t(), state.p);
+  at::Tensor q3 = state.q.unsqueeze(0);
+  lowrank_back_project(matrix.unsqueeze(0), state.p.unsqueeze(0), q3);
   auto q_reduced = allreduce(*group_, state.q);
   complete_after(q_reduced, stage.result,
                  [this, state = stage.state, flat = stage.flat,
                   input_copy = stage.input_copy]() mutable {
                    FASTDDP_NVTX_RANGE("fastddp decompress (powersgd_batched)");
                    state->q.div_(world_size_);
-                   at::Tensor m = state->padded.view({state->side, state->side});
-                   at::mm_out(m, state->p, state->q.t());
+                   at::Tensor m = state->padded.view({1, state->side, state->side});
+                   lowrank_expand(state->p.unsqueeze(0), state->q.unsqueeze(0), m);
                    if (options_.use_error_feedback) {
                      at::sub_out(state->error, input_copy, state->padded);
                    }

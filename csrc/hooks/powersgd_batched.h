@@ -103,6 +103,7 @@ class BatchedPowerSGDHook : public PipelinedHook {
     at::Tensor error;   // side * side, with use_error_feedback
     at::Tensor p, q;    // side x r
     bool q_ready = false;  // q holds last step's Q (warm start)
+    at::Tensor copy;    // M before compression, with use_error_feedback
   };
   struct BatchedStage;
 

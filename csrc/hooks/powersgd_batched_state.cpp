@@ -22,7 +22,10 @@ std::shared_ptr<BatchedPowerSGDHook::BucketState> BatchedPowerSGDHook::bucket_st
   s.side = batched_powersgd_side(s.numel);
   const auto options = bucket.flat.options();
   s.padded = at::empty({s.side * s.side}, options);
-  if (options_.use_error_feedback) s.error = at::zeros({s.side * s.side}, options);
+  if (options_.use_error_feedback) {
+    s.error = at::zeros({s.side * s.side}, options);
+    s.copy = at::empty({s.side * s.side}, options);
+  }
   s.p = at::empty({s.side, options_.matrix_approximation_rank}, options);
   s.q = at::empty({s.side, options_.matrix_approximation_rank}, options);
   adopt_carried(s);

@@ -55,7 +55,10 @@ std::shared_ptr<PowerSGDHook::BucketState> PowerSGDHook::bucket_state(const Buck
     }
     const auto options = bucket.flat.options();
     s.wire = at::empty({plan.uncompressed_numel + plan.p_numel}, options);
-    if (options_.use_error_feedback) s.error = at::zeros({bucket.flat.numel()}, options);
+    if (options_.use_error_feedback) {
+      s.error = at::zeros({bucket.flat.numel()}, options);
+      s.source = at::empty({bucket.flat.numel()}, options);
+    }
   }
   BucketState& s = *slot;
   s.in_flight.clear();  // the reducer waited for last step's callbacks

@@ -6,14 +6,10 @@
 // so the one portable binary still gets wide vectors. Threading is the
 // caller's business (the hooks split large buffers with at::parallel_for).
 #include "half_cast.h"
+#include "vector_clones.h"
 
 namespace fastddp::kernels {
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
-#define FASTDDP_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define FASTDDP_VECTOR_CLONES
-#endif
 
 namespace {
 
