@@ -100,3 +100,25 @@ def bad_arguments() -> list[str]:
         else:
             raise AssertionError("accepted")
     return messages
+
+
+def cuda_matches_cpu(hook: str = "powersgd", steps: int = 5, rank: int = 2,
+                     warm_start: bool = True) -> int:
+    """A native PowerSGD hook on CUDA gradients against the same hook on CPU (the CPU
+    kernels are tested against torch): the CUDA orthogonalization kernel, the pinned random
+    Q, bmm and the decompression on the collective's stream. Returns compressed steps."""
+    group = dist.group.WORLD
+    make = getattr(fastddp.hooks, hook)
+    args = {"matrix_approximation_rank": rank, "start_powerSGD_iter": 2,
+            "warm_start": warm_start}
+    runners = {}
+    for device in ("cpu", "cuda"):
+        grads = [g.to(device) for g in grads_for(0)]
+        runners[device] = _C.HookRunner(make(**args).native(group), grads, 2048, group)
+    for step in range(steps):
+        grads = grads_for(step)
+        want = runners["cpu"].run(grads)
+        got = runners["cuda"].run([g.cuda() for g in grads])
+        torch.cuda.synchronize()
+        _close([g.cpu() for g in got], want, f"{hook} step {step}", rtol=1e-4, atol=1e-5)
+    return steps - 2

@@ -86,3 +86,17 @@ def test_two_ranks_on_one_gpu_match_torch():
         world.check(scenarios.cuda_parity, bucket_cap_mb=0.0001, static_graph=True)
     finally:
         world.close()
+
+
+@pytest.mark.parametrize(("hook", "rank", "warm_start"), [
+    ("powersgd", 1, True), ("powersgd", 4, True), ("powersgd", 2, False),
+    ("batched_powersgd", 2, True)])
+def test_powersgd_cuda_matches_cpu(hook, rank, warm_start):
+    import hook_runner_scenarios
+
+    world = World(2, backend="gloo")  # gloo reduces CUDA tensors through host memory
+    try:
+        assert world.check(hook_runner_scenarios.cuda_matches_cpu, hook=hook, rank=rank,
+                           warm_start=warm_start)[0] == 3
+    finally:
+        world.close()
