@@ -16,10 +16,6 @@
 namespace fastddp {
 namespace {
 
-c10::intrusive_ptr<c10::ivalue::Future> allreduce(c10d::ProcessGroup& group, at::Tensor t) {
-  std::vector<at::Tensor> tensors{std::move(t)};
-  return group.allreduce(tensors)->getFuture();
-}
 
 }  // namespace
 
@@ -36,16 +32,7 @@ struct PowerSGDHook::PowerSGDStage : PipelinedHook::Stage {
 
 PowerSGDHook::PowerSGDHook(c10::intrusive_ptr<c10d::ProcessGroup> group, PowerSGDOptions options,
                            NumpyRandomState rng)
-    : group_(std::move(group)),
-      options_(options),
-      rng_(rng),
-      iter_(options.iter),
-      stats_(options.compression_stats_logging_frequency) {
-  TORCH_CHECK(group_, "fastddp: the powersgd comm hook needs a process group");
-  world_size_ = group_->getSize();
-}
-
-PowerSGDHook::~PowerSGDHook() = default;
+    : PowerSGDBase(std::move(group), options, rng, "powersgd") {}
 
 int64_t PowerSGDHook::wire_bytes(const Bucket& bucket) const {
   if (iter_.load() < options_.start_powerSGD_iter) return bucket.bytes();
@@ -56,14 +43,8 @@ int64_t PowerSGDHook::wire_bytes(const Bucket& bucket) const {
 
 std::shared_ptr<PipelinedHook::Stage> PowerSGDHook::start(
     Bucket& bucket, size_t index, bool is_last, c10::intrusive_ptr<c10::ivalue::Future>& done) {
-  if (iter_.load() < options_.start_powerSGD_iter) {
-    FASTDDP_NVTX_RANGE("fastddp launch (powersgd vanilla)");
-    // torch's vanilla phase (default._allreduce_fut): divide first, then sum.
-    if (is_last) ++iter_;
-    bucket.flat.div_(world_size_);
-    done = allreduce(*group_, bucket.flat);
-    return nullptr;
-  }
+  done = maybe_vanilla(bucket, is_last);
+  if (done) return nullptr;
   FASTDDP_NVTX_RANGE("fastddp launch (powersgd P)");
   auto stage = std::make_shared<PowerSGDStage>();
   stage->input = bucket.flat;
@@ -122,7 +103,7 @@ std::shared_ptr<PipelinedHook::Stage> PowerSGDHook::start(
   }
   stage->plan = std::move(plan);
   stage->wire = state.wire;
-  stage->p_reduced = allreduce(*group_, state.wire);
+  stage->p_reduced = allreduce(state.wire);
   if (is_last) ++iter_;
   return stage;
 }
@@ -148,7 +129,7 @@ void PowerSGDHook::finish(Stage& base) {
   PowerSGDWork& work = stage.work;
   for (at::Tensor& p : work.p_groups) powersgd_orthogonalize(p, options_.orthogonalization_epsilon);
   for (PowerSGDBatch& b : work.batches) lowrank_back_project(b.matrices, b.p, b.q);
-  auto q_reduced = allreduce(*group_, state.q_memory);
+  auto q_reduced = allreduce(state.q_memory);
   complete_after(q_reduced, stage.result,
                  [this, state = stage.state, batches = std::move(work.batches),
                   input = stage.input, input_copy = stage.input_copy]() mutable {

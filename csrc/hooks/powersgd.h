@@ -36,50 +36,20 @@
 #include <ATen/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
 
-#include <atomic>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "../core/numpy_random.h"
-#include "pipelined_hook.h"
-#include "powersgd_plan.h"
-#include "powersgd_stats.h"
-
-namespace c10d {
-class ProcessGroup;
-}
+#include "powersgd_base.h"
 
 namespace fastddp {
 
-// The hook's state apart from the bucket layout: what a checkpoint holds.
-struct PowerSGDCheckpoint {
-  int64_t iter = 0;
-  std::string rng_state;  // numpy RandomState: "pos key0 ... key623"
-  int64_t numel_before = 0, numel_after = 0;  // torch's running totals
-  int64_t next_stats_report = 0;
-  // By parameter index (the reducer's): the error feedback (the parameter's
-  // numel, flat) and the warm-start Q (m x r) of compressed parameters.
-  std::map<int64_t, at::Tensor> errors;
-  std::map<int64_t, at::Tensor> qs;
-  // "powersgd_batched" only (empty otherwise): its state per bucket, keyed
-  // by the bucket's first parameter index: the warm-start Q (side x r) and
-  // the error feedback of the zero padding past the bucket's numel.
-  std::map<int64_t, at::Tensor> bucket_qs, bucket_error_tails;
-};
-
-// numpy RandomState.get_state()'s position and key as "pos key0 ... key623",
-// and back (raises ValueError for anything else).
-std::string numpy_rng_state(const NumpyRandomState& rng);
-void set_numpy_rng_state(NumpyRandomState& rng, const std::string& state);
-
-class PowerSGDHook : public PipelinedHook {
+class PowerSGDHook : public PowerSGDBase {
  public:
   PowerSGDHook(c10::intrusive_ptr<c10d::ProcessGroup> group, PowerSGDOptions options,
                NumpyRandomState rng);
-  ~PowerSGDHook() override;  // here ProcessGroup is incomplete
 
   std::string name() const override { return "powersgd"; }
   void on_new_buckets(const std::vector<Bucket>& buckets) override;
@@ -87,19 +57,8 @@ class PowerSGDHook : public PipelinedHook {
   // slots plus the P and Q memories.
   int64_t wire_bytes(const Bucket& bucket) const override;
 
-  const PowerSGDOptions& options() const { return options_; }
-  int64_t iter() const { return iter_.load(); }
-  // torch's PowerSGDState.compression_stats(): (rate, numel before, numel after).
-  std::vector<double> compression_stats() const;
-  // Bytes of the last compressed step: gradients in, and what went on the wire.
-  std::pair<int64_t, int64_t> last_step_bytes() const;
-  // The log lines due since the last call (every
-  // compression_stats_logging_frequency steps); Python logs them.
-  std::vector<PowerSGDStatsReport> take_stats_reports();
-
-  // Call between steps (no backward in flight).
-  PowerSGDCheckpoint state_dict() const;
-  void load_state_dict(const PowerSGDCheckpoint& checkpoint);
+  PowerSGDCheckpoint state_dict() const override;
+  void load_state_dict(const PowerSGDCheckpoint& checkpoint) override;
 
  protected:
   std::shared_ptr<Stage> start(Bucket& bucket, size_t index, bool is_last,
@@ -130,19 +89,11 @@ class PowerSGDHook : public PipelinedHook {
   void carry(const BucketState& state, std::map<int64_t, at::Tensor>& errors,
              std::map<int64_t, at::Tensor>& qs) const;
 
-  c10::intrusive_ptr<c10d::ProcessGroup> group_;
-  PowerSGDOptions options_;
-  NumpyRandomState rng_;
-  int world_size_;
-  std::atomic<int64_t> iter_;
-  // Guards everything below: decompression callbacks run on the process
-  // group's threads while run() goes on with the next bucket.
-  mutable std::mutex mutex_;
+  // Guarded by mutex_.
   std::map<size_t, std::shared_ptr<BucketState>> states_;
   // Per parameter, waiting for its bucket's next compressed step: loaded
   // from a checkpoint, or left by a bucket rebuild.
   std::map<int64_t, at::Tensor> carried_errors_, carried_qs_;
-  PowerSGDStats stats_;
 };
 
 }  // namespace fastddp

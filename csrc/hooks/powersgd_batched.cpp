@@ -16,10 +16,6 @@
 namespace fastddp {
 namespace {
 
-c10::intrusive_ptr<c10::ivalue::Future> allreduce(c10d::ProcessGroup& group, at::Tensor t) {
-  std::vector<at::Tensor> tensors{std::move(t)};
-  return group.allreduce(tensors)->getFuture();
-}
 
 // torch's batched hook calls _orthogonalize(matrix) on a 2-D matrix: as a
 // batch of one, with the default epsilon 0 (Note [batched powersgd]).
@@ -47,16 +43,7 @@ struct BatchedPowerSGDHook::BatchedStage : PipelinedHook::Stage {
 
 BatchedPowerSGDHook::BatchedPowerSGDHook(c10::intrusive_ptr<c10d::ProcessGroup> group,
                                          PowerSGDOptions options, NumpyRandomState rng)
-    : group_(std::move(group)),
-      options_(options),
-      rng_(rng),
-      iter_(options.iter),
-      stats_(options.compression_stats_logging_frequency) {
-  TORCH_CHECK(group_, "fastddp: the powersgd_batched comm hook needs a process group");
-  world_size_ = group_->getSize();
-}
-
-BatchedPowerSGDHook::~BatchedPowerSGDHook() = default;
+    : PowerSGDBase(std::move(group), options, rng, "powersgd_batched") {}
 
 int64_t BatchedPowerSGDHook::wire_bytes(const Bucket& bucket) const {
   if (iter_.load() < options_.start_powerSGD_iter) return bucket.bytes();
@@ -66,14 +53,8 @@ int64_t BatchedPowerSGDHook::wire_bytes(const Bucket& bucket) const {
 
 std::shared_ptr<PipelinedHook::Stage> BatchedPowerSGDHook::start(
     Bucket& bucket, size_t index, bool is_last, c10::intrusive_ptr<c10::ivalue::Future>& done) {
-  if (iter_.load() < options_.start_powerSGD_iter) {
-    FASTDDP_NVTX_RANGE("fastddp launch (powersgd_batched vanilla)");
-    // torch's vanilla phase (default._allreduce_fut): divide first, then sum.
-    if (is_last) ++iter_;
-    bucket.flat.div_(world_size_);
-    done = allreduce(*group_, bucket.flat);
-    return nullptr;
-  }
+  done = maybe_vanilla(bucket, is_last);
+  if (done) return nullptr;
   FASTDDP_NVTX_RANGE("fastddp launch (powersgd_batched P)");
   auto stage = std::make_shared<BatchedStage>();
   stage->flat = bucket.flat;
@@ -111,7 +92,7 @@ std::shared_ptr<PipelinedHook::Stage> BatchedPowerSGDHook::start(
   orthogonalize(state.q);
   at::Tensor p3 = state.p.unsqueeze(0);
   lowrank_project(state.padded.view({1, state.side, state.side}), state.q.unsqueeze(0), p3);
-  stage->p_reduced = allreduce(*group_, state.p);
+  stage->p_reduced = allreduce(state.p);
   if (is_last) ++iter_;
   return stage;
 }
@@ -128,7 +109,7 @@ void BatchedPowerSGDHook::finish(Stage& base) {
   orthogonalize(state.p);
   at::Tensor q3 = state.q.unsqueeze(0);
   lowrank_back_project(matrix.unsqueeze(0), state.p.unsqueeze(0), q3);
-  auto q_reduced = allreduce(*group_, state.q);
+  auto q_reduced = allreduce(state.q);
   complete_after(q_reduced, stage.result,
                  [this, state = stage.state, flat = stage.flat,
                   input_copy = stage.input_copy]() mutable {

@@ -44,51 +44,30 @@
 #include <ATen/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
 
-#include <atomic>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <utility>
 #include <vector>
 
-#include "../core/numpy_random.h"
-#include "pipelined_hook.h"
-#include "powersgd.h"
-#include "powersgd_plan.h"
-#include "powersgd_stats.h"
-
-namespace c10d {
-class ProcessGroup;
-}
+#include "powersgd_base.h"
 
 namespace fastddp {
 
-class BatchedPowerSGDHook : public PipelinedHook {
+class BatchedPowerSGDHook : public PowerSGDBase {
  public:
   BatchedPowerSGDHook(c10::intrusive_ptr<c10d::ProcessGroup> group, PowerSGDOptions options,
                       NumpyRandomState rng);
-  ~BatchedPowerSGDHook() override;  // here ProcessGroup is incomplete
 
   std::string name() const override { return "powersgd_batched"; }
   void on_new_buckets(const std::vector<Bucket>& buckets) override;
   // The bucket's bytes before compression starts; then P and Q (side x r each).
   int64_t wire_bytes(const Bucket& bucket) const override;
 
-  const PowerSGDOptions& options() const { return options_; }
-  int64_t iter() const { return iter_.load(); }
-  // torch's PowerSGDState.compression_stats(): (rate, numel before, numel after).
-  std::vector<double> compression_stats() const;
-  // Bytes of the last compressed step: gradients in, and what went on the wire.
-  std::pair<int64_t, int64_t> last_step_bytes() const;
-  // The log lines due since the last call; Python logs them.
-  std::vector<PowerSGDStatsReport> take_stats_reports();
-
   // Call between steps (no backward in flight). errors: per parameter;
   // bucket_qs (warm start only) and bucket_error_tails: per bucket, keyed by
   // its first parameter index.
-  PowerSGDCheckpoint state_dict() const;
-  void load_state_dict(const PowerSGDCheckpoint& checkpoint);
+  PowerSGDCheckpoint state_dict() const override;
+  void load_state_dict(const PowerSGDCheckpoint& checkpoint) override;
 
  protected:
   std::shared_ptr<Stage> start(Bucket& bucket, size_t index, bool is_last,
@@ -112,21 +91,13 @@ class BatchedPowerSGDHook : public PipelinedHook {
   // Adds a bucket's state to the per-parameter / per-bucket maps.
   void carry(const BucketState& state, PowerSGDCheckpoint& into) const;
 
-  c10::intrusive_ptr<c10d::ProcessGroup> group_;
-  PowerSGDOptions options_;
-  NumpyRandomState rng_;
-  int world_size_;
-  std::atomic<int64_t> iter_;
-  // Guards everything below (statistics are read from Python while the
-  // autograd thread runs buckets).
-  mutable std::mutex mutex_;
+  // Guarded by mutex_.
   std::map<size_t, std::shared_ptr<BucketState>> states_;
   // Waiting for a bucket's next compressed step: loaded from a checkpoint,
   // or left by a bucket rebuild. Only its maps are used (errors, bucket_qs,
   // bucket_error_tails): the same shape as a checkpoint's, so state_dict()
   // starts from a copy of it.
   PowerSGDCheckpoint carried_;
-  PowerSGDStats stats_;
 };
 
 // ceil(sqrt(numel)) in integers (torch: math.ceil(math.sqrt(numel)), equal

@@ -102,29 +102,10 @@ void BatchedPowerSGDHook::on_new_buckets(const std::vector<Bucket>& buckets) {
   states_.clear();
 }
 
-std::vector<double> BatchedPowerSGDHook::compression_stats() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return stats_.compression_stats();
-}
-
-std::pair<int64_t, int64_t> BatchedPowerSGDHook::last_step_bytes() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return stats_.last_step_bytes();
-}
-
-std::vector<PowerSGDStatsReport> BatchedPowerSGDHook::take_stats_reports() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return stats_.take_reports();
-}
-
 PowerSGDCheckpoint BatchedPowerSGDHook::state_dict() const {
   std::lock_guard<std::mutex> lock(mutex_);
   PowerSGDCheckpoint ck = carried_;
-  ck.iter = iter_.load();
-  ck.rng_state = numpy_rng_state(rng_);
-  ck.numel_before = stats_.numel_before;
-  ck.numel_after = stats_.numel_after;
-  ck.next_stats_report = stats_.next_report;
+  save_scalars(ck);
   for (const auto& entry : states_) carry(*entry.second, ck);
   // Copies: the checkpoint must not change as training goes on.
   for (auto* map : {&ck.errors, &ck.bucket_qs, &ck.bucket_error_tails}) {
@@ -137,11 +118,7 @@ void BatchedPowerSGDHook::load_state_dict(const PowerSGDCheckpoint& ck) {
   TORCH_CHECK_VALUE(ck.qs.empty(), "fastddp powersgd_batched: the checkpoint has per-parameter "
                     "Qs (a \"powersgd\" hook's); this hook keeps one Q per bucket (bucket_qs)");
   std::lock_guard<std::mutex> lock(mutex_);
-  set_numpy_rng_state(rng_, ck.rng_state);
-  iter_.store(ck.iter);
-  stats_.numel_before = ck.numel_before;
-  stats_.numel_after = ck.numel_after;
-  stats_.next_report = ck.next_stats_report;
+  load_scalars(ck);
   states_.clear();
   carried_ = PowerSGDCheckpoint();
   for (const auto& e : ck.errors) carried_.errors[e.first] = e.second.clone();

@@ -3,32 +3,10 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include <array>
-#include <sstream>
 
 #include "powersgd.h"
 
 namespace fastddp {
-
-std::string numpy_rng_state(const NumpyRandomState& rng) {
-  std::ostringstream out;
-  out << rng.pos();
-  for (uint32_t k : rng.key()) out << ' ' << k;
-  return out.str();
-}
-
-void set_numpy_rng_state(NumpyRandomState& rng, const std::string& state) {
-  std::istringstream in(state);
-  int pos = 0;
-  std::array<uint32_t, NumpyRandomState::kN> key{};
-  in >> pos;
-  for (uint32_t& k : key) in >> k;
-  std::string rest;
-  TORCH_CHECK_VALUE(in && !(in >> rest) && pos >= 0 && pos <= NumpyRandomState::kN,
-                    "comm hook 'powersgd': a numpy generator state must be a position in "
-                    "[0, 624] and 624 words");
-  rng.set_state(key, pos);
-}
 
 std::shared_ptr<PowerSGDHook::BucketState> PowerSGDHook::bucket_state(const Bucket& bucket,
                                                                       size_t index,
@@ -123,29 +101,10 @@ void PowerSGDHook::count(const PowerSGDPlan& plan, size_t index, bool is_last,
                     index, is_last, iter_.load());
 }
 
-std::vector<double> PowerSGDHook::compression_stats() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return stats_.compression_stats();
-}
-
-std::pair<int64_t, int64_t> PowerSGDHook::last_step_bytes() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return stats_.last_step_bytes();
-}
-
-std::vector<PowerSGDStatsReport> PowerSGDHook::take_stats_reports() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return stats_.take_reports();
-}
-
 PowerSGDCheckpoint PowerSGDHook::state_dict() const {
   std::lock_guard<std::mutex> lock(mutex_);
   PowerSGDCheckpoint ck;
-  ck.iter = iter_.load();
-  ck.rng_state = numpy_rng_state(rng_);
-  ck.numel_before = stats_.numel_before;
-  ck.numel_after = stats_.numel_after;
-  ck.next_stats_report = stats_.next_report;
+  save_scalars(ck);
   ck.errors = carried_errors_;
   ck.qs = carried_qs_;
   for (const auto& entry : states_) carry(*entry.second, ck.errors, ck.qs);
@@ -157,11 +116,7 @@ PowerSGDCheckpoint PowerSGDHook::state_dict() const {
 
 void PowerSGDHook::load_state_dict(const PowerSGDCheckpoint& ck) {
   std::lock_guard<std::mutex> lock(mutex_);
-  set_numpy_rng_state(rng_, ck.rng_state);
-  iter_.store(ck.iter);
-  stats_.numel_before = ck.numel_before;
-  stats_.numel_after = ck.numel_after;
-  stats_.next_report = ck.next_stats_report;
+  load_scalars(ck);
   states_.clear();
   carried_errors_.clear();
   carried_qs_.clear();

@@ -1,0 +1,92 @@
+#include "powersgd_base.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <array>
+#include <sstream>
+
+#include "../reducer/nvtx.h"
+
+namespace fastddp {
+
+std::string numpy_rng_state(const NumpyRandomState& rng) {
+  std::ostringstream out;
+  out << rng.pos();
+  for (uint32_t k : rng.key()) out << ' ' << k;
+  return out.str();
+}
+
+void set_numpy_rng_state(NumpyRandomState& rng, const std::string& state) {
+  std::istringstream in(state);
+  int pos = 0;
+  std::array<uint32_t, NumpyRandomState::kN> key{};
+  in >> pos;
+  for (uint32_t& k : key) in >> k;
+  std::string rest;
+  TORCH_CHECK_VALUE(in && !(in >> rest) && pos >= 0 && pos <= NumpyRandomState::kN,
+                    "comm hook 'powersgd': a numpy generator state must be a position in "
+                    "[0, 624] and 624 words");
+  rng.set_state(key, pos);
+}
+
+PowerSGDBase::PowerSGDBase(c10::intrusive_ptr<c10d::ProcessGroup> group, PowerSGDOptions options,
+                           NumpyRandomState rng, const std::string& hook_name)
+    : group_(std::move(group)),
+      options_(options),
+      rng_(rng),
+      iter_(options.iter),
+      stats_(options.compression_stats_logging_frequency) {
+  TORCH_CHECK(group_, "fastddp: the ", hook_name, " comm hook needs a process group");
+  world_size_ = group_->getSize();
+}
+
+PowerSGDBase::~PowerSGDBase() = default;
+
+c10::intrusive_ptr<c10::ivalue::Future> PowerSGDBase::allreduce(at::Tensor tensor) {
+  std::vector<at::Tensor> tensors{std::move(tensor)};
+  return group_->allreduce(tensors)->getFuture();
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> PowerSGDBase::maybe_vanilla(Bucket& bucket,
+                                                                    bool is_last) {
+  if (iter_.load() >= options_.start_powerSGD_iter) return {};
+  FASTDDP_NVTX_RANGE("fastddp launch (powersgd vanilla)");
+  if (is_last) ++iter_;
+  bucket.flat.div_(world_size_);
+  return allreduce(bucket.flat);
+}
+
+std::vector<double> PowerSGDBase::compression_stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stats_.compression_stats();
+}
+
+std::pair<int64_t, int64_t> PowerSGDBase::last_step_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stats_.last_step_bytes();
+}
+
+std::vector<PowerSGDStatsReport> PowerSGDBase::take_stats_reports() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stats_.take_reports();
+}
+
+void PowerSGDBase::save_scalars(PowerSGDCheckpoint& ck) const {
+  ck.iter = iter_.load();
+  ck.rng_state = numpy_rng_state(rng_);
+  ck.numel_before = stats_.numel_before;
+  ck.numel_after = stats_.numel_after;
+  ck.next_stats_report = stats_.next_report;
+}
+
+void PowerSGDBase::load_scalars(const PowerSGDCheckpoint& ck) {
+  set_numpy_rng_state(rng_, ck.rng_state);
+  iter_.store(ck.iter);
+  stats_.numel_before = ck.numel_before;
+  stats_.numel_after = ck.numel_after;
+  stats_.next_report = ck.next_stats_report;
+}
+
+}  // namespace fastddp

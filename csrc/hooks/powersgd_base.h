@@ -1,0 +1,90 @@
+// What both PowerSGD hooks ("powersgd", "powersgd_batched") share: torch's
+// PowerSGDState settings, its step counter and generator, the vanilla phase,
+// the statistics, and the checkpoint's scalars. The hooks add their own
+// bucket state (per matrix, or one square per bucket).
+#pragma once
+
+#include <ATen/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <atomic>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../core/numpy_random.h"
+#include "pipelined_hook.h"
+#include "powersgd_plan.h"
+#include "powersgd_stats.h"
+
+namespace c10d {
+class ProcessGroup;
+}
+
+namespace fastddp {
+
+// The hook's state apart from the bucket layout: what a checkpoint holds.
+struct PowerSGDCheckpoint {
+  int64_t iter = 0;
+  std::string rng_state;  // numpy RandomState: "pos key0 ... key623"
+  int64_t numel_before = 0, numel_after = 0;  // torch's running totals
+  int64_t next_stats_report = 0;
+  // By parameter index (the reducer's): the error feedback (the parameter's
+  // numel, flat) and the warm-start Q (m x r) of compressed parameters.
+  std::map<int64_t, at::Tensor> errors;
+  std::map<int64_t, at::Tensor> qs;
+  // Batched PowerSGD only, by a bucket's first parameter index: the warm-start
+  // Q (side x r) of the bucket, and the error of its zero padding.
+  std::map<int64_t, at::Tensor> bucket_qs, bucket_error_tails;
+};
+
+// numpy RandomState.get_state()'s position and key as "pos key0 ... key623",
+// and back (raises ValueError for anything else).
+std::string numpy_rng_state(const NumpyRandomState& rng);
+void set_numpy_rng_state(NumpyRandomState& rng, const std::string& state);
+
+class PowerSGDBase : public PipelinedHook {
+ public:
+  ~PowerSGDBase() override;  // here ProcessGroup is incomplete
+
+  const PowerSGDOptions& options() const { return options_; }
+  int64_t iter() const { return iter_.load(); }
+  // torch's PowerSGDState.compression_stats(): (rate, numel before, numel after).
+  std::vector<double> compression_stats() const;
+  // Bytes of the last compressed step: gradients in, and what went on the wire.
+  std::pair<int64_t, int64_t> last_step_bytes() const;
+  // The log lines due since the last call (every
+  // compression_stats_logging_frequency steps); Python logs them.
+  std::vector<PowerSGDStatsReport> take_stats_reports();
+
+  // Call between steps (no backward in flight).
+  virtual PowerSGDCheckpoint state_dict() const = 0;
+  virtual void load_state_dict(const PowerSGDCheckpoint& checkpoint) = 0;
+
+ protected:
+  PowerSGDBase(c10::intrusive_ptr<c10d::ProcessGroup> group, PowerSGDOptions options,
+               NumpyRandomState rng, const std::string& hook_name);
+
+  // Before start_powerSGD_iter, torch's vanilla phase (default._allreduce_fut:
+  // divide first, then sum): the bucket's future; the counter moves on the
+  // last bucket. Undefined once compressing.
+  c10::intrusive_ptr<c10::ivalue::Future> maybe_vanilla(Bucket& bucket, bool is_last);
+  c10::intrusive_ptr<c10::ivalue::Future> allreduce(at::Tensor tensor);
+  // With mutex_ held: the checkpoint's scalars out of / into this hook.
+  void save_scalars(PowerSGDCheckpoint& checkpoint) const;
+  void load_scalars(const PowerSGDCheckpoint& checkpoint);
+
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  PowerSGDOptions options_;
+  NumpyRandomState rng_;
+  int world_size_;
+  std::atomic<int64_t> iter_;
+  // Guards the statistics and the hooks' bucket state: decompression
+  // callbacks run on the process group's threads while run() goes on with
+  // the next bucket, and Python reads statistics meanwhile.
+  mutable std::mutex mutex_;
+  PowerSGDStats stats_;
+};
+
+}  // namespace fastddp
