@@ -1,7 +1,6 @@
 #include "powersgd.h"
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -72,17 +71,9 @@ std::shared_ptr<PipelinedHook::Stage> PowerSGDHook::start(
   stage->work = make_powersgd_work(plan, options_, p_memory, state.q_memory);
   PowerSGDWork& work = stage->work;
   if (randomize) {
-    // torch: fork_rng; manual_seed(rng.randint(1e9)); q.copy_(randn(q.shape, cpu)) per Q.
-    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(
-        static_cast<uint64_t>(rng_.randint(1000000000)));
-    // On CUDA through pinned memory, so the copy does not block the host
-    // (without warm start this runs every step).
-    const auto host = input.options().device(at::kCPU).pinned_memory(!input.is_cpu());
-    for (PowerSGDBatch& b : work.batches) {
-      at::Tensor q = at::empty(b.q.sizes(), host);
-      q.normal_(0, 1, gen);  // what randn(shape, generator) draws
-      b.q.copy_(q, /*non_blocking=*/true);
-    }
+    std::vector<at::Tensor> qs;
+    for (PowerSGDBatch& b : work.batches) qs.push_back(b.q);
+    draw_random_q(qs);
   }
   for (const auto& carried : state.qs_after_draw) {
     state.q_memory.narrow(0, carried.first, carried.second.numel())
@@ -110,9 +101,7 @@ std::shared_ptr<PipelinedHook::Stage> PowerSGDHook::start(
 
 void PowerSGDHook::finish(Stage& base) {
   auto& stage = static_cast<PowerSGDStage&>(base);
-  stage.p_reduced->wait();
-  TORCH_CHECK(!stage.p_reduced->hasError(), "fastddp: the powersgd comm hook's allreduce of P "
-              "failed for bucket ", stage.index, ": ", stage.p_reduced->tryRetrieveErrorMessage());
+  wait_for_p(*stage.p_reduced, stage.index);
   FASTDDP_NVTX_RANGE("fastddp launch (powersgd Q)");
   const PowerSGDPlan& plan = stage.plan;
   BucketState& state = *stage.state;

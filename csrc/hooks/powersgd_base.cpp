@@ -1,6 +1,7 @@
 #include "powersgd_base.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -56,6 +57,26 @@ c10::intrusive_ptr<c10::ivalue::Future> PowerSGDBase::maybe_vanilla(Bucket& buck
   if (is_last) ++iter_;
   bucket.flat.div_(world_size_);
   return allreduce(bucket.flat);
+}
+
+void PowerSGDBase::draw_random_q(const std::vector<at::Tensor>& qs) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(
+      static_cast<uint64_t>(rng_.randint(1000000000)));
+  for (const at::Tensor& q : qs) {
+    // On CUDA through pinned memory, so the copy does not block the host
+    // (without warm start this runs every step).
+    const auto host = q.options().device(at::kCPU).pinned_memory(!q.is_cpu());
+    at::Tensor values = at::empty(q.sizes(), host);
+    values.normal_(0, 1, gen);  // what randn(shape, generator) draws
+    at::Tensor dst = q;
+    dst.copy_(values, /*non_blocking=*/true);
+  }
+}
+
+void PowerSGDBase::wait_for_p(c10::ivalue::Future& p_reduced, size_t index) {
+  p_reduced.wait();
+  TORCH_CHECK(!p_reduced.hasError(), "fastddp: the ", name(), " comm hook's allreduce of P "
+              "failed for bucket ", index, ": ", p_reduced.tryRetrieveErrorMessage());
 }
 
 std::vector<double> PowerSGDBase::compression_stats() const {

@@ -71,6 +71,11 @@ class PowerSGDBase : public PipelinedHook {
   // last bucket. Undefined once compressing.
   c10::intrusive_ptr<c10::ivalue::Future> maybe_vanilla(Bucket& bucket, bool is_last);
   c10::intrusive_ptr<c10::ivalue::Future> allreduce(at::Tensor tensor);
+  // torch: fork_rng; manual_seed(rng.randint(1e9)); then randn(q.shape) on
+  // the CPU copied into each q in turn: one generator draw for them all.
+  void draw_random_q(const std::vector<at::Tensor>& qs);
+  // Waits for a bucket's P allreduce; raises, naming the hook and bucket.
+  void wait_for_p(c10::ivalue::Future& p_reduced, size_t index);
   // With mutex_ held: the checkpoint's scalars out of / into this hook.
   void save_scalars(PowerSGDCheckpoint& checkpoint) const;
   void load_scalars(const PowerSGDCheckpoint& checkpoint);

@@ -1,7 +1,6 @@
 #include "powersgd_batched.h"
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -83,10 +82,7 @@ std::shared_ptr<PipelinedHook::Stage> BatchedPowerSGDHook::start(
     stage->input_copy = state.copy;
   }
   if (!options_.warm_start || !state.q_ready) {
-    // torch: fork_rng; manual_seed(rng.randint(1e9)); randn(side, r, cpu, dtype).to(device).
-    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(
-        static_cast<uint64_t>(rng_.randint(1000000000)));
-    state.q.copy_(at::randn({state.side, rank}, gen, state.q.options().device(at::kCPU)));
+    draw_random_q({state.q});
     state.q_ready = true;
   }
   orthogonalize(state.q);
@@ -99,10 +95,7 @@ std::shared_ptr<PipelinedHook::Stage> BatchedPowerSGDHook::start(
 
 void BatchedPowerSGDHook::finish(Stage& base) {
   auto& stage = static_cast<BatchedStage&>(base);
-  stage.p_reduced->wait();
-  TORCH_CHECK(!stage.p_reduced->hasError(), "fastddp: the powersgd_batched comm hook's "
-              "allreduce of P failed for bucket ", stage.index, ": ",
-              stage.p_reduced->tryRetrieveErrorMessage());
+  wait_for_p(*stage.p_reduced, stage.index);
   FASTDDP_NVTX_RANGE("fastddp launch (powersgd_batched Q)");
   BucketState& state = *stage.state;
   const at::Tensor matrix = state.padded.view({state.side, state.side});
