@@ -59,9 +59,12 @@ void lowrank_back_project(const at::Tensor& mats, const at::Tensor& p, at::Tenso
   });
 }
 
-void lowrank_expand(const at::Tensor& p, const at::Tensor& q, at::Tensor& out) {
-  if (!fused({&p, &q, &out})) {
+void lowrank_expand(const at::Tensor& p, const at::Tensor& q, at::Tensor& out,
+                    const at::Tensor& src, at::Tensor err) {
+  const bool with_error = src.defined();
+  if (!fused({&p, &q, &out}) || (with_error && !fused({&src, &err}))) {
     at::bmm_out(out, p, q.transpose(1, 2));
+    if (with_error) at::sub_out(err, src, out);
     return;
   }
   const int64_t batch = out.size(0), n = out.size(1), m = out.size(2), r = p.size(2);
@@ -69,9 +72,11 @@ void lowrank_expand(const at::Tensor& p, const at::Tensor& q, at::Tensor& out) {
   for (int64_t b = 0; b < batch; ++b) {
     const float* p_b = p.data_ptr<float>() + b * n * r;
     float* out_b = out.data_ptr<float>() + b * n * m;
+    const float* src_b = with_error ? src.data_ptr<float>() + b * n * m : nullptr;
+    float* err_b = with_error ? err.data_ptr<float>() + b * n * m : nullptr;
     kernels::transpose_cpu(q.data_ptr<float>() + b * m * r, m, r, q_t.data());
     at::parallel_for(0, n, row_grain(m), [&](int64_t begin, int64_t end) {
-      kernels::lowrank_expand_cpu(p_b, q_t.data(), m, r, out_b, begin, end);
+      kernels::lowrank_expand_cpu(p_b, q_t.data(), m, r, out_b, src_b, err_b, begin, end);
     });
   }
 }

@@ -9,6 +9,9 @@ namespace fastddp {
 
 void lowrank_project(const at::Tensor& mats, const at::Tensor& q, at::Tensor& p);       // P = M Q
 void lowrank_back_project(const at::Tensor& mats, const at::Tensor& p, at::Tensor& q);  // Q = M^T P
-void lowrank_expand(const at::Tensor& p, const at::Tensor& q, at::Tensor& out);         // out = P Q^T
+// out = P Q^T; with src and err given (M and its error feedback, out's
+// shape), also err = src - out in the same pass.
+void lowrank_expand(const at::Tensor& p, const at::Tensor& q, at::Tensor& out,
+                    const at::Tensor& src = {}, at::Tensor err = {});
 
 }  // namespace fastddp

@@ -121,27 +121,55 @@ void PowerSGDHook::finish(Stage& base) {
   auto q_reduced = allreduce(state.q_memory);
   complete_after(q_reduced, stage.result,
                  [this, state = stage.state, batches = std::move(work.batches),
-                  input = stage.input, input_copy = stage.input_copy]() mutable {
-                   FASTDDP_NVTX_RANGE("fastddp decompress (powersgd)");
-                   state->q_memory.div_(world_size_);
-                   for (PowerSGDBatch& b : batches) {
-                     lowrank_expand(b.p, b.q, b.out);
-                     for (size_t i = 0; i < b.unstack.size(); ++i) {
-                       b.unstack[i].copy_(b.out[static_cast<int64_t>(i)]);
-                     }
-                   }
-                   if (options_.use_error_feedback) at::sub_out(state->error, input_copy, input);
-                   std::lock_guard<std::mutex> lock(mutex_);
-                   if (!input.is_cpu()) {
-                     // This callback's kernels run on a side stream: the
-                     // caching allocator must not hand their memory to the
-                     // main stream before it has waited for them (next step).
-                     for (PowerSGDBatch& b : batches) state->in_flight.push_back(b.out);
-                     state->in_flight.push_back(state->q_memory);
-                   }
-                   if (!options_.warm_start) state->q_memory = at::Tensor();
-                   return c10::IValue(input);
+                  uncompressed = stage.plan.uncompressed, input = stage.input,
+                  input_copy = stage.input_copy]() mutable {
+                   return decompress(*state, batches, uncompressed, input, input_copy);
                  });
+}
+
+c10::IValue PowerSGDHook::decompress(BucketState& state, std::vector<PowerSGDBatch>& batches,
+                                     const std::vector<size_t>& uncompressed,
+                                     const at::Tensor& input, const at::Tensor& input_copy) {
+  FASTDDP_NVTX_RANGE("fastddp decompress (powersgd)");
+  state.q_memory.div_(world_size_);
+  const bool error_feedback = options_.use_error_feedback;
+  // The new error (M - P Q^T) in the same pass as P Q^T where the result
+  // goes straight into the bucket; stacked batches take one sub over all.
+  const bool fuse_error =
+      error_feedback && std::all_of(batches.begin(), batches.end(),
+                                    [](const PowerSGDBatch& b) { return b.unstack.empty(); });
+  for (PowerSGDBatch& b : batches) {
+    if (fuse_error) {
+      // b.out views the bucket, b.matrices the same slot of M.
+      at::Tensor error = state.error.narrow(0, b.out.storage_offset() - input.storage_offset(),
+                                            b.out.numel()).view_as(b.out);
+      lowrank_expand(b.p, b.q, b.out, b.matrices, error);
+      continue;
+    }
+    lowrank_expand(b.p, b.q, b.out);
+    for (size_t i = 0; i < b.unstack.size(); ++i) {
+      b.unstack[i].copy_(b.out[static_cast<int64_t>(i)]);
+    }
+  }
+  if (fuse_error) {
+    for (size_t k : uncompressed) {
+      at::Tensor error = state.error.narrow(0, state.offsets[k], state.numels[k]);
+      at::sub_out(error, input_copy.narrow(0, state.offsets[k], state.numels[k]),
+                  input.narrow(0, state.offsets[k], state.numels[k]));
+    }
+  } else if (error_feedback) {
+    at::sub_out(state.error, input_copy, input);
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!input.is_cpu()) {
+    // This callback's kernels run on a side stream: the caching allocator
+    // must not hand their memory to the main stream before it has waited for
+    // them (next step).
+    for (PowerSGDBatch& b : batches) state.in_flight.push_back(b.out);
+    state.in_flight.push_back(state.q_memory);
+  }
+  if (!options_.warm_start) state.q_memory = at::Tensor();
+  return c10::IValue(input);
 }
 
 namespace {

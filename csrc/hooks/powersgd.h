@@ -85,6 +85,11 @@ class PowerSGDHook : public PowerSGDBase {
                                             const PowerSGDPlan& plan, bool& randomize);
   void adopt_carried(BucketState& state, const PowerSGDPlan& plan, bool& randomize);
   void count(const PowerSGDPlan& plan, size_t index, bool is_last, int64_t element_size);
+  // The completion of the Q allreduce: M = P Q^T into the bucket, the new
+  // error. Local work only (it runs in a completion callback).
+  c10::IValue decompress(BucketState& state, std::vector<PowerSGDBatch>& batches,
+                         const std::vector<size_t>& uncompressed, const at::Tensor& input,
+                         const at::Tensor& input_copy);
   // Moves a bucket's state into carried_errors_ / carried_qs_.
   void carry(const BucketState& state, std::map<int64_t, at::Tensor>& errors,
              std::map<int64_t, at::Tensor>& qs) const;

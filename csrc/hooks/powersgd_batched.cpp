@@ -108,10 +108,13 @@ void BatchedPowerSGDHook::finish(Stage& base) {
                   input_copy = stage.input_copy]() mutable {
                    FASTDDP_NVTX_RANGE("fastddp decompress (powersgd_batched)");
                    state->q.div_(world_size_);
-                   at::Tensor m = state->padded.view({1, state->side, state->side});
-                   lowrank_expand(state->p.unsqueeze(0), state->q.unsqueeze(0), m);
-                   if (options_.use_error_feedback) {
-                     at::sub_out(state->error, input_copy, state->padded);
+                   const std::vector<int64_t> square{1, state->side, state->side};
+                   at::Tensor m = state->padded.view(square);
+                   if (options_.use_error_feedback) {  // error = copy - P Q^T, same pass
+                     lowrank_expand(state->p.unsqueeze(0), state->q.unsqueeze(0), m,
+                                    input_copy.view(square), state->error.view(square));
+                   } else {
+                     lowrank_expand(state->p.unsqueeze(0), state->q.unsqueeze(0), m);
                    }
                    flat.copy_(state->padded.narrow(0, 0, state->numel));
                    return c10::IValue(flat);

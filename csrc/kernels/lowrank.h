@@ -26,9 +26,11 @@ void lowrank_project_cpu(const float* mat, int64_t m, const float* q_t, int64_t 
 void lowrank_back_project_cpu(const float* mat, int64_t n, int64_t m, const float* p, int64_t r,
                               float* q_t_out);
 
-// q_t: Q transposed (r x m). Rows [row_begin, row_end) of out.
+// q_t: Q transposed (r x m). Rows [row_begin, row_end) of out. With src
+// and err (n x m, or null): also err = src - out, row by row while the row
+// is in L1 (PowerSGD's error feedback without another pass).
 void lowrank_expand_cpu(const float* p, const float* q_t, int64_t m, int64_t r, float* out,
-                        int64_t row_begin, int64_t row_end);
+                        const float* src, float* err, int64_t row_begin, int64_t row_end);
 
 // (rows x cols) row-major -> (cols x rows) row-major.
 void transpose_cpu(const float* src, int64_t rows, int64_t cols, float* dst);

@@ -33,6 +33,12 @@ FASTDDP_VECTOR_CLONES void scale_into(float a, const float* __restrict x, float*
   for (int64_t j = 0; j < n; ++j) y[j] = a * x[j];
 }
 
+// c = a - b
+FASTDDP_VECTOR_CLONES void subtract(const float* __restrict a, const float* __restrict b,
+                                    float* __restrict c, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) c[j] = a[j] - b[j];
+}
+
 }  // namespace
 
 void lowrank_project_cpu(const float* mat, int64_t m, const float* q_t, int64_t r, float* p,
@@ -56,11 +62,12 @@ void lowrank_back_project_cpu(const float* mat, int64_t n, int64_t m, const floa
 }
 
 void lowrank_expand_cpu(const float* p, const float* q_t, int64_t m, int64_t r, float* out,
-                        int64_t row_begin, int64_t row_end) {
+                        const float* src, float* err, int64_t row_begin, int64_t row_end) {
   for (int64_t i = row_begin; i < row_end; ++i) {
     float* row = out + i * m;
     scale_into(p[i * r], q_t, row, m);
     for (int64_t k = 1; k < r; ++k) axpy(p[i * r + k], q_t + k * m, row, m);
+    if (src != nullptr) subtract(src + i * m, row, err + i * m, m);
   }
 }
 

@@ -59,12 +59,17 @@ TEST_CASE("lowrank products equal naive loops", "[lowrank]") {
     check_close(back, want_back, std::sqrt(double(n)) * 4);
 
     std::vector<float> out(static_cast<size_t>(n * m));
-    lowrank_expand_cpu(p_in.data(), q_t.data(), m, r, out.data(), 0, n);
+    std::vector<float> err(static_cast<size_t>(n * m));
+    lowrank_expand_cpu(p_in.data(), q_t.data(), m, r, out.data(), mat.data(), err.data(), 0, n);
     std::vector<double> want_out(out.size(), 0.0);
     for (int64_t i = 0; i < n; ++i)
       for (int64_t j = 0; j < m; ++j)
         for (int64_t k = 0; k < r; ++k) want_out[i * m + j] += double(p_in[i * r + k]) * q[j * r + k];
     check_close(out, want_out, std::sqrt(double(r)) * 4);
+    for (size_t i = 0; i < err.size(); ++i) REQUIRE(err[i] == mat[i] - out[i]);  // exact
+    std::vector<float> plain(out.size());
+    lowrank_expand_cpu(p_in.data(), q_t.data(), m, r, plain.data(), nullptr, nullptr, 0, n);
+    REQUIRE(plain == out);
   }
 }
 
