@@ -135,6 +135,8 @@ def part_b(args: argparse.Namespace, base: nn.Module, device: torch.device) -> d
     fast.register_comm_hook(None, fastddp.hooks.powersgd(matrix_approximation_rank=args.rank,
                                                          start_powerSGD_iter=START))
     models["fastddp + native powersgd"] = fast
+    # The floor: the same step with no DDP and no communication at all.
+    models["local module, no DDP (floor)"] = copy.deepcopy(base)
     states = {}
     for name, cap, hook in (
             (f"torch DDP + powerSGD_hook (serialized), {args.bucket_cap_mb:g} MiB buckets",
