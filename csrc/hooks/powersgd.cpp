@@ -8,15 +8,11 @@
 #include <utility>
 
 #include "../reducer/nvtx.h"
-#include "powersgd_options.h"
 #include "lowrank.h"
+#include "powersgd_options.h"
 #include "registry.h"
 
 namespace fastddp {
-namespace {
-
-
-}  // namespace
 
 // A compressed bucket between the P allreduce and the Q allreduce.
 struct PowerSGDHook::PowerSGDStage : PipelinedHook::Stage {

@@ -15,7 +15,6 @@
 namespace fastddp {
 namespace {
 
-
 // torch's batched hook calls _orthogonalize(matrix) on a 2-D matrix: as a
 // batch of one, with the default epsilon 0 (Note [batched powersgd]).
 void orthogonalize(const at::Tensor& matrix) {
