@@ -20,8 +20,21 @@ bool fused(std::initializer_list<const at::Tensor*> tensors) {
   return true;
 }
 
-// Rows per task: about 64K elements, so small matrices stay on one thread.
-int64_t row_grain(int64_t m) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(m, 1)); }
+// For each (n, m) matrix b of the batch: Q[b] (m x r) transposed once into
+// a cached r x m copy, then fn(b, q_t, row_begin, row_end) over row ranges
+// in parallel, about 64K elements per task (small matrices stay on one thread).
+template <typename Fn>
+void rows_against_q_t(const at::Tensor& q, int64_t n, int64_t m, const Fn& fn) {
+  const int64_t batch = q.size(0), r = q.size(2);
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(m, 1));
+  std::vector<float> q_t(static_cast<size_t>(r * m));
+  for (int64_t b = 0; b < batch; ++b) {
+    kernels::transpose_cpu(q.data_ptr<float>() + b * m * r, m, r, q_t.data());
+    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+      fn(b, q_t.data(), begin, end);
+    });
+  }
+}
 
 }  // namespace
 
@@ -30,16 +43,11 @@ void lowrank_project(const at::Tensor& mats, const at::Tensor& q, at::Tensor& p)
     at::bmm_out(p, mats, q);
     return;
   }
-  const int64_t batch = mats.size(0), n = mats.size(1), m = mats.size(2), r = q.size(2);
-  std::vector<float> q_t(static_cast<size_t>(r * m));
-  for (int64_t b = 0; b < batch; ++b) {
-    const float* mat = mats.data_ptr<float>() + b * n * m;
-    float* p_b = p.data_ptr<float>() + b * n * r;
-    kernels::transpose_cpu(q.data_ptr<float>() + b * m * r, m, r, q_t.data());
-    at::parallel_for(0, n, row_grain(m), [&](int64_t begin, int64_t end) {
-      kernels::lowrank_project_cpu(mat, m, q_t.data(), r, p_b, begin, end);
-    });
-  }
+  const int64_t n = mats.size(1), m = mats.size(2), r = q.size(2);
+  rows_against_q_t(q, n, m, [&](int64_t b, const float* q_t, int64_t begin, int64_t end) {
+    kernels::lowrank_project_cpu(mats.data_ptr<float>() + b * n * m, m, q_t, r,
+                                 p.data_ptr<float>() + b * n * r, begin, end);
+  });
 }
 
 void lowrank_back_project(const at::Tensor& mats, const at::Tensor& p, at::Tensor& q) {
@@ -67,18 +75,14 @@ void lowrank_expand(const at::Tensor& p, const at::Tensor& q, at::Tensor& out,
     if (with_error) at::sub_out(err, src, out);
     return;
   }
-  const int64_t batch = out.size(0), n = out.size(1), m = out.size(2), r = p.size(2);
-  std::vector<float> q_t(static_cast<size_t>(r * m));
-  for (int64_t b = 0; b < batch; ++b) {
-    const float* p_b = p.data_ptr<float>() + b * n * r;
-    float* out_b = out.data_ptr<float>() + b * n * m;
-    const float* src_b = with_error ? src.data_ptr<float>() + b * n * m : nullptr;
-    float* err_b = with_error ? err.data_ptr<float>() + b * n * m : nullptr;
-    kernels::transpose_cpu(q.data_ptr<float>() + b * m * r, m, r, q_t.data());
-    at::parallel_for(0, n, row_grain(m), [&](int64_t begin, int64_t end) {
-      kernels::lowrank_expand_cpu(p_b, q_t.data(), m, r, out_b, src_b, err_b, begin, end);
-    });
-  }
+  const int64_t n = out.size(1), m = out.size(2), r = p.size(2);
+  rows_against_q_t(q, n, m, [&](int64_t b, const float* q_t, int64_t begin, int64_t end) {
+    const int64_t offset = b * n * m;
+    kernels::lowrank_expand_cpu(p.data_ptr<float>() + b * n * r, q_t, m, r,
+                                out.data_ptr<float>() + offset,
+                                with_error ? src.data_ptr<float>() + offset : nullptr,
+                                with_error ? err.data_ptr<float>() + offset : nullptr, begin, end);
+  });
 }
 
 }  // namespace fastddp
