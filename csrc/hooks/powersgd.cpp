@@ -31,7 +31,7 @@ PowerSGDHook::PowerSGDHook(c10::intrusive_ptr<c10d::ProcessGroup> group, PowerSG
 
 int64_t PowerSGDHook::wire_bytes(const Bucket& bucket) const {
   if (iter_.load() < options_.start_powerSGD_iter) return bucket.bytes();
-  const PowerSGDPlan plan = plan_powersgd(bucket, bucket.flat, bucket.flat, options_);
+  const PowerSGDPlan plan = plan_powersgd(bucket, options_);
   return (plan.uncompressed_numel + plan.p_numel + plan.q_numel) *
          static_cast<int64_t>(bucket.flat.element_size());
 }
@@ -44,10 +44,8 @@ std::shared_ptr<PipelinedHook::Stage> PowerSGDHook::start(
   auto stage = std::make_shared<PowerSGDStage>();
   stage->input = bucket.flat;
   stage->result = make_result(stage->input);
-  // The plan does not depend on the source's values: plan over the bucket
-  // for the state, then view the source.
   bool randomize = false;
-  PowerSGDPlan plan = plan_powersgd(bucket, bucket.flat, bucket.flat, options_);
+  PowerSGDPlan plan = plan_powersgd(bucket, options_);
   count(plan, index, is_last, bucket.flat.element_size());
   stage->state = bucket_state(bucket, index, plan, randomize);
   BucketState& state = *stage->state;
@@ -60,11 +58,10 @@ std::shared_ptr<PipelinedHook::Stage> PowerSGDHook::start(
     at::add_out(state.source, input, state.error);  // a kept buffer: no page faults per step
     stage->input_copy = state.source;
     source = stage->input_copy;
-    plan = plan_powersgd(bucket, source, input, options_);
   }
   // Stacked after the error feedback: torch stacks views of the corrected buffer.
   at::Tensor p_memory = state.wire.narrow(0, plan.uncompressed_numel, plan.p_numel);
-  stage->work = make_powersgd_work(plan, options_, p_memory, state.q_memory);
+  stage->work = make_powersgd_work(plan, options_, source, input, p_memory, state.q_memory);
   PowerSGDWork& work = stage->work;
   if (randomize) {
     std::vector<at::Tensor> qs;
@@ -137,8 +134,7 @@ c10::IValue PowerSGDHook::decompress(BucketState& state, std::vector<PowerSGDBat
   for (PowerSGDBatch& b : batches) {
     if (fuse_error) {
       // b.out views the bucket, b.matrices the same slot of M.
-      at::Tensor error = state.error.narrow(0, b.out.storage_offset() - input.storage_offset(),
-                                            b.out.numel()).view_as(b.out);
+      at::Tensor error = state.error.narrow(0, b.offset, b.out.numel()).view_as(b.out);
       lowrank_expand(b.p, b.q, b.out, b.matrices, error);
       continue;
     }

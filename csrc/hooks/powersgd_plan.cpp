@@ -32,8 +32,7 @@ void gram_schmidt(at::Tensor& matrices, double epsilon) {
 
 }  // namespace
 
-PowerSGDPlan plan_powersgd(const Bucket& bucket, const at::Tensor& source,
-                           const at::Tensor& dest, const PowerSGDOptions& o) {
+PowerSGDPlan plan_powersgd(const Bucket& bucket, const PowerSGDOptions& o) {
   PowerSGDPlan plan;
   for (size_t k = 0; k < bucket.views.size(); ++k) {
     const int64_t numel = bucket.numels[k];
@@ -51,8 +50,7 @@ PowerSGDPlan plan_powersgd(const Bucket& bucket, const at::Tensor& source,
       continue;
     }
     plan.numel_after += compressed;
-    PowerSGDMatrix mat{k, n, m, r, 0, 0, source.narrow(0, bucket.offsets[k], numel).view({n, m}),
-                       dest.narrow(0, bucket.offsets[k], numel).view({n, m})};
+    PowerSGDMatrix mat{k, bucket.offsets[k], n, m, r, 0, 0};
     auto group = std::find_if(plan.groups.begin(), plan.groups.end(), [&](const auto& g) {
       return g.front().n == n && g.front().m == m;
     });
@@ -75,8 +73,12 @@ PowerSGDPlan plan_powersgd(const Bucket& bucket, const at::Tensor& source,
 }
 
 PowerSGDWork make_powersgd_work(const PowerSGDPlan& plan, const PowerSGDOptions& o,
+                                const at::Tensor& source, const at::Tensor& dest,
                                 const at::Tensor& p_memory, const at::Tensor& q_memory) {
   PowerSGDWork work;
+  auto matrix = [](const at::Tensor& flat, const PowerSGDMatrix& mat) {
+    return flat.narrow(0, mat.offset, mat.n * mat.m).view({mat.n, mat.m});
+  };
   auto p_view = [&](const PowerSGDMatrix& first, int64_t count) {
     return p_memory.narrow(0, first.p_offset, count * first.n * first.r)
         .view({count, first.n, first.r});
@@ -94,8 +96,8 @@ PowerSGDWork make_powersgd_work(const PowerSGDPlan& plan, const PowerSGDOptions&
       std::vector<at::Tensor> views;
       views.reserve(group.size());
       for (const PowerSGDMatrix& mat : group) {
-        views.push_back(mat.matrix);
-        batch.unstack.push_back(mat.out);
+        views.push_back(matrix(source, mat));
+        batch.unstack.push_back(matrix(dest, mat));
       }
       batch.matrices = at::stack(views);
       batch.out = batch.matrices;  // torch decompresses into the stack, then copies back
@@ -106,7 +108,8 @@ PowerSGDWork make_powersgd_work(const PowerSGDPlan& plan, const PowerSGDOptions&
     }
     for (const PowerSGDMatrix& mat : group) {
       work.batches.push_back(
-          {mat.matrix.unsqueeze(0), mat.out.unsqueeze(0), {}, p_view(mat, 1), q_view(mat, 1)});
+          {matrix(source, mat).unsqueeze(0), matrix(dest, mat).unsqueeze(0), {}, p_view(mat, 1),
+           q_view(mat, 1), mat.offset});
     }
   }
   return work;

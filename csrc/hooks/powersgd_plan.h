@@ -25,14 +25,14 @@ struct PowerSGDOptions {
   int64_t iter = 0;  // the step to start counting from (a resumed PowerSGDState's iter)
 };
 
-// A compressed slot: the (n, m) matrix views of its slice in the source
-// (M, error feedback included) and in the destination (where P Q^T goes),
-// rank r, and the offsets of its P (n x r) and Q (m x r) in the memories.
+// A compressed slot: its offset in the bucket (elements), its (n, m)
+// matrix shape, rank r, and the offsets of its P (n x r) and Q (m x r) in the
+// memories.
 struct PowerSGDMatrix {
   size_t slot = 0;
+  int64_t offset = 0;
   int64_t n = 0, m = 0, r = 0;
   int64_t p_offset = 0, q_offset = 0;
-  at::Tensor matrix, out;
 };
 
 struct PowerSGDPlan {
@@ -51,6 +51,7 @@ struct PowerSGDBatch {
   at::Tensor out;                  // (B, n, m): where P Q^T goes (a view, or stacked scratch)
   std::vector<at::Tensor> unstack;  // when stacked: the (n, m) destinations of `out`
   at::Tensor p, q;                 // (B, n, r), (B, m, r) views of the memories
+  int64_t offset = -1;             // unstacked: the matrix's offset in the bucket
 };
 
 // A step's compression work: the bmm batches (torch's
@@ -62,13 +63,14 @@ struct PowerSGDWork {
   std::vector<at::Tensor> p_groups, q_groups;
 };
 
-// Matrix views of `source` (M) and `dest` (the result), which have the
-// bucket's layout.
-PowerSGDPlan plan_powersgd(const Bucket& bucket, const at::Tensor& source,
-                           const at::Tensor& dest, const PowerSGDOptions& options);
+// The bucket's layout only: no tensor is touched.
+PowerSGDPlan plan_powersgd(const Bucket& bucket, const PowerSGDOptions& options);
 
-// Over the current contents of the matrices (stacked copies are taken now).
+// Views the matrices in `source` (M) and `dest` (where P Q^T goes; the same
+// tensor without error feedback), both of the bucket's layout, stacking
+// copies of same-shape matrices now when batch_tensors_with_same_shape.
 PowerSGDWork make_powersgd_work(const PowerSGDPlan& plan, const PowerSGDOptions& options,
+                                const at::Tensor& source, const at::Tensor& dest,
                                 const at::Tensor& p_memory, const at::Tensor& q_memory);
 
 // torch's _orthogonalize on a batch of (n, r) matrices, in place: the fused
