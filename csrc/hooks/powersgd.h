@@ -57,9 +57,6 @@ class PowerSGDHook : public PowerSGDBase {
   // slots plus the P and Q memories.
   int64_t wire_bytes(const Bucket& bucket) const override;
 
-  PowerSGDCheckpoint state_dict() const override;
-  void load_state_dict(const PowerSGDCheckpoint& checkpoint) override;
-
  protected:
   std::shared_ptr<Stage> start(Bucket& bucket, size_t index, bool is_last,
                                c10::intrusive_ptr<c10::ivalue::Future>& done) override;
@@ -90,15 +87,13 @@ class PowerSGDHook : public PowerSGDBase {
   c10::IValue decompress(BucketState& state, std::vector<PowerSGDBatch>& batches,
                          const std::vector<size_t>& uncompressed, const at::Tensor& input,
                          const at::Tensor& input_copy);
-  // Moves a bucket's state into carried_errors_ / carried_qs_.
-  void carry(const BucketState& state, std::map<int64_t, at::Tensor>& errors,
-             std::map<int64_t, at::Tensor>& qs) const;
+  // A bucket's state into `into`'s errors and qs, per parameter (views).
+  void carry(const BucketState& state, PowerSGDCheckpoint& into) const;
+  void carry_buckets(PowerSGDCheckpoint& into) const override;
+  void drop_buckets() override { states_.clear(); }
 
   // Guarded by mutex_.
   std::map<size_t, std::shared_ptr<BucketState>> states_;
-  // Per parameter, waiting for its bucket's next compressed step: loaded
-  // from a checkpoint, or left by a bucket rebuild.
-  std::map<int64_t, at::Tensor> carried_errors_, carried_qs_;
 };
 
 }  // namespace fastddp

@@ -11,6 +11,16 @@
 #include "../reducer/nvtx.h"
 
 namespace fastddp {
+namespace {
+
+// A checkpoint's own copies: not views of the live state, nor the caller's.
+void clone_tensors(PowerSGDCheckpoint& ck) {
+  for (auto* map : {&ck.errors, &ck.qs, &ck.bucket_qs, &ck.bucket_error_tails}) {
+    for (auto& e : *map) e.second = e.second.clone();
+  }
+}
+
+}  // namespace
 
 std::string numpy_rng_state(const NumpyRandomState& rng) {
   std::ostringstream out;
@@ -94,20 +104,30 @@ std::vector<PowerSGDStatsReport> PowerSGDBase::take_stats_reports() {
   return stats_.take_reports();
 }
 
-void PowerSGDBase::save_scalars(PowerSGDCheckpoint& ck) const {
+PowerSGDCheckpoint PowerSGDBase::state_dict() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  PowerSGDCheckpoint ck = carried_;
   ck.iter = iter_.load();
   ck.rng_state = numpy_rng_state(rng_);
   ck.numel_before = stats_.numel_before;
   ck.numel_after = stats_.numel_after;
   ck.next_stats_report = stats_.next_report;
+  carry_buckets(ck);
+  clone_tensors(ck);
+  return ck;
 }
 
-void PowerSGDBase::load_scalars(const PowerSGDCheckpoint& ck) {
+void PowerSGDBase::load_state_dict(const PowerSGDCheckpoint& ck) {
+  check_checkpoint(ck);
+  std::lock_guard<std::mutex> lock(mutex_);
   set_numpy_rng_state(rng_, ck.rng_state);
   iter_.store(ck.iter);
   stats_.numel_before = ck.numel_before;
   stats_.numel_after = ck.numel_after;
   stats_.next_report = ck.next_stats_report;
+  drop_buckets();
+  carried_ = ck;
+  clone_tensors(carried_);
 }
 
 }  // namespace fastddp

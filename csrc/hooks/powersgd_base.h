@@ -58,9 +58,13 @@ class PowerSGDBase : public PipelinedHook {
   // compression_stats_logging_frequency steps); Python logs them.
   std::vector<PowerSGDStatsReport> take_stats_reports();
 
-  // Call between steps (no backward in flight).
-  virtual PowerSGDCheckpoint state_dict() const = 0;
-  virtual void load_state_dict(const PowerSGDCheckpoint& checkpoint) = 0;
+  // Call between steps (no backward in flight). The state by parameter
+  // (carried_ plus every bucket's), tensors copied: it does not change as
+  // training goes on.
+  PowerSGDCheckpoint state_dict() const;
+  // Drops the bucket state; the buckets adopt the checkpoint's at their next
+  // compressed step.
+  void load_state_dict(const PowerSGDCheckpoint& checkpoint);
 
  protected:
   PowerSGDBase(c10::intrusive_ptr<c10d::ProcessGroup> group, PowerSGDOptions options,
@@ -76,9 +80,11 @@ class PowerSGDBase : public PipelinedHook {
   void draw_random_q(const std::vector<at::Tensor>& qs);
   // Waits for a bucket's P allreduce; raises, naming the hook and bucket.
   void wait_for_p(c10::ivalue::Future& p_reduced, size_t index);
-  // With mutex_ held: the checkpoint's scalars out of / into this hook.
-  void save_scalars(PowerSGDCheckpoint& checkpoint) const;
-  void load_scalars(const PowerSGDCheckpoint& checkpoint);
+  // With mutex_ held: every bucket's state into `into` (views), and dropping it.
+  virtual void carry_buckets(PowerSGDCheckpoint& into) const = 0;
+  virtual void drop_buckets() = 0;
+  // Raises ValueError for a checkpoint this hook cannot take.
+  virtual void check_checkpoint(const PowerSGDCheckpoint& checkpoint) const { (void)checkpoint; }
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   PowerSGDOptions options_;
@@ -90,6 +96,9 @@ class PowerSGDBase : public PipelinedHook {
   // the next bucket, and Python reads statistics meanwhile.
   mutable std::mutex mutex_;
   PowerSGDStats stats_;
+  // Waiting for a bucket's next compressed step: loaded from a checkpoint,
+  // or left by a bucket rebuild. Only its maps are used.
+  PowerSGDCheckpoint carried_;
 };
 
 }  // namespace fastddp

@@ -63,12 +63,6 @@ class BatchedPowerSGDHook : public PowerSGDBase {
   // The bucket's bytes before compression starts; then P and Q (side x r each).
   int64_t wire_bytes(const Bucket& bucket) const override;
 
-  // Call between steps (no backward in flight). errors: per parameter;
-  // bucket_qs (warm start only) and bucket_error_tails: per bucket, keyed by
-  // its first parameter index.
-  PowerSGDCheckpoint state_dict() const override;
-  void load_state_dict(const PowerSGDCheckpoint& checkpoint) override;
-
  protected:
   std::shared_ptr<Stage> start(Bucket& bucket, size_t index, bool is_last,
                                c10::intrusive_ptr<c10::ivalue::Future>& done) override;
@@ -90,14 +84,15 @@ class BatchedPowerSGDHook : public PowerSGDBase {
   void adopt_carried(BucketState& state);
   // Adds a bucket's state to the per-parameter / per-bucket maps.
   void carry(const BucketState& state, PowerSGDCheckpoint& into) const;
+  // errors: per parameter; bucket_qs (warm start only) and
+  // bucket_error_tails: per bucket, keyed by its first parameter index.
+  void carry_buckets(PowerSGDCheckpoint& into) const override;
+  void drop_buckets() override { states_.clear(); }
+  // A "powersgd" checkpoint (per-parameter Qs) is not this hook's.
+  void check_checkpoint(const PowerSGDCheckpoint& checkpoint) const override;
 
   // Guarded by mutex_.
   std::map<size_t, std::shared_ptr<BucketState>> states_;
-  // Waiting for a bucket's next compressed step: loaded from a checkpoint,
-  // or left by a bucket rebuild. Only its maps are used (errors, bucket_qs,
-  // bucket_error_tails): the same shape as a checkpoint's, so state_dict()
-  // starts from a copy of it.
-  PowerSGDCheckpoint carried_;
 };
 
 // ceil(sqrt(numel)) in integers (torch: math.ceil(math.sqrt(numel)), equal

@@ -102,30 +102,13 @@ void BatchedPowerSGDHook::on_new_buckets(const std::vector<Bucket>& buckets) {
   states_.clear();
 }
 
-PowerSGDCheckpoint BatchedPowerSGDHook::state_dict() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  PowerSGDCheckpoint ck = carried_;
-  save_scalars(ck);
-  for (const auto& entry : states_) carry(*entry.second, ck);
-  // Copies: the checkpoint must not change as training goes on.
-  for (auto* map : {&ck.errors, &ck.bucket_qs, &ck.bucket_error_tails}) {
-    for (auto& e : *map) e.second = e.second.clone();
-  }
-  return ck;
+void BatchedPowerSGDHook::carry_buckets(PowerSGDCheckpoint& into) const {
+  for (const auto& entry : states_) carry(*entry.second, into);
 }
 
-void BatchedPowerSGDHook::load_state_dict(const PowerSGDCheckpoint& ck) {
+void BatchedPowerSGDHook::check_checkpoint(const PowerSGDCheckpoint& ck) const {
   TORCH_CHECK_VALUE(ck.qs.empty(), "fastddp powersgd_batched: the checkpoint has per-parameter "
                     "Qs (a \"powersgd\" hook's); this hook keeps one Q per bucket (bucket_qs)");
-  std::lock_guard<std::mutex> lock(mutex_);
-  load_scalars(ck);
-  states_.clear();
-  carried_ = PowerSGDCheckpoint();
-  for (const auto& e : ck.errors) carried_.errors[e.first] = e.second.clone();
-  for (const auto& e : ck.bucket_qs) carried_.bucket_qs[e.first] = e.second.clone();
-  for (const auto& e : ck.bucket_error_tails) {
-    carried_.bucket_error_tails[e.first] = e.second.clone();
-  }
 }
 
 }  // namespace fastddp

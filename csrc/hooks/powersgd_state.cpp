@@ -48,10 +48,10 @@ std::shared_ptr<PowerSGDHook::BucketState> PowerSGDHook::bucket_state(const Buck
 
 void PowerSGDHook::adopt_carried(BucketState& s, const PowerSGDPlan& plan, bool& randomize) {
   for (size_t k = 0; k < s.params.size(); ++k) {
-    auto it = carried_errors_.find(s.params[k]);
-    if (it == carried_errors_.end()) continue;
+    auto it = carried_.errors.find(s.params[k]);
+    if (it == carried_.errors.end()) continue;
     if (s.error.defined()) s.error.narrow(0, s.offsets[k], s.numels[k]).copy_(it->second.reshape(-1));
-    carried_errors_.erase(it);
+    carried_.errors.erase(it);
   }
   if (!options_.warm_start) return;
   // Without every Q of the bucket torch would draw them all: do the same
@@ -59,28 +59,27 @@ void PowerSGDHook::adopt_carried(BucketState& s, const PowerSGDPlan& plan, bool&
   // put back the ones we have.
   bool all = true;
   for (const auto& group : plan.groups) {
-    for (const PowerSGDMatrix& mat : group) all = all && carried_qs_.count(s.params[mat.slot]);
+    for (const PowerSGDMatrix& mat : group) all = all && carried_.qs.count(s.params[mat.slot]);
   }
   if (randomize && all) randomize = false;
   for (const auto& group : plan.groups) {
     for (const PowerSGDMatrix& mat : group) {
-      auto it = carried_qs_.find(s.params[mat.slot]);
-      if (it == carried_qs_.end()) continue;
+      auto it = carried_.qs.find(s.params[mat.slot]);
+      if (it == carried_.qs.end()) continue;
       TORCH_CHECK_VALUE(it->second.numel() == mat.m * mat.r,
                         "fastddp powersgd: the saved Q of parameter ", s.params[mat.slot],
                         " has ", it->second.numel(), " elements, expected ", mat.m, " x ", mat.r);
       s.qs_after_draw.emplace_back(mat.q_offset, it->second);
-      carried_qs_.erase(it);
+      carried_.qs.erase(it);
     }
   }
 }
 
-void PowerSGDHook::carry(const BucketState& s, std::map<int64_t, at::Tensor>& errors,
-                         std::map<int64_t, at::Tensor>& qs) const {
+void PowerSGDHook::carry(const BucketState& s, PowerSGDCheckpoint& into) const {
   for (size_t k = 0; k < s.params.size(); ++k) {
-    if (s.error.defined()) errors[s.params[k]] = s.error.narrow(0, s.offsets[k], s.numels[k]);
+    if (s.error.defined()) into.errors[s.params[k]] = s.error.narrow(0, s.offsets[k], s.numels[k]);
     if (s.q_offsets[k] >= 0 && s.q_memory.defined()) {
-      qs[s.params[k]] = s.q_memory.narrow(0, s.q_offsets[k], s.q_rows[k] * s.q_cols[k])
+      into.qs[s.params[k]] = s.q_memory.narrow(0, s.q_offsets[k], s.q_rows[k] * s.q_cols[k])
                             .view({s.q_rows[k], s.q_cols[k]});
     }
   }
@@ -89,8 +88,12 @@ void PowerSGDHook::carry(const BucketState& s, std::map<int64_t, at::Tensor>& er
 void PowerSGDHook::on_new_buckets(const std::vector<Bucket>& buckets) {
   (void)buckets;
   std::lock_guard<std::mutex> lock(mutex_);
-  for (const auto& entry : states_) carry(*entry.second, carried_errors_, carried_qs_);
+  carry_buckets(carried_);
   states_.clear();
+}
+
+void PowerSGDHook::carry_buckets(PowerSGDCheckpoint& into) const {
+  for (const auto& entry : states_) carry(*entry.second, into);
 }
 
 void PowerSGDHook::count(const PowerSGDPlan& plan, size_t index, bool is_last,
@@ -99,29 +102,6 @@ void PowerSGDHook::count(const PowerSGDPlan& plan, size_t index, bool is_last,
   stats_.add_bucket(plan.numel_before, plan.numel_after, plan.numel_before * element_size,
                     (plan.uncompressed_numel + plan.p_numel + plan.q_numel) * element_size,
                     index, is_last, iter_.load());
-}
-
-PowerSGDCheckpoint PowerSGDHook::state_dict() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  PowerSGDCheckpoint ck;
-  save_scalars(ck);
-  ck.errors = carried_errors_;
-  ck.qs = carried_qs_;
-  for (const auto& entry : states_) carry(*entry.second, ck.errors, ck.qs);
-  // Copies: the checkpoint must not change as training goes on.
-  for (auto& e : ck.errors) e.second = e.second.clone();
-  for (auto& q : ck.qs) q.second = q.second.clone();
-  return ck;
-}
-
-void PowerSGDHook::load_state_dict(const PowerSGDCheckpoint& ck) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  load_scalars(ck);
-  states_.clear();
-  carried_errors_.clear();
-  carried_qs_.clear();
-  for (const auto& e : ck.errors) carried_errors_[e.first] = e.second.clone();
-  for (const auto& q : ck.qs) carried_qs_[q.first] = q.second.clone();
 }
 
 }  // namespace fastddp
