@@ -9,22 +9,29 @@ import pytest
 from harness import World
 
 
-@pytest.fixture(scope="session", params=[2, 3], ids=lambda n: f"world{n}")
-def world(request: pytest.FixtureRequest):
-    """A 2-rank and a 3-rank world; tests that take it run on both."""
-    w = World(request.param)
+def _started(size: int):
+    w = World(size)
     w.start()
     yield w
     w.close()
+
+
+@pytest.fixture(scope="session", params=[2, 3], ids=lambda n: f"world{n}")
+def world(request: pytest.FixtureRequest):
+    """A 2-rank and a 3-rank world; tests that take it run on both."""
+    yield from _started(request.param)
 
 
 @pytest.fixture(scope="session")
 def world1():
     """A 1-rank world: a process group of size one."""
-    w = World(1)
-    w.start()
-    yield w
-    w.close()
+    yield from _started(1)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    """A 4-rank world, for the few tests that need more ranks (started per module)."""
+    yield from _started(4)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -21,6 +21,12 @@ from hook_scenarios import compare_grads
 from scenarios import agree, unwrap
 
 
+# Short names for PowerSGDState arguments in the test case tables.
+RANK = "matrix_approximation_rank"
+START = "start_powerSGD_iter"
+NO_EF_WS = {"use_error_feedback": False, "warm_start": False}
+
+
 class Mixed(nn.Module):
     """Matrices worth compressing (two of one shape, for batching; a conv viewed as 8 x 36),
     a matrix that is not (2 x 24: (2 + 24) * 2 > 48), and 1-D biases."""

@@ -9,7 +9,6 @@ hooks through the GradBucket path against torch DDP running the same hook (bit f
 import pytest
 
 import hook_scenarios
-from harness import World
 
 # (fastddp hook, torch DDP reference hook): the same algorithm, bit for bit.
 EXACT_PAIRS = {
@@ -64,14 +63,6 @@ def test_registration_rules(world):
     assert messages[3] == "register_comm_hook or register_builtin_comm_hook can only be called once."
     assert "accumulate must be 'bf16' or 'fp32'" in messages[4]
     assert "error_feedback must be a bool" in messages[5]
-
-
-@pytest.fixture(scope="module")
-def world4():
-    w = World(4)
-    w.start()
-    yield w
-    w.close()
 
 
 def test_fp32_accumulation_is_closer(world4):

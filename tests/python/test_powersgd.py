@@ -7,11 +7,9 @@ import pytest
 import torch
 
 import powersgd_scenarios
+from powersgd_scenarios import NO_EF_WS, RANK, START
 from fastddp import _C
 
-RANK = "matrix_approximation_rank"
-START = "start_powerSGD_iter"
-NO_EF_WS = {"use_error_feedback": False, "warm_start": False}
 CASES = {
     "rank1_ef_ws": {RANK: 1, START: 2},
     "rank2_ef_ws": {RANK: 2, START: 3},
