@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <variant>
 
-#include "powersgd.h"
+#include "powersgd_base.h"
 
 namespace fastddp {
 
