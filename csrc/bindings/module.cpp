@@ -80,8 +80,16 @@ void multi_tensor_copy(const std::vector<at::Tensor>& srcs, const std::vector<at
 #endif
 }
 
+using nogil = py::call_guard<py::gil_scoped_release>;
+
 py::dict comm_stats_dict(const Reducer& reducer) {
-  const CommStats stats = reducer.comm_stats();
+  CommStats stats;
+  std::string hook_name;
+  {
+    py::gil_scoped_release release;  // see the Reducer bindings
+    stats = reducer.comm_stats();
+    hook_name = reducer.hook_name();
+  }
   py::list buckets;
   int64_t reduced = 0;
   int64_t sent = 0;
@@ -100,7 +108,7 @@ py::dict comm_stats_dict(const Reducer& reducer) {
   }
   py::dict out;
   out["steps"] = stats.steps;
-  out["hook"] = reducer.hook_name();
+  out["hook"] = hook_name;
   out["bytes_reduced"] = reduced;
   out["bytes_sent"] = sent;
   out["compression_ratio"] = sent > 0 ? static_cast<double>(reduced) / static_cast<double>(sent) : 1.0;
@@ -132,6 +140,7 @@ py::dict build_info() {
 }  // namespace fastddp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using fastddp::nogil;
   using fastddp::Reducer;
   using fastddp::ReducerOptions;
   m.doc() = "fastddp native core: bucket planning and the gradient reducer";
@@ -173,21 +182,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("hook") = nullptr, py::arg("gradient_as_bucket_view") = false,
            py::arg("find_unused_parameters") = false, py::arg("static_graph") = false,
            py::arg("rebuild_limits") = std::vector<size_t>{1024 * 1024, 25 * 1024 * 1024})
-      .def("before_forward", &Reducer::before_forward, py::arg("sync"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("after_forward", &Reducer::after_forward, py::arg("sync"), py::arg("outputs"))
-      .def_property_readonly("needs_outputs", &Reducer::needs_outputs)
-      .def("set_comm_hook", &Reducer::set_comm_hook, py::arg("hook"))
-      .def("set_static_graph", &Reducer::set_static_graph)
-      .def("set_divide_factor", &Reducer::set_divide_factor, py::arg("factor"))
-      .def("shadow_backward", &Reducer::shadow_backward, py::call_guard<py::gil_scoped_release>())
-      .def("record_default_ready_order", &Reducer::record_default_ready_order)
-      .def("bucket_plan", &Reducer::bucket_plan)
-      .def("bucket_bytes", &Reducer::bucket_bytes)
-      .def("last_ready_order", &Reducer::last_ready_order)
-      .def("last_unused_parameters", &Reducer::last_unused_parameters)
+      // Every method that takes the reducer's lock releases the GIL first: the
+      // autograd thread holds that lock while a Python comm hook wants the GIL.
+      .def("before_forward", &Reducer::before_forward, py::arg("sync"), nogil())
+      .def("after_forward", &Reducer::after_forward, py::arg("sync"), py::arg("outputs"),
+           nogil())
+      .def("rebuild_buckets_if_due", &Reducer::rebuild_buckets_if_due, nogil())
+      .def_property_readonly("needs_outputs",
+                             [](const Reducer& r) {
+                               py::gil_scoped_release release;
+                               return r.needs_outputs();
+                             })
+      .def("set_comm_hook", &Reducer::set_comm_hook, py::arg("hook"), nogil())
+      .def("set_sink_clone", &Reducer::set_sink_clone, py::arg("clone"), nogil())
+      .def("set_static_graph", &Reducer::set_static_graph, nogil())
+      .def("set_divide_factor", &Reducer::set_divide_factor, py::arg("factor"), nogil())
+      .def("shadow_backward", &Reducer::shadow_backward, nogil())
+      .def("record_default_ready_order", &Reducer::record_default_ready_order, nogil())
+      .def("bucket_plan", &Reducer::bucket_plan, nogil())
+      .def("bucket_bytes", &Reducer::bucket_bytes, nogil())
+      .def("last_ready_order", &Reducer::last_ready_order, nogil())
+      .def("last_unused_parameters", &Reducer::last_unused_parameters, nogil())
       .def("comm_stats", &fastddp::comm_stats_dict)
-      .def_property_readonly("hook_name", &Reducer::hook_name)
+      .def("last_error", &Reducer::last_error, nogil())
+      .def_property_readonly("hook_name",
+                             [](const Reducer& r) {
+                               py::gil_scoped_release release;
+                               return r.hook_name();
+                             })
       .def_property_readonly("static_graph", &Reducer::static_graph)
       .def_property_readonly("has_rebuilt_buckets", &Reducer::has_rebuilt_buckets)
       .def_property_readonly("num_iterations", &Reducer::num_iterations)

@@ -4,7 +4,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include "../reducer/nvtx.h"
+#include "../reducer/profile_range.h"
 #include "half_ops.h"
 #include "registry.h"
 
@@ -59,7 +59,7 @@ at::Tensor& HalfCompressHook::residual_for(size_t param, const at::Tensor& like,
 }
 
 void HalfCompressHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) {
-  FASTDDP_NVTX_RANGE("fastddp copy-in (compress)");
+  FASTDDP_PROFILE_RANGE("fastddp copy-in (compress)");
   BucketState& s = state_for(bucket);
   const int64_t offset = bucket.offsets[slot];
   const int64_t numel = bucket.numels[slot];
@@ -104,7 +104,7 @@ void HalfCompressHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& gr
 
 c10::intrusive_ptr<c10::ivalue::Future> HalfCompressHook::run(Bucket& bucket, size_t index,
                                                               bool is_last) {
-  FASTDDP_NVTX_RANGE("fastddp launch (half)");
+  FASTDDP_PROFILE_RANGE("fastddp launch (half)");
   (void)index;
   state_for(bucket);
   std::shared_ptr<BucketState> state = states_[bucket.flat.unsafeGetTensorImpl()];
@@ -171,7 +171,7 @@ void HalfCompressHook::finish_fp32_accumulate(BucketState& s) {
 
 void HalfCompressHook::write_back(Bucket& bucket, const c10::IValue& result,
                                   std::vector<at::Tensor>& dsts) {
-  FASTDDP_NVTX_RANGE("fastddp write-back (decompress)");
+  FASTDDP_PROFILE_RANGE("fastddp write-back (decompress)");
   const at::Tensor reduced = hook_result_tensor(result, name());
   TORCH_CHECK(reduced.scalar_type() == scalar_type_of(options_.kind) &&
                   reduced.numel() >= bucket.flat.numel() && reduced.is_contiguous(),

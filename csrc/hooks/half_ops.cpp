@@ -4,7 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include "../kernels/half_cast.h"
-#include "../reducer/nvtx.h"
+#include "../reducer/profile_range.h"
 
 #if defined(FASTDDP_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>
@@ -67,7 +67,7 @@ HalfKind half_kind_of(c10::ScalarType type) {
 
 void half_compress_into(HalfKind kind, const at::Tensor& src, double scale,
                         const at::Tensor* residual, const at::Tensor& dst) {
-  FASTDDP_NVTX_RANGE("fastddp compress");
+  FASTDDP_PROFILE_RANGE("fastddp compress");
   check_float(src, "src");
   check_half(dst, kind, "dst");
   TORCH_CHECK(src.numel() == dst.numel() && src.device() == dst.device(),
@@ -101,7 +101,7 @@ void half_compress_into(HalfKind kind, const at::Tensor& src, double scale,
 
 void half_decompress_many(HalfKind kind, const std::vector<at::Tensor>& srcs,
                           const std::vector<at::Tensor>& dsts) {
-  FASTDDP_NVTX_RANGE("fastddp decompress");
+  FASTDDP_PROFILE_RANGE("fastddp decompress");
   TORCH_CHECK(srcs.size() == dsts.size(), "fastddp half_decompress: ", srcs.size(),
               " sources for ", dsts.size(), " destinations");
   if (srcs.empty()) return;
@@ -138,7 +138,7 @@ void half_decompress_many(HalfKind kind, const std::vector<at::Tensor>& srcs,
 
 void half_sum_shards_into(HalfKind kind, const at::Tensor& shards, int64_t count,
                           const at::Tensor& out) {
-  FASTDDP_NVTX_RANGE("fastddp sum shards");
+  FASTDDP_PROFILE_RANGE("fastddp sum shards");
   check_half(shards, kind, "shards");
   check_half(out, kind, "out");
   TORCH_CHECK(count > 0 && shards.numel() == count * out.numel() &&

@@ -5,7 +5,7 @@
 #include <algorithm>
 
 #include "../kernels/orthogonalize.h"
-#include "../reducer/nvtx.h"
+#include "../reducer/profile_range.h"
 
 #if defined(FASTDDP_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>
@@ -41,7 +41,7 @@ bool fused_orthogonalize(at::Tensor& matrices, double epsilon) {
   if (r < 1 || r > n) return false;
   if (matrices.is_cpu()) {
     if (r > kCpuMaxRank) return false;
-    FASTDDP_NVTX_RANGE("fastddp orthogonalize");
+    FASTDDP_PROFILE_RANGE("fastddp orthogonalize");
     if (dtype == at::kFloat) {
       run_cpu(matrices.data_ptr<float>(), batch, n, r, epsilon);
     } else {
@@ -52,7 +52,7 @@ bool fused_orthogonalize(at::Tensor& matrices, double epsilon) {
 #if defined(FASTDDP_WITH_CUDA)
   if (matrices.is_cuda()) {
     if (r > kernels::kOrthogonalizeCudaMaxRank) return false;
-    FASTDDP_NVTX_RANGE("fastddp orthogonalize");
+    FASTDDP_PROFILE_RANGE("fastddp orthogonalize");
     const c10::cuda::CUDAGuard guard(matrices.device());
     void* stream = c10::cuda::getCurrentCUDAStream(matrices.device().index()).stream();
     if (dtype == at::kFloat) {

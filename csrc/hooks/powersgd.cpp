@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <utility>
 
-#include "../reducer/nvtx.h"
+#include "../reducer/profile_range.h"
 #include "lowrank.h"
 #include "powersgd_options.h"
 #include "registry.h"
@@ -40,7 +40,7 @@ std::shared_ptr<PipelinedHook::Stage> PowerSGDHook::start(
     Bucket& bucket, size_t index, bool is_last, c10::intrusive_ptr<c10::ivalue::Future>& done) {
   done = maybe_vanilla(bucket, is_last);
   if (done) return nullptr;
-  FASTDDP_NVTX_RANGE("fastddp launch (powersgd P)");
+  FASTDDP_PROFILE_RANGE("fastddp launch (powersgd P)");
   auto stage = std::make_shared<PowerSGDStage>();
   stage->input = bucket.flat;
   stage->result = make_result(stage->input);
@@ -95,7 +95,7 @@ std::shared_ptr<PipelinedHook::Stage> PowerSGDHook::start(
 void PowerSGDHook::finish(Stage& base) {
   auto& stage = static_cast<PowerSGDStage&>(base);
   wait_for_p(*stage.p_reduced, stage.index);
-  FASTDDP_NVTX_RANGE("fastddp launch (powersgd Q)");
+  FASTDDP_PROFILE_RANGE("fastddp launch (powersgd Q)");
   const PowerSGDPlan& plan = stage.plan;
   BucketState& state = *stage.state;
   if (!plan.uncompressed.empty()) {
@@ -123,7 +123,7 @@ void PowerSGDHook::finish(Stage& base) {
 c10::IValue PowerSGDHook::decompress(BucketState& state, std::vector<PowerSGDBatch>& batches,
                                      const std::vector<size_t>& uncompressed,
                                      const at::Tensor& input, const at::Tensor& input_copy) {
-  FASTDDP_NVTX_RANGE("fastddp decompress (powersgd)");
+  FASTDDP_PROFILE_RANGE("fastddp decompress (powersgd)");
   state.q_memory.div_(world_size_);
   const bool error_feedback = options_.use_error_feedback;
   // The new error (M - P Q^T) in the same pass as P Q^T where the result

@@ -8,7 +8,7 @@
 #include <array>
 #include <sstream>
 
-#include "../reducer/nvtx.h"
+#include "../reducer/profile_range.h"
 
 namespace fastddp {
 namespace {
@@ -63,7 +63,7 @@ c10::intrusive_ptr<c10::ivalue::Future> PowerSGDBase::allreduce(at::Tensor tenso
 c10::intrusive_ptr<c10::ivalue::Future> PowerSGDBase::maybe_vanilla(Bucket& bucket,
                                                                     bool is_last) {
   if (iter_.load() >= options_.start_powerSGD_iter) return {};
-  FASTDDP_NVTX_RANGE("fastddp launch (powersgd vanilla)");
+  FASTDDP_PROFILE_RANGE("fastddp launch (powersgd vanilla)");
   if (is_last) ++iter_;
   bucket.flat.div_(world_size_);
   return allreduce(bucket.flat);

@@ -7,7 +7,7 @@
 #include <cmath>
 #include <utility>
 
-#include "../reducer/nvtx.h"
+#include "../reducer/profile_range.h"
 #include "powersgd_options.h"
 #include "lowrank.h"
 #include "registry.h"
@@ -53,7 +53,7 @@ std::shared_ptr<PipelinedHook::Stage> BatchedPowerSGDHook::start(
     Bucket& bucket, size_t index, bool is_last, c10::intrusive_ptr<c10::ivalue::Future>& done) {
   done = maybe_vanilla(bucket, is_last);
   if (done) return nullptr;
-  FASTDDP_NVTX_RANGE("fastddp launch (powersgd_batched P)");
+  FASTDDP_PROFILE_RANGE("fastddp launch (powersgd_batched P)");
   auto stage = std::make_shared<BatchedStage>();
   stage->flat = bucket.flat;
   stage->result = make_result(bucket.flat);
@@ -95,7 +95,7 @@ std::shared_ptr<PipelinedHook::Stage> BatchedPowerSGDHook::start(
 void BatchedPowerSGDHook::finish(Stage& base) {
   auto& stage = static_cast<BatchedStage&>(base);
   wait_for_p(*stage.p_reduced, stage.index);
-  FASTDDP_NVTX_RANGE("fastddp launch (powersgd_batched Q)");
+  FASTDDP_PROFILE_RANGE("fastddp launch (powersgd_batched Q)");
   BucketState& state = *stage.state;
   const at::Tensor matrix = state.padded.view({state.side, state.side});
   orthogonalize(state.p);
@@ -105,7 +105,7 @@ void BatchedPowerSGDHook::finish(Stage& base) {
   complete_after(q_reduced, stage.result,
                  [this, state = stage.state, flat = stage.flat,
                   input_copy = stage.input_copy]() mutable {
-                   FASTDDP_NVTX_RANGE("fastddp decompress (powersgd_batched)");
+                   FASTDDP_PROFILE_RANGE("fastddp decompress (powersgd_batched)");
                    state->q.div_(world_size_);
                    const std::vector<int64_t> square{1, state->side, state->side};
                    at::Tensor m = state->padded.view(square);

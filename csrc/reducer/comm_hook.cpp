@@ -50,6 +50,10 @@ void copy_flat_to_grads(Bucket& bucket, const at::Tensor& flat, std::vector<at::
               " for a bucket of ", bucket.flat.numel(), " elements");
   const bool in_place = flat.data_ptr() == bucket.flat.data_ptr() &&
                         flat.scalar_type() == bucket.flat.scalar_type();
+  // A hook's own result (not the bucket) is read through each slot's strides,
+  // as the bucket was filled (torch's bucket_views_out): a channels_last
+  // parameter's slice is laid out channels_last in any flat result.
+  const at::Tensor result = in_place ? flat : flat.contiguous();
 #if defined(FASTDDP_WITH_CUDA)
   std::vector<kernels::CopyRange> ranges;
 #endif
@@ -57,7 +61,10 @@ void copy_flat_to_grads(Bucket& bucket, const at::Tensor& flat, std::vector<at::
     at::Tensor& dst = dsts[k];
     const at::Tensor& view = bucket.views[k];
     if (!dst.defined() || (in_place && dst.is_same(view))) continue;
-    const at::Tensor src = in_place ? view : flat.narrow(0, bucket.offsets[k], bucket.numels[k]);
+    const at::Tensor src =
+        in_place ? view
+                 : result.as_strided(view.sizes(), view.strides(),
+                                     result.storage_offset() + bucket.offsets[k]);
 #if defined(FASTDDP_WITH_CUDA)
     if (dst.is_cuda() && src.scalar_type() == dst.scalar_type() &&
         dst.is_non_overlapping_and_dense() && src.is_non_overlapping_and_dense() &&
@@ -67,7 +74,7 @@ void copy_flat_to_grads(Bucket& bucket, const at::Tensor& flat, std::vector<at::
       continue;
     }
 #endif
-    dst.copy_(in_place ? src : src.view(dst.sizes()));
+    dst.copy_(src);
   }
 #if defined(FASTDDP_WITH_CUDA)
   if (!ranges.empty()) {

@@ -4,31 +4,13 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include <functional>
 
-#include "nvtx.h"
+#include "profile_range.h"
 
 namespace fastddp {
-namespace {
-
-// Runs a callback after a parameter's gradient was accumulated. Holds no GIL
-// and no Python object: it is plain C++ called by the autograd engine.
-class GradReadyHook : public torch::autograd::FunctionPostHook {
- public:
-  explicit GradReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list&) override {
-    fn_();
-    return outputs;
-  }
-
- private:
-  std::function<void()> fn_;
-};
-
-}  // namespace
 
 Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
                  std::vector<std::vector<size_t>> plan,
@@ -84,8 +66,14 @@ void Reducer::install_hooks() {
     // `auto`: the pointer type changed in torch 2.13 (see GradAccumulatorPtr).
     auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
     TORCH_CHECK(accumulator, "fastddp: parameter '", names_[i], "' has no grad accumulator");
-    hook_keys_.push_back(accumulator->add_post_hook(
-        std::make_unique<GradReadyHook>([this, i] { on_grad_ready(i); })));
+    // Plain C++ called by the autograd engine: no GIL, no Python object.
+    hook_keys_.push_back(
+        accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+            [this, i](const torch::autograd::variable_list& outputs,
+                      const torch::autograd::variable_list&) {
+              on_grad_ready(i);
+              return outputs;
+            })));
     // The engine holds accumulators weakly; keeping them alive keeps our hooks.
     grad_accumulators_.push_back(std::move(accumulator));
   }
@@ -143,9 +131,24 @@ void Reducer::set_divide_factor(int64_t factor) {
 
 void Reducer::on_grad_ready(size_t index) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (track_usage() && params_[index].grad().defined()) {
+  try {
+    handle_grad_ready(index);
+  } catch (...) {
+    // The error reaches backward()'s caller; the next forward starts afresh
+    // instead of reporting this iteration's parameters as never ready.
+    fail_iteration(std::current_exception());
+    throw;
+  }
+}
+
+void Reducer::handle_grad_ready(size_t index) {
+  grad_slot_.capture();
+  if (track_usage()) {
     // Also under no_sync: a parameter used in any accumulated step is used.
-    used_map_.data_ptr<int32_t>()[index] = 1;
+    grad_slot_.with_grad(params_[index], [&](at::Tensor& grad) {
+      if (grad.defined()) used_map_.data_ptr<int32_t>()[index] = 1;
+      return false;
+    });
   }
   if (phase_ == Phase::kIdle) return;
   TORCH_CHECK(phase_ != Phase::kReduced, "fastddp: parameter '", names_[index],
@@ -182,22 +185,37 @@ void Reducer::mark_ready(size_t index) {
   const auto [b, slot] = locator_[index];
   Bucket& bucket = buckets_[b];
   at::Tensor& view = bucket.views[slot];
-  at::Tensor& grad = params_[index].mutable_grad();
-  if (grad.defined()) {
-    TORCH_CHECK_NOT_IMPLEMENTED(!grad.is_sparse(), "fastddp: parameter '", names_[index],
-                                "' produced a sparse gradient; sparse gradients are not "
-                                "supported yet (construct the module with sparse=False)");
-    TORCH_CHECK(grad.scalar_type() == view.scalar_type() && grad.device() == view.device(),
-                "fastddp: parameter '", names_[index], "' got a gradient of ", grad.scalar_type(),
-                " on ", grad.device(), ", expected ", view.scalar_type(), " on ", view.device());
-  }
-  {
-    FASTDDP_NVTX_RANGE("fastddp copy-in");
-    hook_->copy_in(bucket, slot, grad);
-  }
-  if (options_.gradient_as_bucket_view && grad.defined() && !grad.is_alias_of(view)) {
-    grad = view;
-  }
+  grad_slot_.with_grad(params_[index], [&](at::Tensor& grad) {
+    if (grad.defined()) {
+      TORCH_CHECK_NOT_IMPLEMENTED(!grad.is_sparse(), "fastddp: parameter '", names_[index],
+                                  "' produced a sparse gradient; sparse gradients are not "
+                                  "supported yet (construct the module with sparse=False)");
+      TORCH_CHECK(grad.scalar_type() == view.scalar_type() && grad.device() == view.device(),
+                  "fastddp: parameter '", names_[index], "' got a gradient of ",
+                  grad.scalar_type(), " on ", grad.device(), ", expected ", view.scalar_type(),
+                  " on ", view.device());
+    }
+    FASTDDP_PROFILE_RANGE("fastddp copy-in");
+    if (grad.defined() && grad.requires_grad()) {
+      // backward(create_graph=True): torch's reducer reduces the values and
+      // leaves the higher-order graph rank-local; so do we, with its warning.
+      TORCH_WARN_ONCE(
+          "Using DistributedDataParallel with create_graph=True  is not well-supported. The "
+          "higher-order gradient will  not be synchronized across ranks, and backpropagation  "
+          "through all_reduce operations will not occur. If you require  DDP to work with "
+          "higher-order gradients for your use-case,  please ping "
+          "https://github.com/pytorch/pytorch/issues/63929");
+      const at::NoGradGuard no_grad;
+      hook_->copy_in(bucket, slot, grad.detach());
+    } else {
+      hook_->copy_in(bucket, slot, grad);
+    }
+    if (options_.gradient_as_bucket_view && grad.defined() && !grad.is_alias_of(view)) {
+      grad = view;
+      return true;
+    }
+    return false;
+  });
   if (--bucket.pending > 0) return;
   last_ready_us_ = elapsed_us();
   if (b < stats_.timings.size()) stats_.timings[b].ready_us = last_ready_us_;
@@ -208,7 +226,7 @@ void Reducer::launch_ready_buckets() {
   // Buckets launch strictly in order so that every rank issues the same
   // sequence of collectives, whatever order its gradients arrive in.
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
-    FASTDDP_NVTX_RANGE("fastddp launch");
+    FASTDDP_PROFILE_RANGE("fastddp launch");
     Bucket& bucket = buckets_[next_bucket_];
     bucket.future = hook_->run(bucket, next_bucket_, next_bucket_ + 1 == buckets_.size());
     TORCH_CHECK(bucket.future, "fastddp: comm hook '", hook_->name(), "' returned no future");
@@ -256,7 +274,7 @@ void Reducer::reduce_all_delayed() {
   try {
     for (size_t i = 0; i < params_.size(); ++i) mark_ready(i);
   } catch (...) {
-    fail_iteration();
+    fail_iteration(std::current_exception());
     throw;
   }
   launch_used_map_allreduce();
@@ -295,7 +313,7 @@ void Reducer::finalize_backward() {
     for (size_t b = 0; b < buckets_.size(); ++b) {
       Bucket& bucket = buckets_[b];
       {
-        FASTDDP_NVTX_RANGE("fastddp wait");
+        FASTDDP_PROFILE_RANGE("fastddp wait");
         bucket.future->wait();
       }
       if (bucket.future->hasError()) {
@@ -303,7 +321,7 @@ void Reducer::finalize_backward() {
                     "') failed on rank ", rank_, ": ", bucket.future->tryRetrieveErrorMessage());
       }
       {
-        FASTDDP_NVTX_RANGE("fastddp write-back");
+        FASTDDP_PROFILE_RANGE("fastddp write-back");
         write_back(bucket, bucket.future->value());
       }
       bucket.future.reset();
@@ -311,7 +329,7 @@ void Reducer::finalize_backward() {
     }
     if (track_usage() && used_work_ && !used_map_reduced_) used_work_->wait();
   } catch (...) {
-    fail_iteration();
+    fail_iteration(std::current_exception());
     throw;
   }
   if (dynamic_find_unused()) {
@@ -320,17 +338,28 @@ void Reducer::finalize_backward() {
   }
   phase_ = Phase::kReduced;
   divide_factor_ = 0;
+  grad_slot_.reset();
   ++num_syncs_;
   stats_.steps = num_syncs_;
   stats_.exposed_us = std::max(0.0, elapsed_us() - last_ready_us_);
   stats_.total_exposed_us += stats_.exposed_us;
 }
 
-void Reducer::fail_iteration() {
+void Reducer::fail_iteration(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    last_error_ = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    last_error_ = e.what();
+  } catch (...) {
+    last_error_ = "unknown error";
+  }
   // The next forward starts afresh instead of reporting unready parameters.
   for (Bucket& bucket : buckets_) bucket.future.reset();
   phase_ = Phase::kIdle;
   divide_factor_ = 0;
+  grad_slot_.reset();
   used_map_.zero_();
   used_map_reduced_ = false;
 }
@@ -341,19 +370,32 @@ void Reducer::write_back(Bucket& bucket, const c10::IValue& result) {
   for (size_t k = 0; k < bucket.params.size(); ++k) {
     const size_t index = bucket.params[k];
     if (check_usage && globally_unused(index)) continue;  // .grad stays as it is
-    at::Tensor& grad = params_[index].mutable_grad();
     at::Tensor& view = bucket.views[k];
-    if (options_.gradient_as_bucket_view) {
-      if (!grad.defined()) grad = view;
-      TORCH_CHECK(grad.is_alias_of(view), "fastddp: the gradient of parameter '", names_[index],
-                  "' is not its bucket view although gradient_as_bucket_view=True; it was "
-                  "replaced during backward (by another hook?).");
-      dsts[k] = view;
-    } else {
-      if (!grad.defined()) grad = at::empty_like(view, at::MemoryFormat::Preserve);
-      dsts[k] = grad;
-    }
+    grad_slot_.with_grad(params_[index], [&](at::Tensor& grad) {
+      bool replaced = false;
+      if (options_.gradient_as_bucket_view) {
+        if (!grad.defined()) {
+          grad = view;
+          replaced = true;
+        }
+        TORCH_CHECK(grad.is_alias_of(view), "fastddp: the gradient of parameter '",
+                    names_[index],
+                    "' is not its bucket view although gradient_as_bucket_view=True; it was "
+                    "replaced during backward (by another hook?).");
+        dsts[k] = view;
+      } else {
+        if (!grad.defined()) {
+          grad = at::empty_like(view, at::MemoryFormat::Preserve);
+          replaced = true;
+        }
+        dsts[k] = grad;  // shares storage with the slot's tensor: written in place
+      }
+      return replaced;
+    });
   }
+  // Written without recording autograd history, also into grads that
+  // require grad (create_graph=True).
+  const at::NoGradGuard no_grad;
   hook_->write_back(bucket, result, dsts);
 }
 
@@ -376,6 +418,11 @@ void Reducer::set_comm_hook(std::shared_ptr<CommHook> hook) {
               "fastddp: a comm hook cannot be changed while a backward is reducing");
   hook_ = std::move(hook);
   hook_->on_new_buckets(buckets_);
+}
+
+void Reducer::set_sink_clone(bool clone) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  sink_clone_ = clone;
 }
 
 void Reducer::set_static_graph() {

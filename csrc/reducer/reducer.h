@@ -34,6 +34,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -42,6 +43,7 @@
 
 #include "bucket.h"
 #include "comm_hook.h"
+#include "grad_slot.h"
 
 namespace c10d {
 class ProcessGroup;
@@ -103,10 +105,17 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // forward's output tensors that have a grad_fn; the result replaces them
   // (they pass through a sink node when unused parameters must be found).
   std::vector<at::Tensor> after_forward(bool sync, std::vector<at::Tensor> outputs);
+  // torch's Reducer._rebuild_buckets(): the one rebuild, if it is due and no
+  // backward is under way; forward does it itself (before_forward). Returns
+  // whether it rebuilt.
+  bool rebuild_buckets_if_due();
   // Whether after_forward needs the outputs this iteration.
   bool needs_outputs() const;
 
   void set_comm_hook(std::shared_ptr<CommHook> hook);
+  // torch's _set_ddp_sink_clone: whether the output sink returns clones
+  // (default; in-place ops on outputs then work) or the outputs themselves.
+  void set_sink_clone(bool clone);
   void set_static_graph();
   // For join(divide_by_initial_world_size=False): divide the next backward's
   // sum by `factor` (the ranks still training) instead of the world size.
@@ -129,6 +138,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<int64_t> last_ready_order() const;
   std::vector<int64_t> last_unused_parameters() const;
   CommStats comm_stats() const;
+  // The message of the last error raised in a backward ("" if none), for
+  // torch's logging-data keys has_error / error.
+  std::string last_error() const;
 
   // Called by the output sink's backward (reducer_graph.cpp).
   void on_output_grad();
@@ -142,6 +154,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   void install_hooks();
   void on_grad_ready(size_t index);
+  void handle_grad_ready(size_t index);  // on_grad_ready under the lock
   void mark_ready(size_t index);
   void launch_ready_buckets();
   void queue_finalize();
@@ -151,7 +164,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool globally_unused(size_t index);
   void launch_used_map_allreduce();
   void reset_iteration();
-  void fail_iteration();
+  // Records the error for the logging data; the next forward starts afresh.
+  void fail_iteration(const std::exception_ptr& error);
 
   bool should_rebuild() const;
   bool static_first_iteration() const;
@@ -182,6 +196,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<std::pair<size_t, size_t>> locator_;
 
   std::vector<GradAccumulatorPtr> grad_accumulators_;
+  GradSlot grad_slot_;  // Note [distributed autograd]
   std::vector<uintptr_t> hook_keys_;
 
   mutable std::mutex mutex_;
@@ -208,11 +223,13 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<int64_t> hooks_left_;      // this iteration
   bool delayed_reduce_queued_ = false;
 
+  bool sink_clone_ = true;
   bool has_rebuilt_ = false;
   std::vector<size_t> ready_order_;       // for the rebuild
   std::vector<int64_t> last_ready_order_;  // introspection
 
   CommStats stats_;
+  std::string last_error_;
   std::chrono::steady_clock::time_point backward_start_;
   double last_ready_us_ = 0;
 };

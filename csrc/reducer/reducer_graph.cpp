@@ -25,10 +25,17 @@ struct ReducerHandle : torch::CustomClassHolder {
 struct OutputSink : public torch::autograd::Function<OutputSink> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 at::TensorList outputs,
-                                                c10::intrusive_ptr<ReducerHandle> handle) {
+                                                c10::intrusive_ptr<ReducerHandle> handle,
+                                                bool clone) {
     ctx->set_materialize_grads(false);
     ctx->saved_data["reducer"] = c10::IValue::make_capsule(std::move(handle));
-    return outputs.vec();
+    if (!clone) return outputs.vec();
+    // As torch's _DDPSink: an output returned as is would be a view of the
+    // sink's input, and the user's in-place ops on it (loss *= scale) would fail.
+    std::vector<at::Tensor> copies;
+    copies.reserve(outputs.size());
+    for (const at::Tensor& output : outputs) copies.push_back(output.clone());
+    return copies;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -37,6 +44,7 @@ struct OutputSink : public torch::autograd::Function<OutputSink> {
         ctx->saved_data["reducer"].toCapsule());
     if (auto reducer = handle->reducer.lock()) reducer->on_output_grad();
     grads.emplace_back();  // for the handle argument
+    grads.emplace_back();  // and the clone flag
     return grads;
   }
 };
@@ -45,6 +53,7 @@ struct OutputSink : public torch::autograd::Function<OutputSink> {
 
 std::vector<at::Tensor> Reducer::after_forward(bool sync, std::vector<at::Tensor> outputs) {
   bool sink = false;
+  bool sink_clone = true;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!sync) {
@@ -55,12 +64,13 @@ std::vector<at::Tensor> Reducer::after_forward(bool sync, std::vector<at::Tensor
     reset_iteration();
     if (dynamic_find_unused()) unused_ = search_unused_parameters(outputs);
     sink = dynamic_find_unused() || (static_first_iteration() && !delayed_reduce_queued_);
+    sink_clone = sink_clone_;
   }
   if (!sink || outputs.empty()) return outputs;
   // A TensorList, not the vector: apply() tracks only tensor arguments it
   // recognizes as such.
   return OutputSink::apply(at::TensorList(outputs),
-                           c10::make_intrusive<ReducerHandle>(weak_from_this()));
+                           c10::make_intrusive<ReducerHandle>(weak_from_this()), sink_clone);
 }
 
 std::vector<size_t> Reducer::search_unused_parameters(

@@ -20,6 +20,16 @@ void Reducer::rebuild_buckets() {
   has_rebuilt_ = true;
 }
 
+bool Reducer::rebuild_buckets_if_due() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!should_rebuild() || ready_order_.size() != params_.size()) return false;
+  if (phase_ == Phase::kExpecting && num_ready_ > 0) return false;  // mid-backward
+  rebuild_buckets();
+  // Armed for a backward already (prepare_for_backward came first).
+  for (Bucket& bucket : buckets_) bucket.pending = bucket.params.size();
+  return true;
+}
+
 std::vector<std::vector<size_t>> Reducer::broadcast_plan(
     const std::vector<std::vector<size_t>>& plan) {
   // Ranks may observe different ready orders; rank 0's plan wins so that all
@@ -88,6 +98,11 @@ std::vector<int64_t> Reducer::last_ready_order() const {
 std::vector<int64_t> Reducer::last_unused_parameters() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return std::vector<int64_t>(unused_.begin(), unused_.end());
+}
+
+std::string Reducer::last_error() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return last_error_;
 }
 
 CommStats Reducer::comm_stats() const {

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
-
 if TYPE_CHECKING:
     from fastddp.ddp import DistributedDataParallel
 
@@ -24,6 +22,27 @@ def bucket_sizes(params, plan) -> str:
     return ", ".join(str(sum(params[i].numel() * params[i].element_size() for i in b)) for b in plan)
 
 
+class DdpErrorLog:
+    """``model.logger``: where torch DDP records the last error it raised (its C++ Logger's
+    ``set_error_and_log``), read back as the logging data's ``has_error`` / ``error``.
+
+    Errors raised inside a backward are kept by the C++ reducer (``Reducer.last_error``);
+    an error raised from Python (construction, forward) takes precedence over those.
+    """
+
+    def __init__(self) -> None:
+        self.error = ""
+        self.sample_rate = 100  # torch's default: timings every 100 iterations
+
+    def set_error_and_log(self, message: str) -> None:
+        self.error = message
+
+    def _set_ddp_runtime_logging_sample_rate(self, rate: int) -> None:
+        if rate < 1:
+            raise ValueError(f"DDP runtime logging sample rate should be >= 1, got {rate}")
+        self.sample_rate = rate
+
+
 def logging_data(ddp: DistributedDataParallel) -> dict[str, Any]:
     """The subset of torch DDP's ``_get_ddp_logging_data()`` fastddp knows,
     under torch's key names and formats."""
@@ -34,7 +53,8 @@ def logging_data(ddp: DistributedDataParallel) -> dict[str, Any]:
     data: dict[str, Any] = {
         "module_name": type(ddp.module).__name__,
         "world_size": ddp.process_group.size(),
-        "rank": dist.get_rank(ddp.process_group),
+        # The group's own rank: dist.get_rank(group) fails for groups not made by new_group.
+        "rank": ddp.process_group.rank(),
         "backend_name": ddp.process_group.name() if hasattr(ddp.process_group, "name") else "",
         "device_ids": ", ".join(str(i) for i in ddp.device_ids or []),
         "output_device": ddp.output_device if ddp.output_device is not None else -1,
@@ -59,6 +79,11 @@ def logging_data(ddp: DistributedDataParallel) -> dict[str, Any]:
         data["rebuilt_bucket_sizes"] = bucket_sizes(params, plan)
         data["rebuilt_per_bucket_param_indices"] = ", ".join(
             " ".join(str(i) for i in b) for b in plan)
+    error = reducer.last_error() if reducer is not None else ""
+    error = ddp.logger.error or error
+    if error:
+        data["has_error"] = 1
+        data["error"] = error
     if reducer is not None:
         data["prev_iteration_grad_ready_order_indices"] = ", ".join(
             str(i) for i in reducer.last_ready_order())

@@ -1,6 +1,7 @@
 """fastddp.DistributedDataParallel: torch DDP's interface over fastddp's C++ reducer."""
 
 import contextlib
+import copy
 import warnings
 from typing import Any
 
@@ -13,9 +14,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fastddp import _C
 from fastddp import _hook_state
 from fastddp import hooks as fastddp_hooks
-from fastddp._introspection import bucket_sizes, comm_stats, logging_data
+from fastddp._introspection import DdpErrorLog, bucket_sizes, comm_stats, logging_data
 from fastddp._join import _JoinHook, announce_backward_sync, sync_buffers
 from fastddp._module_sync import broadcast_tensors, verify_param_shapes
+from fastddp._options import world1_reducer_requested
 
 _MIB = 1024 * 1024
 _DEFAULT_BUCKET_CAP_MB = 25
@@ -147,20 +149,37 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._reducer = None
         self._comm_hooks: list[tuple[Any, object]] = []
         self._native_hook = None  # the registered C++ hook (None: the default allreduce)
-        plan, _ = _C.compute_bucket_assignment_by_size(params, initial_limits)
-        plan = list(reversed(plan))
+        self._ddp_sink_clone = True
+        self.logger = DdpErrorLog()
+        self._bucket_limits = (initial_limits, rebuild_limits)
+        plan = self._initial_plan()
         self._initial_bucket_sizes = bucket_sizes(params, plan)
-        if world > 1:
-            self._reducer = _C.Reducer(
-                params, names, plan, self.process_group,
-                gradient_as_bucket_view=gradient_as_bucket_view,
-                find_unused_parameters=find_unused_parameters,
-                rebuild_limits=rebuild_limits,
-            )
-        # At world size 1 there is nothing to average: no reducer, no hooks,
-        # no flat buffers, and forward is the bare module's.
+        # At world size 1 there is nothing to average: unless a comm hook is
+        # registered (torch runs it there too) or FASTDDP_WORLD1_REDUCER=1 asks
+        # for the full path, no reducer, no flat buffers, and forward is the
+        # bare module's.
+        if world > 1 or world1_reducer_requested():
+            self._build_reducer(plan)
         if static_graph:
             self._set_static_graph()
+
+    def _initial_plan(self) -> list[list[int]]:
+        plan, _ = _C.compute_bucket_assignment_by_size(self._reducer_params,
+                                                       self._bucket_limits[0])
+        return list(reversed(plan))
+
+    def _build_reducer(self, plan: list[list[int]] | None = None) -> None:
+        self._reducer = _C.Reducer(
+            self._reducer_params, self._reducer_param_names,
+            plan if plan is not None else self._initial_plan(), self.process_group,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            find_unused_parameters=self.find_unused_parameters,
+            rebuild_limits=self._bucket_limits[1],
+        )
+        if not self._ddp_sink_clone:
+            self._reducer.set_sink_clone(False)
+        if self.static_graph:
+            self._reducer.set_static_graph()
 
     # Buffers sync follows torch 2.13+: broadcast_buffers is an alias.
     @property
@@ -188,7 +207,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             work.wait()
             reducer.set_divide_factor(int(work.get_future().value()[0].item()))
         if grad_enabled:
-            reducer.before_forward(sync)
+            try:
+                reducer.before_forward(sync)
+            except RuntimeError as e:
+                self.logger.set_error_and_log(f"{RuntimeError}: {e}")
+                raise
         if self._will_sync_buffers():
             sync_buffers(self)
         if self._join_config.enable:
@@ -246,10 +269,14 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             raise RuntimeError(
                 "register_comm_hook or register_builtin_comm_hook can only be called once.")
         self._comm_hooks.append((hook, state))
-        if self._reducer is not None:  # world size 1 reduces nothing
-            self._native_hook = fastddp_hooks.resolve(state, hook, self.process_group,
-                                                      self._reducer_params)
-            self._reducer.set_comm_hook(self._native_hook)
+        self._install_hook(state, hook)
+
+    def _install_hook(self, state: object, hook: Any) -> None:
+        if self._reducer is None:  # world size 1: a hook runs there too, as in torch
+            self._build_reducer()
+        self._native_hook = fastddp_hooks.resolve(state, hook, self.process_group,
+                                                  self._reducer_params)
+        self._reducer.set_comm_hook(self._native_hook)
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
         """torch's built-in hook types (ALLREDUCE, FP16_COMPRESS) as fastddp built-ins."""
@@ -258,9 +285,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             raise RuntimeError(
                 "register_builtin_comm_hook or register_comm_hook can only be called once.")
         self._comm_hooks.append((hook, None))
-        if self._reducer is not None:
-            self._native_hook = hook.native(self.process_group)
-            self._reducer.set_comm_hook(self._native_hook)
+        self._install_hook(None, hook)
 
     def _register_fused_optim(self, optim: Any, *args: Any, **kwargs: Any) -> None:
         raise _not_yet("_register_fused_optim", "it needs communication hooks")
@@ -293,6 +318,37 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 "will not change during training loop while calling `_set_static_graph`.",
                 stacklevel=2,
             )
+
+    def __getstate__(self) -> dict:
+        """As torch DDP: only with the default process group; the C++ reducer is rebuilt
+        by __setstate__ (torch.save(model), copy.deepcopy, pickle)."""
+        self._check_default_group()
+        attrs = copy.copy(self.__dict__)
+        for native in ("process_group", "_reducer", "_native_hook", "reducer"):
+            attrs.pop(native, None)
+        return attrs
+
+    def __setstate__(self, state: dict) -> None:
+        self.process_group = dist.distributed_c10d._get_default_group()
+        nn.Module.__setstate__(self, state)  # not torch DDP's: it builds torch's reducer
+        self._reducer = None
+        self._native_hook = None
+        self.require_forward_param_sync = True
+        self.require_backward_grad_sync = True
+        if self.process_group.size() > 1 or world1_reducer_requested() or self._comm_hooks:
+            self._build_reducer()
+        if self._comm_hooks:
+            # torch loses the hook with its reducer; fastddp keeps it (no silent change of
+            # what is on the wire).
+            hook, hook_state = self._comm_hooks[0]
+            self._install_hook(hook_state, hook)
+
+    def _set_ddp_sink_clone(self, val: bool) -> None:
+        """torch's switch: whether outputs passing the output sink (find_unused_parameters,
+        the first static-graph iteration) are cloned, so in-place ops on them work."""
+        self._ddp_sink_clone = val
+        if self._reducer is not None:
+            self._reducer.set_sink_clone(val)
 
     def _get_ddp_logging_data(self) -> dict:
         """torch DDP's logging data, for the keys that describe the run and
