@@ -42,7 +42,7 @@ class HookRunner {
     // plan_buckets sorts by smallest (reversed) index: the last gradients come first.
     plan_ = plan.buckets;
     for (const at::Tensor& g : grads) shapes_.push_back(g.sizes().vec());
-    buckets_ = make_buckets(grads, plan_);
+    buckets_ = make_buckets(grads, plan_, {});
     hook_->on_new_buckets(buckets_);
   }
 

@@ -31,19 +31,26 @@ c10::intrusive_ptr<c10::ivalue::Future> PythonCommHook::run(Bucket& bucket, size
     sizes.push_back(p.sizes());  // alive as long as params_
     params.push_back(p);
   }
-  c10d::GradBucket grad_bucket(index, bucket_count_, bucket.flat, std::move(offsets),
-                               std::move(lengths), std::move(sizes), std::move(params),
-                               std::nullopt);
+  // A sparse bucket hands its gradient itself, as torch's GradBucket does.
+  std::optional<at::Tensor> sparse_indices;
+  if (bucket.sparse) sparse_indices = bucket.sparse_grad._indices();
+  c10d::GradBucket grad_bucket(index, bucket_count_,
+                               bucket.sparse ? bucket.sparse_grad : bucket.flat,
+                               std::move(offsets), std::move(lengths), std::move(sizes),
+                               std::move(params), std::move(sparse_indices));
   // Takes the GIL, calls hook(state, bucket), unwraps the torch.futures.Future.
   return hook_->runHook(grad_bucket);
 }
 
-void PythonCommHook::write_back(Bucket& bucket, const c10::IValue& result,
-                                std::vector<at::Tensor>& dsts) {
+at::Tensor PythonCommHook::result_tensor(const c10::IValue& result) {
   // A future chained in Python holds a Python object (converted under the
   // GIL by torch); a collective's own future holds tensors.
-  at::Tensor flat = result.isPyObject() ? hook_->parseHookResult(result)
-                                        : hook_result_tensor(result, name_);
+  return result.isPyObject() ? hook_->parseHookResult(result) : hook_result_tensor(result, name_);
+}
+
+void PythonCommHook::write_back(Bucket& bucket, const c10::IValue& result,
+                                std::vector<at::Tensor>& dsts) {
+  at::Tensor flat = result_tensor(result);
   TORCH_CHECK(flat.numel() == bucket.flat.numel(), "fastddp: comm hook ", name_,
               " returned a tensor of ", flat.numel(), " elements for a bucket of ",
               bucket.flat.numel(), "; the future must hold the bucket's reduced flat buffer");

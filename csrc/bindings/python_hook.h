@@ -29,6 +29,8 @@ class PythonCommHook : public CommHook {
                                               bool is_last) override;
   void write_back(Bucket& bucket, const c10::IValue& result,
                   std::vector<at::Tensor>& dsts) override;
+  bool supports_sparse() const override { return true; }
+  at::Tensor result_tensor(const c10::IValue& result) override;
 
  private:
   std::unique_ptr<c10d::PythonCommHook> hook_;

@@ -19,6 +19,10 @@ void AllreduceHook::set_divide_factor(int64_t factor) {
 }
 
 void AllreduceHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) {
+  if (bucket.sparse) {  // a new tensor: the parameter's own .grad is not scaled
+    bucket.sparse_grad = sparse_grad_or_zeros(bucket, grad).div(static_cast<double>(factor_));
+    return;
+  }
   at::Tensor& view = bucket.views[slot];
   if (!grad.defined()) {
     view.zero_();
@@ -31,7 +35,7 @@ void AllreduceHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad)
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> AllreduceHook::run(Bucket& bucket, size_t, bool) {
-  std::vector<at::Tensor> tensors{bucket.flat};
+  std::vector<at::Tensor> tensors{bucket.sparse ? bucket.sparse_grad : bucket.flat};
   return group_->allreduce(tensors)->getFuture();
 }
 

@@ -22,6 +22,7 @@ class AllreduceHook : public CommHook {
   c10::intrusive_ptr<c10::ivalue::Future> run(Bucket& bucket, size_t index,
                                               bool is_last) override;
   void set_divide_factor(int64_t factor) override;
+  bool supports_sparse() const override { return true; }  // gloo's sparse allreduce
 
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> group_;

@@ -23,6 +23,11 @@ Bucket Bucket::zeros_like() const {
   copy.params = params;
   copy.offsets = offsets;
   copy.numels = numels;
+  copy.sparse = sparse;
+  if (sparse) {
+    copy.views = views;
+    return copy;
+  }
   for (size_t k = 0; k < views.size(); ++k) {
     copy.views.push_back(copy.flat.as_strided(views[k].sizes(), views[k].strides(), offsets[k]));
   }
@@ -30,12 +35,25 @@ Bucket Bucket::zeros_like() const {
 }
 
 std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
-                                 const std::vector<std::vector<size_t>>& plan) {
+                                 const std::vector<std::vector<size_t>>& plan,
+                                 const std::vector<bool>& sparse) {
   std::vector<Bucket> buckets(plan.size());
   for (size_t b = 0; b < plan.size(); ++b) {
     Bucket& bucket = buckets[b];
     TORCH_CHECK(!plan[b].empty(), "fastddp: bucket ", b, " of the plan is empty");
     const at::Tensor& first = params.at(plan[b].front());
+    if (!sparse.empty() && sparse.at(plan[b].front())) {
+      TORCH_CHECK(plan[b].size() == 1, "fastddp: bucket ", b, " holds parameter ",
+                  plan[b].front(), ", which gets sparse gradients, and ", plan[b].size() - 1,
+                  " others; a sparse gradient needs a bucket of its own");
+      bucket.sparse = true;
+      bucket.params = plan[b];
+      bucket.offsets = {0};
+      bucket.numels = {first.numel()};
+      bucket.flat = at::empty({0}, first.options().requires_grad(false));
+      bucket.views = {at::zeros({}, bucket.flat.options()).expand(first.sizes())};
+      continue;
+    }
     int64_t total = 0;
     for (size_t index : plan[b]) {
       const at::Tensor& p = params.at(index);

@@ -25,6 +25,13 @@ struct Bucket {
   std::vector<int64_t> offsets;  // in elements
   std::vector<int64_t> numels;
 
+  // A bucket of one parameter whose gradient is sparse (nn.Embedding(sparse=True)),
+  // as torch's reducer: `flat` is empty, views[0] only carries the parameter's
+  // shape and options (a zero-stride expand), and the gradient itself travels
+  // in `sparse_grad`. Only hooks whose supports_sparse() is true run on it.
+  bool sparse = false;
+  at::Tensor sparse_grad;
+
   // Per backward: gradients still missing, and the comm hook's reduction.
   size_t pending = 0;
   c10::intrusive_ptr<c10::ivalue::Future> future;
@@ -40,7 +47,9 @@ TensorSpec spec_of(const at::Tensor& tensor, bool expect_sparse);
 
 // Allocates the buckets of a plan over `params`. Every bucket must hold
 // parameters of a single dtype and device.
+// `sparse[i]`: parameter i gets sparse gradients (empty: none does).
 std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
-                                 const std::vector<std::vector<size_t>>& plan);
+                                 const std::vector<std::vector<size_t>>& plan,
+                                 const std::vector<bool>& sparse);
 
 }  // namespace fastddp

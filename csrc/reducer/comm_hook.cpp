@@ -11,7 +11,17 @@
 
 namespace fastddp {
 
+at::Tensor sparse_grad_or_zeros(const Bucket& bucket, const at::Tensor& grad) {
+  if (grad.defined()) return grad;
+  const at::Tensor& like = bucket.views[0];
+  return at::zeros(like.sizes(), like.options().layout(at::kSparse));
+}
+
 void CommHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) {
+  if (bucket.sparse) {
+    bucket.sparse_grad = sparse_grad_or_zeros(bucket, grad);
+    return;
+  }
   at::Tensor& view = bucket.views[slot];
   if (!grad.defined()) {
     view.zero_();
@@ -23,6 +33,10 @@ void CommHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) {
 void CommHook::write_back(Bucket& bucket, const c10::IValue& result,
                           std::vector<at::Tensor>& dsts) {
   copy_flat_to_grads(bucket, hook_result_tensor(result, name()), dsts);
+}
+
+at::Tensor CommHook::result_tensor(const c10::IValue& result) {
+  return hook_result_tensor(result, name());
 }
 
 at::Tensor hook_result_tensor(const c10::IValue& result, const std::string& hook_name) {

@@ -69,6 +69,14 @@ class CommHook {
   // torch's do, may ignore it.
   virtual void set_divide_factor(int64_t factor) { (void)factor; }
 
+  // Whether run() and write_back() accept sparse buckets (see Bucket::sparse):
+  // copy_in then stores the gradient in bucket.sparse_grad, run() reduces it,
+  // and the future's tensor becomes the parameter's .grad.
+  virtual bool supports_sparse() const { return false; }
+
+  // The tensor in a completed future's value (see hook_result_tensor).
+  virtual at::Tensor result_tensor(const c10::IValue& result);
+
   // Bytes this hook puts on the wire for one bucket per step, for the
   // communication report (what one rank contributes to the collective).
   virtual int64_t wire_bytes(const Bucket& bucket) const { return bucket.bytes(); }
@@ -77,6 +85,10 @@ class CommHook {
 // The flat tensor in a hook future's value: the tensor itself or the first
 // element of a tensor list. Raises, naming the hook, for anything else.
 at::Tensor hook_result_tensor(const c10::IValue& result, const std::string& hook_name);
+
+// A sparse bucket's gradient for copy_in: `grad`, or a sparse zero tensor of
+// the parameter's shape when it got none.
+at::Tensor sparse_grad_or_zeros(const Bucket& bucket, const at::Tensor& grad);
 
 // Copies a flat result into the parameters' gradients, slot by slot (one
 // multi-tensor launch on CUDA). Shared by the default write_back and hooks

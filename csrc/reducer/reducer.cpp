@@ -43,7 +43,11 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
     TORCH_CHECK(params_[i].requires_grad(), "fastddp: parameter '", names_[i],
                 "' does not require grad and must not be given to the reducer");
   }
-  buckets_ = make_buckets(params_, plan);
+  if (options_.expect_sparse.empty()) options_.expect_sparse.assign(params_.size(), false);
+  TORCH_CHECK(options_.expect_sparse.size() == params_.size(), "fastddp: expect_sparse has ",
+              options_.expect_sparse.size(), " entries for ", params_.size(), " parameters");
+  buckets_ = make_buckets(params_, plan, options_.expect_sparse);
+  check_hook_supports(*hook_);
   reset_bucket_views();
   const auto n = static_cast<int64_t>(params_.size());
   ready_.assign(params_.size(), false);
@@ -187,9 +191,10 @@ void Reducer::mark_ready(size_t index) {
   at::Tensor& view = bucket.views[slot];
   grad_slot_.with_grad(params_[index], [&](at::Tensor& grad) {
     if (grad.defined()) {
-      TORCH_CHECK_NOT_IMPLEMENTED(!grad.is_sparse(), "fastddp: parameter '", names_[index],
-                                  "' produced a sparse gradient; sparse gradients are not "
-                                  "supported yet (construct the module with sparse=False)");
+      TORCH_CHECK(grad.is_sparse() == bucket.sparse, "fastddp: parameter '", names_[index],
+                  "' produced a ", grad.is_sparse() ? "sparse" : "dense", " gradient, but ",
+                  bucket.sparse ? "sparse" : "dense", " gradients were expected (they are "
+                  "expected sparse for nn.Embedding / nn.EmbeddingBag with sparse=True)");
       TORCH_CHECK(grad.scalar_type() == view.scalar_type() && grad.device() == view.device(),
                   "fastddp: parameter '", names_[index], "' got a gradient of ",
                   grad.scalar_type(), " on ", grad.device(), ", expected ", view.scalar_type(),
@@ -210,7 +215,8 @@ void Reducer::mark_ready(size_t index) {
     } else {
       hook_->copy_in(bucket, slot, grad);
     }
-    if (options_.gradient_as_bucket_view && grad.defined() && !grad.is_alias_of(view)) {
+    if (options_.gradient_as_bucket_view && !bucket.sparse && grad.defined() &&
+        !grad.is_alias_of(view)) {
       grad = view;
       return true;
     }
@@ -366,6 +372,23 @@ void Reducer::fail_iteration(const std::exception_ptr& error) {
 
 void Reducer::write_back(Bucket& bucket, const c10::IValue& result) {
   const bool check_usage = options_.static_graph || options_.find_unused_parameters;
+  if (bucket.sparse) {
+    // The reduced sparse tensor becomes the gradient, as in torch's reducer.
+    const size_t index = bucket.params[0];
+    bucket.sparse_grad.reset();
+    if (check_usage && globally_unused(index)) return;
+    at::Tensor reduced = hook_->result_tensor(result);
+    TORCH_CHECK(reduced.is_sparse() && reduced.sizes() == params_[index].sizes(),
+                "fastddp: comm hook '", hook_->name(), "' returned a ",
+                reduced.is_sparse() ? "sparse" : "dense", " tensor of shape ", reduced.sizes(),
+                " for the sparse gradient of parameter '", names_[index], "' (shape ",
+                params_[index].sizes(), ")");
+    grad_slot_.with_grad(params_[index], [&](at::Tensor& grad) {
+      grad = reduced;
+      return true;
+    });
+    return;
+  }
   std::vector<at::Tensor> dsts(bucket.params.size());
   for (size_t k = 0; k < bucket.params.size(); ++k) {
     const size_t index = bucket.params[k];
@@ -416,8 +439,20 @@ void Reducer::set_comm_hook(std::shared_ptr<CommHook> hook) {
   TORCH_CHECK(hook, "fastddp: set_comm_hook needs a hook");
   TORCH_CHECK(phase_ != Phase::kExpecting || num_ready_ == 0,
               "fastddp: a comm hook cannot be changed while a backward is reducing");
+  check_hook_supports(*hook);
   hook_ = std::move(hook);
   hook_->on_new_buckets(buckets_);
+}
+
+void Reducer::check_hook_supports(const CommHook& hook) const {
+  if (hook.supports_sparse()) return;
+  for (const Bucket& bucket : buckets_) {
+    TORCH_CHECK_NOT_IMPLEMENTED(!bucket.sparse, "fastddp: the comm hook '", hook.name(),
+                                "' does not support sparse gradients, and parameter '",
+                                names_[bucket.params[0]],
+                                "' gets them (sparse=True); use the default allreduce or a "
+                                "Python hook, or construct the module with sparse=False");
+  }
 }
 
 void Reducer::set_sink_clone(bool clone) {

@@ -63,6 +63,9 @@ struct ReducerOptions {
   bool find_unused_parameters = false;
   // See Note [static graph]; set_static_graph() turns it on later.
   bool static_graph = false;
+  // Per parameter: its gradients are sparse (a bucket of its own, see
+  // Bucket::sparse). Empty: none is.
+  std::vector<bool> expect_sparse;
   // Size limits for the one rebuild after the first iteration, as in
   // plan_buckets (torch's are {first_bucket_bytes, bucket_bytes_cap}).
   std::vector<size_t> rebuild_limits = {1024 * 1024, 25 * 1024 * 1024};
@@ -176,6 +179,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void reset_bucket_views();
 
   void ensure_prior_reduction_finished() const;
+  void check_hook_supports(const CommHook& hook) const;  // sparse buckets
   void check_not_ready(size_t index) const;
   std::string unready_params() const;
   std::vector<size_t> search_unused_parameters(const std::vector<at::Tensor>& outputs) const;

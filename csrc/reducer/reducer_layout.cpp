@@ -10,9 +10,11 @@ namespace fastddp {
 void Reducer::rebuild_buckets() {
   std::vector<TensorSpec> specs;
   specs.reserve(params_.size());
-  for (const at::Tensor& p : params_) specs.push_back(spec_of(p, /*expect_sparse=*/false));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    specs.push_back(spec_of(params_[i], options_.expect_sparse[i]));
+  }
   BucketPlan plan = plan_buckets_from_ready_order(specs, ready_order_, options_.rebuild_limits);
-  buckets_ = make_buckets(params_, broadcast_plan(plan.buckets));
+  buckets_ = make_buckets(params_, broadcast_plan(plan.buckets), options_.expect_sparse);
   shadow_buckets_.clear();
   reset_bucket_views();
   hook_->on_new_buckets(buckets_);
@@ -65,7 +67,7 @@ void Reducer::reset_bucket_views() {
     Bucket& bucket = buckets_[b];
     for (size_t k = 0; k < bucket.params.size(); ++k) {
       locator_[bucket.params[k]] = {b, k};
-      if (!options_.gradient_as_bucket_view) continue;
+      if (!options_.gradient_as_bucket_view || bucket.sparse) continue;
       // Existing grads move into the (new) buckets, as torch's reducer does.
       at::Tensor& grad = params_[bucket.params[k]].mutable_grad();
       if (grad.defined() && !grad.is_alias_of(bucket.views[k])) {

@@ -91,6 +91,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         names, params = _params_for_reducer(module, self.parameters_to_ignore)
         self._reducer_param_names = names
         self._reducer_params = params
+        self._expect_sparse = _expect_sparse_gradients(module, params)
         self._module_parameters = [
             p for n, p in module.named_parameters() if n not in self.parameters_to_ignore
         ]
@@ -164,8 +165,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self._set_static_graph()
 
     def _initial_plan(self) -> list[list[int]]:
-        plan, _ = _C.compute_bucket_assignment_by_size(self._reducer_params,
-                                                       self._bucket_limits[0])
+        plan, _ = _C.compute_bucket_assignment_by_size(
+            self._reducer_params, self._bucket_limits[0], self._expect_sparse)
         return list(reversed(plan))
 
     def _build_reducer(self, plan: list[list[int]] | None = None) -> None:
@@ -175,6 +176,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             find_unused_parameters=self.find_unused_parameters,
             rebuild_limits=self._bucket_limits[1],
+            expect_sparse=self._expect_sparse,
         )
         if not self._ddp_sink_clone:
             self._reducer.set_sink_clone(False)
@@ -430,6 +432,14 @@ def _params_for_reducer(module: nn.Module, ignore: set[str]) -> tuple[list[str],
     return names, params
 
 
+def _expect_sparse_gradients(module: nn.Module, params: list[torch.Tensor]) -> list[bool]:
+    """Which parameters get sparse gradients: the weights of nn.Embedding and
+    nn.EmbeddingBag with sparse=True, as torch DDP decides."""
+    sparse = {id(sub.weight) for sub in module.modules()
+              if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse}
+    return [id(p) in sparse for p in params]
+
+
 def _check_module(module: nn.Module, all_params: list[torch.Tensor], params: list[torch.Tensor]) -> None:
     if not params:
         raise RuntimeError(
@@ -451,12 +461,6 @@ def _check_module(module: nn.Module, all_params: list[torch.Tensor], params: lis
             "fastddp.DistributedDataParallel needs every parameter on one device per process; "
             "move the module with module.to(device) first."
         )
-    for name, sub in module.named_modules():
-        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
-            raise _not_yet(
-                f"sparse gradients (module {name!r} has sparse=True)",
-                "construct it with sparse=False",
-            )
 
 
 def _resolve_device_ids(device_ids, output_device, device_type: str):

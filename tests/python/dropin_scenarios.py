@@ -142,6 +142,59 @@ def comm_stats_reader_thread() -> int:
     return reads["n"]
 
 
+class SparseModel(nn.Module):
+    """An nn.Embedding with sparse gradients beside dense layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 8, sparse=True)
+        self.dense = nn.Linear(8, 4)
+        self.unused = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense(torch.tanh(self.embed(x).mean(1)))
+
+
+def sparse_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    return torch.randint(0, 50, (6, 3), generator=g), torch.randn(6, 4, generator=g)
+
+
+def sparse_gradients(hook: str, find_unused_parameters: bool) -> None:
+    """Sparse gradients get a bucket of their own and a sparse allreduce, as in torch."""
+    torch.manual_seed(0)
+    base = SparseModel()
+    if not find_unused_parameters:
+        base.unused.requires_grad_(False)
+    models = [cls(copy.deepcopy(base), find_unused_parameters=find_unused_parameters)
+              for cls in (TorchDDP, fastddp.DistributedDataParallel)]
+    if hook == "python":
+        for model in models:
+            model.register_comm_hook(None, clone_sparse_hook)
+    for step in range(3):
+        inputs, target = sparse_batch(step)
+        for model in models:
+            model.zero_grad()
+            F.mse_loss(model(inputs), target).backward()
+        ref, fast = (m.module.embed.weight.grad for m in models)
+        agree(lambda: _same_sparse(ref, fast, step))
+        agree(lambda: compare_grads(models[0].module.dense, models[1].module.dense, f"{step}"))
+
+
+def clone_sparse_hook(state: object,
+                      bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A Python hook on any bucket: a new averaged tensor (sparse or dense)."""
+    tensor = bucket.buffer().clone() / dist.get_world_size()
+    work = dist.all_reduce(tensor, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _same_sparse(ref: torch.Tensor, fast: torch.Tensor, step: int) -> None:
+    assert fast.is_sparse, f"step {step}: fastddp's embedding grad is dense"
+    torch.testing.assert_close(fast.to_dense(), ref.to_dense(), rtol=1e-5, atol=1e-6,
+                               msg=lambda m: f"step {step}: sparse grad: {m}")
+
+
 def serialized(how: str) -> None:
     """torch.save(model), copy.deepcopy and pickle give a model that trains as torch's
     copy does."""

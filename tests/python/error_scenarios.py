@@ -37,9 +37,10 @@ def second_backward() -> None:
     loss.backward()
 
 
-def sparse_embedding() -> None:
-    fastddp.DistributedDataParallel(nn.Sequential(nn.Embedding(10, 4, sparse=True),
-                                                  nn.Linear(4, 2)))
+def sparse_embedding_with_bf16() -> None:
+    model = fastddp.DistributedDataParallel(nn.Sequential(nn.Embedding(10, 4, sparse=True),
+                                                          nn.Linear(4, 2)))
+    model.register_comm_hook(None, fastddp.hooks.bf16())
 
 
 def unsupported_argument(argument: str) -> None:

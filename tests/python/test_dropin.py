@@ -35,6 +35,12 @@ def test_comm_stats_from_another_thread(world):
     assert all(r.ok and r.value > 0 for r in results), [(r.error, r.traceback) for r in results]
 
 
+@pytest.mark.parametrize("hook", ["default", "python"])
+@pytest.mark.parametrize("find_unused_parameters", [False, True])
+def test_sparse_gradients(world, hook, find_unused_parameters):
+    world.check(s.sparse_gradients, hook=hook, find_unused_parameters=find_unused_parameters)
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
 def test_serialized_model_trains_as_torch(world, how):
     world.check(s.serialized, how=how)

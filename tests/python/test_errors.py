@@ -31,8 +31,10 @@ def test_second_backward_through_one_forward(world):
     world.expect_error(error_scenarios.second_backward, RuntimeError, match="already reduced")
 
 
-def test_sparse_gradients(world):
-    world.expect_error(error_scenarios.sparse_embedding, NotImplementedError, match="sparse")
+def test_sparse_gradients_with_a_dense_only_hook(world):
+    for message in world.expect_error(error_scenarios.sparse_embedding_with_bf16,
+                                      NotImplementedError, match="sparse"):
+        assert "'bf16'" in message and "'0.weight'" in message, message
 
 
 @pytest.mark.parametrize("argument", ["skip_all_reduce_unused_params", "mixed_precision",
