@@ -3,6 +3,8 @@ repeats a framework's calls (quoted from its source) on torch DDP and on fastddp
 side, and compares grads, parameters and buffers (see scenarios.py for the helpers).
 """
 
+import copy
+import pickle
 import weakref
 
 import torch
@@ -141,6 +143,24 @@ def unsupported_calls() -> None:
     _expect_raises(lambda: static.reducer.prepare_for_backward([]), NotImplementedError,
                    "static graph")
     loss.backward()
+
+
+def copies_answer_for_themselves() -> None:
+    """copy.deepcopy and pickle (torch.save) give the copy a reducer of its own: prepare_for_
+    backward on the copy arms the copy's C++ reducer, as on a copy of torch's DDP."""
+    ref, fast = side_by_side(with_batchnorm)
+    for original in (ref, fast):
+        F.mse_loss(*_forward(original, vector_batch(0))).backward()
+    for ours in (copy.deepcopy(fast), pickle.loads(pickle.dumps(fast))):
+        assert ours.reducer._ddp() is ours and fast.reducer._ddp() is fast
+        theirs = copy.deepcopy(ref)
+        for model in (theirs, ours):
+            model.zero_grad()
+            with model.no_sync():
+                loss = F.mse_loss(*_forward(model, vector_batch(1)))
+            model.reducer.prepare_for_backward([])
+            loss.backward()
+        agree(lambda: compare_grads(theirs.module, ours.module, f"copy {type(ours).__name__}"))
 
 
 def world_size_one() -> None:

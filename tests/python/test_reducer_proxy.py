@@ -25,5 +25,9 @@ def test_unsupported_calls_raise(world):
     world.check(scenarios.unsupported_calls)
 
 
+def test_copies_answer_for_themselves(world):
+    world.check(scenarios.copies_answer_for_themselves)
+
+
 def test_world_size_one(world1):
     world1.check(scenarios.world_size_one)

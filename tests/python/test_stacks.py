@@ -26,14 +26,16 @@ FASTDDP_CLASS = "fastddp.ddp.DistributedDataParallel"
 TORCH_CLASS = "torch.nn.parallel.distributed.DistributedDataParallel"
 TOL = {"rtol": 1e-5, "atol": 1e-7}
 
-# name: (package the script needs, script, script arguments)
+# name: (package the script needs, script, script arguments, find_unused_parameters the
+# framework passes to DDP)
 SCENARIOS = {
-    "lightning_auto": ("lightning", "lightning_train.py", []),
-    "lightning_manual": ("lightning", "lightning_train.py", ["--manual"]),
+    "lightning_auto": ("lightning", "lightning_train.py", [], False),
+    "lightning_manual": ("lightning", "lightning_train.py", ["--manual"], False),
     "lightning_manual_find_unused": ("lightning", "lightning_train.py",
-                                     ["--manual", "--find-unused"]),
-    "accelerate": ("accelerate", "accelerate_train.py", []),
-    "hf_trainer": ("transformers", "hf_trainer_train.py", []),
+                                     ["--manual", "--find-unused"], True),
+    "accelerate": ("accelerate", "accelerate_train.py", [], False),
+    # The Trainer passes find_unused_parameters=True for a PreTrainedModel.
+    "hf_trainer": ("transformers", "hf_trainer_train.py", [], True),
 }
 _runs: dict[tuple[str, bool], tuple[list[dict], str]] = {}
 
@@ -63,7 +65,7 @@ def run_script(tmp: Path, script: str, args: list[str], disable: bool,
 
 def scenario_run(name: str, disable: bool, tmp_path_factory: pytest.TempPathFactory):
     """Each scenario's run, once per session and mode (the stock run is shared)."""
-    package, script, args = SCENARIOS[name]
+    package, script, args, _ = SCENARIOS[name]
     if importlib.util.find_spec(package) is None:
         pytest.skip(f"{package} is not installed (make deps-stacks)")
     key = (name, disable)
@@ -96,9 +98,12 @@ def assert_ranks_agree(results: list[dict], buffers: set[str]) -> None:
 def test_stack_matches_stock_torch(name: str, tmp_path_factory) -> None:
     stock, _ = scenario_run(name, True, tmp_path_factory)
     fast, output = scenario_run(name, False, tmp_path_factory)
-    assert all(FASTDDP_CLASS in r["ddp_classes"] for r in fast), fast[0]["ddp_classes"]
-    assert all(r["ddp_classes"][0] == TORCH_CLASS for r in stock), stock[0]["ddp_classes"]
+    assert all(FASTDDP_CLASS in r["wrapper"]["classes"] for r in fast), fast[0]["wrapper"]
+    assert all(r["wrapper"]["classes"][0] == TORCH_CLASS for r in stock), stock[0]["wrapper"]
     assert "-> fastddp.DistributedDataParallel" in output
+    flags = {k: v for k, v in fast[0]["wrapper"].items() if k != "classes"}
+    assert flags == {k: v for k, v in stock[0]["wrapper"].items() if k != "classes"}
+    assert flags["find_unused_parameters"] is SCENARIOS[name][3], flags
     assert_same_training(fast, stock)
     buffers = {k for k in fast[0]["state"] if "running_" in k}
     assert_ranks_agree(fast, buffers)
@@ -111,6 +116,6 @@ def test_lightning_patch_after_import(tmp_path, tmp_path_factory) -> None:
     stock, _ = scenario_run("lightning_auto", True, tmp_path_factory)
     fast, output = run_script(tmp_path, "lightning_patch_after_import.py", [], disable=False,
                               launcher=False)
-    assert all(FASTDDP_CLASS in r["ddp_classes"] for r in fast), fast[0]["ddp_classes"]
+    assert all(FASTDDP_CLASS in r["wrapper"]["classes"] for r in fast), fast[0]["wrapper"]
     assert "lightning.pytorch.strategies.ddp.DistributedDataParallel" in output, output[-3000:]
     assert_same_training(fast, stock)

@@ -12,7 +12,7 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from stack_result import ddp_classes, write_result
+from stack_result import describe_wrapper, write_result
 
 
 def main() -> None:
@@ -23,7 +23,8 @@ def main() -> None:
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(64, 8, generator=generator)
-    data = TensorDataset(x, x[:, :1] * 2 - x[:, 1:2] + 0.1 * torch.randn(64, 1, generator=generator))
+    noise = 0.1 * torch.randn(64, 1, generator=generator)
+    data = TensorDataset(x, x[:, :1] * 2 - x[:, 1:2] + noise)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -51,7 +52,7 @@ def main() -> None:
         optimizer.zero_grad()
         losses += [loss_a.item(), loss_b.item()]
 
-    write_result(args.out, ddp_classes(model), losses, accelerator.unwrap_model(model))
+    write_result(args.out, describe_wrapper(model), losses, accelerator.unwrap_model(model))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch  # noqa: E402
 from transformers import (BertConfig, BertForSequenceClassification, Trainer,  # noqa: E402
                           TrainingArguments)
 
-from stack_result import ddp_classes, write_result  # noqa: E402
+from stack_result import describe_wrapper, write_result  # noqa: E402
 
 
 def main() -> None:
@@ -42,7 +42,7 @@ def main() -> None:
         trainer = Trainer(model=model, args=training_args, train_dataset=data)
         trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    write_result(args.out, ddp_classes(trainer.model_wrapped), losses, trainer.model)
+    write_result(args.out, describe_wrapper(trainer.model_wrapped), losses, trainer.model)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from stack_result import ddp_classes, write_result
+from stack_result import describe_wrapper, write_result
 
 
 class Regressor(L.LightningModule):
@@ -23,10 +23,10 @@ class Regressor(L.LightningModule):
         self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
         self.unused = nn.Linear(4, 4) if unused_layer else None
         self.losses: list[float] = []
-        self.wrapper_classes: list[str] = []
+        self.wrapper: dict = {}
 
     def on_train_start(self) -> None:
-        self.wrapper_classes = ddp_classes(self.trainer.strategy.model)
+        self.wrapper = describe_wrapper(self.trainer.strategy.model)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -54,7 +54,8 @@ def main() -> None:
 
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(96, 8, generator=generator)
-    data = TensorDataset(x, x[:, :1] * 2 - x[:, 1:2] + 0.1 * torch.randn(96, 1, generator=generator))
+    noise = 0.1 * torch.randn(96, 1, generator=generator)
+    data = TensorDataset(x, x[:, :1] * 2 - x[:, 1:2] + noise)
     L.seed_everything(0, verbose=False)
     model = Regressor(args.manual, unused_layer=args.find_unused)
     strategy = "ddp_find_unused_parameters_true" if args.find_unused else "ddp"
@@ -63,7 +64,7 @@ def main() -> None:
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, default_root_dir=root)
         trainer.fit(model, DataLoader(data, batch_size=8, shuffle=False))
-    write_result(args.out, model.wrapper_classes, model.losses, model)
+    write_result(args.out, model.wrapper, model.losses, model)
 
 
 if __name__ == "__main__":
