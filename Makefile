@@ -12,8 +12,9 @@ MAX_JOBS ?= 2
 SUDO := $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
 BUILD_STAMP := build/.fastddp-built
 SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
+STACKS_REQUIREMENTS := tests/stacks/requirements.txt
 
-.PHONY: install deps test test-cpp test-python run bench clean
+.PHONY: install deps deps-stacks test test-cpp test-python run bench clean
 
 install: deps $(BUILD_STAMP)
 
@@ -26,6 +27,18 @@ deps:
 	@$(PYTHON) -c "import matplotlib" 2>/dev/null || $(PYTHON) -m pip install -q matplotlib
 	@$(PYTHON) -c "import torch; print('[make] torch', torch.__version__, 'CUDA', torch.version.cuda)"
 
+# Lightning, Accelerate and transformers at the pinned versions, for tests/python/test_stacks.py;
+# only when one is missing or at another version. The installed torch is a constraint, so
+# pip fails rather than replace it.
+deps-stacks:
+	@$(PYTHON) -c "import sys, importlib.metadata as md; \
+	  pins = [l.strip().split('==') for l in open('$(STACKS_REQUIREMENTS)') if '==' in l and l[0] != '#']; \
+	  sys.exit(any(md.version(n) != v for n, v in pins))" 2>/dev/null \
+	  || { mkdir -p build \
+	       && $(PYTHON) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > build/torch-constraint.txt \
+	       && $(PYTHON) -m pip install -q -r $(STACKS_REQUIREMENTS) -c build/torch-constraint.txt; }
+	@$(PYTHON) -c "import torch; print('[make] stacks installed; torch still', torch.__version__)"
+
 $(BUILD_STAMP): $(SOURCES)
 	@mkdir -p build
 	MAX_JOBS=$(MAX_JOBS) $(PYTHON) -m pip install --no-build-isolation -v -e . > build/pip-install.log 2>&1 \
@@ -34,7 +47,7 @@ $(BUILD_STAMP): $(SOURCES)
 	@$(PYTHON) -c "import fastddp; print('[make] fastddp build:', fastddp.build_info())"
 	@touch $@
 
-test: install test-cpp test-python
+test: install deps-stacks test-cpp test-python
 
 test-cpp:
 	cmake -S . -B build/cpp -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null

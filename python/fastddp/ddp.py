@@ -18,6 +18,7 @@ from fastddp._introspection import DdpErrorLog, bucket_sizes, comm_stats, loggin
 from fastddp._join import _JoinHook, announce_backward_sync, sync_buffers
 from fastddp._module_sync import broadcast_tensors, verify_param_shapes
 from fastddp._options import world1_reducer_requested
+from fastddp._reducer_proxy import ReducerProxy
 
 _MIB = 1024 * 1024
 _DEFAULT_BUCKET_CAP_MB = 25
@@ -161,6 +162,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         # bare module's.
         if world > 1 or world1_reducer_requested():
             self._build_reducer(plan)
+        self.reducer = ReducerProxy(self)  # torch's ddp.reducer, for frameworks that call it
         if static_graph:
             self._set_static_graph()
 
@@ -219,6 +221,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if self._join_config.enable:
             announce_backward_sync(self, joined=False)
         output = self.module(*inputs, **kwargs)
+        # Read again, as torch's _post_forward does: Lightning's manual optimization runs its
+        # own backward inside the module's forward and turns sync off before returning.
+        sync = grad_enabled and self.require_backward_grad_sync
         if not sync:
             self.require_forward_param_sync = False
             if grad_enabled:
@@ -335,6 +340,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         nn.Module.__setstate__(self, state)  # not torch DDP's: it builds torch's reducer
         self._reducer = None
         self._native_hook = None
+        self.reducer = ReducerProxy(self)
         self.require_forward_param_sync = True
         self.require_backward_grad_sync = True
         if self.process_group.size() > 1 or world1_reducer_requested() or self._comm_hooks:

@@ -4,9 +4,12 @@
 ``torch.nn.parallel.distributed.DistributedDataParallel`` with a subclass of
 ``fastddp.DistributedDataParallel`` that applies optional overrides (a communication hook,
 a bucket size) to every model a script wraps. ``python -m fastddp`` (``launcher.py``) calls
-it before running the script. With ``FASTDDP_DISABLE=1`` the names stay torch's own
-class; overrides, if any, are then applied to stock torch DDP through torch's built-in hooks,
-so that one command line can compare the two.
+it before running the script. Modules imported before the patch that bound torch's class
+under a name of their own (``from torch.nn.parallel import DistributedDataParallel``, as
+Lightning does) get the replacement under that name too; ``Patch.rebound`` lists them.
+With ``FASTDDP_DISABLE=1`` the names stay torch's own class; overrides, if any, are then
+applied to stock torch DDP through torch's built-in hooks, so that one command line can
+compare the two.
 """
 
 import importlib
@@ -16,6 +19,7 @@ import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -148,9 +152,17 @@ class Patch:
         self._hook_factory = _hook_factory(hook, disabled, option)
         self._last_model: Any = None
         self._notes: set[str] = set()
+        # (module, attribute) pairs outside torch that held torch's class; see imported_bindings.
+        self._rebound: list[tuple[ModuleType, str]] = []
         # Stock torch without overrides: nothing to change, the script runs exactly as is.
         self.cls = None if disabled and hook is None and bucket_cap_mb is None else (
             _patched_class(self._original if disabled else FastDDP, self))
+
+    @property
+    def rebound(self) -> list[str]:
+        """``module.attribute`` names, bound to torch's class by modules imported before the
+        patch, that now hold the replacement (restored by ``unpatch()``)."""
+        return [f"{module.__name__}.{attr}" for module, attr in self._rebound]
 
     @property
     def last_model(self) -> nn.Module | None:
@@ -169,6 +181,9 @@ class Patch:
         if self.report:
             settings.append("comm report at exit")
         rest = "; other arguments as the script passes them"
+        if self._rebound:
+            rest += ("; also replaced where already-imported modules bound it: "
+                     f"{', '.join(self.rebound)}")
         if not self.disabled:
             return (f"[fastddp] {' and '.join(_PATCHED_NAMES)} -> fastddp.DistributedDataParallel"
                     f" ({', '.join(settings) or 'no overrides'}){rest}")
@@ -201,10 +216,15 @@ class Patch:
                 print(f"[fastddp] {text}", file=sys.stderr, flush=True)
 
     def unpatch(self) -> None:
-        """Puts torch's own class back under both names."""
+        """Puts torch's own class back under both names, and under the names ``rebound``
+        lists (those that still hold the replacement)."""
         global _active
         if _active is self:
             _set_ddp_names(self._original)
+            for module, attr in self._rebound:
+                if getattr(module, attr, None) is self.cls:
+                    setattr(module, attr, self._original)
+            self._rebound = []
             _active = None
 
     def __enter__(self) -> "Patch":
@@ -234,9 +254,33 @@ def patch(hook: str | HookSpec | None = None, bucket_cap_mb: float | None = None
     disabled = fastddp_disabled() if disable is None else disable
     result = Patch(spec, bucket_cap_mb, report, disabled, _option)
     if result.cls is not None:
+        result._rebound = imported_bindings(result._original)
         _set_ddp_names(result.cls)
+        for module, attr in result._rebound:
+            setattr(module, attr, result.cls)
         _active = result
     return result
+
+
+def imported_bindings(cls: type) -> list[tuple[ModuleType, str]]:
+    """``(module, attribute)`` for every module in ``sys.modules`` whose global ``attribute``
+    is ``cls`` (a name bound by ``from ... import``, under any alias), each module once.
+
+    torch's own modules are left out: they keep torch's class for their own needs
+    (``torch.distributed._composable.replicate`` builds torch's DDP internally), as they
+    did before this scan. Only module dictionaries are read; nothing is imported.
+    """
+    found, seen = [], set()
+    for name, module in list(sys.modules.items()):
+        if not isinstance(module, ModuleType) or id(module) in seen:
+            continue
+        seen.add(id(module))
+        if name == "torch" or name.startswith("torch."):
+            continue
+        for attr, value in list(vars(module).items()):
+            if value is cls:
+                found.append((module, attr))
+    return found
 
 
 def _set_ddp_names(cls: type) -> None:

@@ -1,0 +1,32 @@
+"""What each stack script writes: one JSON file per rank, read by tests/python/test_stacks.py.
+
+Not part of the scripts' training logic: it only records which DDP class the framework
+wrapped the model in, the losses, and the final state (parameters and buffers).
+"""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def describe_wrapper(wrapper: object) -> dict:
+    """``module.qualname`` of the wrapper's class and its bases (fastddp's subclass of torch's
+    DDP lists fastddp.ddp.DistributedDataParallel; stock torch DDP does not), and the DDP
+    arguments the framework chose."""
+    return {"classes": [f"{c.__module__}.{c.__qualname__}" for c in type(wrapper).__mro__],
+            "find_unused_parameters": getattr(wrapper, "find_unused_parameters", None),
+            "static_graph": getattr(wrapper, "static_graph", None),
+            "gradient_as_bucket_view": getattr(wrapper, "gradient_as_bucket_view", None)}
+
+
+def write_result(out: str, wrapper: dict, losses: list[float], module: nn.Module) -> None:
+    """Writes ``{out}.rank{RANK}.json``; ``wrapper`` is describe_wrapper()'s."""
+    rank = int(os.environ.get("RANK", "0"))
+    state = {name: t.detach().double().flatten().tolist()
+             for name, t in module.state_dict().items() if torch.is_floating_point(t)}
+    result = {"rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+              "wrapper": wrapper, "losses": [float(x) for x in losses], "state": state}
+    Path(f"{out}.rank{rank}.json").write_text(json.dumps(result))
