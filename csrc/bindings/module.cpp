@@ -189,7 +189,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("before_forward", &Reducer::before_forward, py::arg("sync"), nogil())
       .def("after_forward", &Reducer::after_forward, py::arg("sync"), py::arg("outputs"),
            nogil())
-      .def("rebuild_buckets_if_due", &Reducer::rebuild_buckets_if_due, nogil())
+      .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"), nogil())
+      .def("delay_all_reduce", &Reducer::delay_all_reduce, nogil())
       .def_property_readonly("needs_outputs",
                              [](const Reducer& r) {
                                py::gil_scoped_release release;

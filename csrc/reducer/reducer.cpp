@@ -163,6 +163,7 @@ void Reducer::handle_grad_ready(size_t index) {
   note_backward_start();
   if (static_first_iteration()) {
     ++expected_hooks_[index];
+    if (delay_from_first_hook_ && !delayed_reduce_queued_) queue_delayed_reduce();
     return;
   }
   last_ready_order_.push_back(static_cast<int64_t>(index));
@@ -262,11 +263,27 @@ void Reducer::queue_finalize() {
 void Reducer::on_output_grad() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!static_first_iteration() || phase_ != Phase::kExpecting || delayed_reduce_queued_) return;
+  queue_delayed_reduce();
+}
+
+void Reducer::queue_delayed_reduce() {
   delayed_reduce_queued_ = true;
   std::weak_ptr<Reducer> weak = weak_from_this();
   torch::autograd::Engine::get_default_engine().queue_callback([weak] {
     if (auto self = weak.lock()) self->reduce_all_delayed();
   });
+}
+
+void Reducer::delay_all_reduce() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(options_.static_graph && num_iterations_ <= 1,
+                "fastddp: reducer._delay_all_reduce() belongs to the first iteration of "
+                "static_graph=True training");
+    if (delayed_reduce_queued_ || phase_ != Phase::kExpecting) return;  // done or queued
+    delayed_reduce_queued_ = true;
+  }
+  reduce_all_delayed();
 }
 
 void Reducer::reduce_all_delayed() {

@@ -108,10 +108,15 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // forward's output tensors that have a grad_fn; the result replaces them
   // (they pass through a sink node when unused parameters must be found).
   std::vector<at::Tensor> after_forward(bool sync, std::vector<at::Tensor> outputs);
-  // torch's Reducer._rebuild_buckets(): the one rebuild, if it is due and no
-  // backward is under way; forward does it itself (before_forward). Returns
-  // whether it rebuilt.
-  bool rebuild_buckets_if_due();
+  // torch's Reducer.prepare_for_backward(outputs), called by frameworks outside
+  // DDP's forward (Lightning's manual optimization, Accelerate's
+  // trigger_sync_in_backward): arms the next backward like after_forward(true)
+  // but with no output sink, so the first static-graph iteration queues its
+  // delayed reduction from the first gradient hook instead.
+  void prepare_for_backward(const std::vector<at::Tensor>& outputs);
+  // torch's Reducer._delay_all_reduce(): the first static-graph iteration's
+  // reduction, now, unless it is queued already.
+  void delay_all_reduce();
   // Whether after_forward needs the outputs this iteration.
   bool needs_outputs() const;
 
@@ -226,6 +231,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<int64_t> expected_hooks_;  // learned in the first iteration
   std::vector<int64_t> hooks_left_;      // this iteration
   bool delayed_reduce_queued_ = false;
+  bool delay_from_first_hook_ = false;  // armed by prepare_for_backward: no sink
+  void queue_delayed_reduce();
 
   bool sink_clone_ = true;
   bool has_rebuilt_ = false;

@@ -62,6 +62,7 @@ std::vector<at::Tensor> Reducer::after_forward(bool sync, std::vector<at::Tensor
     }
     phase_ = Phase::kExpecting;
     reset_iteration();
+    delay_from_first_hook_ = false;
     if (dynamic_find_unused()) unused_ = search_unused_parameters(outputs);
     sink = dynamic_find_unused() || (static_first_iteration() && !delayed_reduce_queued_);
     sink_clone = sink_clone_;
@@ -71,6 +72,14 @@ std::vector<at::Tensor> Reducer::after_forward(bool sync, std::vector<at::Tensor
   // recognizes as such.
   return OutputSink::apply(at::TensorList(outputs),
                            c10::make_intrusive<ReducerHandle>(weak_from_this()), sink_clone);
+}
+
+void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  phase_ = Phase::kExpecting;
+  reset_iteration();
+  if (dynamic_find_unused()) unused_ = search_unused_parameters(outputs);
+  delay_from_first_hook_ = static_first_iteration();
 }
 
 std::vector<size_t> Reducer::search_unused_parameters(

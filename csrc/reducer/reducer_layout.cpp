@@ -17,19 +17,11 @@ void Reducer::rebuild_buckets() {
   buckets_ = make_buckets(params_, broadcast_plan(plan.buckets), options_.expect_sparse);
   shadow_buckets_.clear();
   reset_bucket_views();
+  // Armed already when a framework's prepare_for_backward came first.
+  for (Bucket& bucket : buckets_) bucket.pending = bucket.params.size();
   hook_->on_new_buckets(buckets_);
   ready_order_.clear();
   has_rebuilt_ = true;
-}
-
-bool Reducer::rebuild_buckets_if_due() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!should_rebuild() || ready_order_.size() != params_.size()) return false;
-  if (phase_ == Phase::kExpecting && num_ready_ > 0) return false;  // mid-backward
-  rebuild_buckets();
-  // Armed for a backward already (prepare_for_backward came first).
-  for (Bucket& bucket : buckets_) bucket.pending = bucket.params.size();
-  return true;
 }
 
 std::vector<std::vector<size_t>> Reducer::broadcast_plan(

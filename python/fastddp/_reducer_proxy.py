@@ -60,21 +60,13 @@ class ReducerProxy:
         manual optimization and Accelerate's ``trigger_sync_in_backward`` do.
         """
         tensors = _as_tensor_list(outputs)
-        ddp = self._ddp()
         reducer = self._native()
         if reducer is None:
             return  # world size 1: see the class docstring
-        if ddp is not None and ddp.static_graph and reducer.num_backward_syncs == 0:
-            # fastddp's first static-graph iteration reduces every bucket from a callback
-            # that only the output sink of DDP's own synchronized forward queues; torch's
-            # framework callers then rely on Reducer._delay_all_reduce (not bound yet).
-            raise NotImplementedError(
-                "fastddp: reducer.prepare_for_backward() before the first synchronized "
-                "backward of a static graph (static_graph=True) is not supported yet; run the "
-                "first iteration through DDP's forward, or use static_graph=False")
-        # The returned tensors (passed through the output sink) are not needed: the caller
-        # has already built its loss, and torch's prepare_for_backward returns nothing.
-        reducer.after_forward(True, [t for t in tensors if t.grad_fn is not None])
+        # No output sink here (the caller built its loss already): in the first
+        # static-graph iteration the C++ reducer queues its delayed reduction from the
+        # first gradient hook instead.
+        reducer.prepare_for_backward([t for t in tensors if t.grad_fn is not None])
 
     def _rebuild_buckets(self) -> bool:
         """torch's ``Reducer._rebuild_buckets``: rebuilds the buckets in the gradient-ready
@@ -94,11 +86,13 @@ class ReducerProxy:
         return bool(reducer.before_forward(False))
 
     def _delay_all_reduce(self) -> None:
-        """torch's ``Reducer._delay_all_reduce`` (reduce every bucket now, in the first
-        static-graph iteration): not bound by fastddp's C++ reducer yet, so it raises
-        NotImplementedError (at world size 1 there is nothing to reduce)."""
-        if self._native() is not None:
-            raise _unsupported("_delay_all_reduce")
+        """torch's ``Reducer._delay_all_reduce``: the first static-graph iteration's
+        reduction of every bucket, now (Lightning's manual optimization calls it after the
+        first backward); nothing if it already ran or is queued for the end of the
+        backward."""
+        reducer = self._native()
+        if reducer is not None:
+            reducer.delay_all_reduce()
 
     def __getattr__(self, name: str) -> Callable[..., NoReturn]:
         # Only reached for names not defined above.

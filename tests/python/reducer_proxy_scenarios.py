@@ -48,6 +48,11 @@ class StepInForward(nn.Module):
         else:
             ddp.require_forward_param_sync = False
         loss.backward()
+        # lightning/pytorch/strategies/ddp.py: DDPStrategy.post_backward, first static-graph
+        # iteration of manual optimization only
+        if ddp.static_graph and not self.__dict__.get("delay_done"):
+            ddp.reducer._delay_all_reduce()
+            self.__dict__["delay_done"] = True
         self.__dict__["grads"] = [None if p.grad is None else p.grad.clone()
                                   for p in self.parameters()]
         optimizer.step()
@@ -56,10 +61,12 @@ class StepInForward(nn.Module):
         return loss.detach()
 
 
-def manual_step_in_forward(find_unused_parameters: bool) -> None:
-    """Lightning's manual optimization, with and without find_unused_parameters."""
+def manual_step_in_forward(find_unused_parameters: bool, static_graph: bool = False) -> None:
+    """Lightning's manual optimization, with and without find_unused_parameters, and with
+    static_graph (its first iteration reduces through reducer._delay_all_reduce())."""
     ref, fast = side_by_side(lambda: StepInForward(find_unused_parameters),
-                             find_unused_parameters=find_unused_parameters)
+                             find_unused_parameters=find_unused_parameters,
+                             static_graph=static_graph)
     for model in (ref, fast):
         model.module.attach(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     for step in range(STEPS):
@@ -72,10 +79,11 @@ def manual_step_in_forward(find_unused_parameters: bool) -> None:
         assert fast.module.unused.weight.grad is None
 
 
-def trigger_sync_in_backward(gradient_as_bucket_view: bool) -> None:
+def trigger_sync_in_backward(gradient_as_bucket_view: bool, static_graph: bool = False) -> None:
     """Accelerate's trigger_sync_in_backward: two forwards under no_sync, a local backward,
     then a backward that ``reducer.prepare_for_backward([])`` makes reduce the sum."""
-    ref, fast = side_by_side(with_batchnorm, gradient_as_bucket_view=gradient_as_bucket_view)
+    ref, fast = side_by_side(with_batchnorm, gradient_as_bucket_view=gradient_as_bucket_view,
+                             static_graph=static_graph)
     opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ref, fast)]
     for step in range(STEPS):
         for model, opt in zip((ref, fast), opts):
@@ -124,8 +132,7 @@ def unsupported_calls() -> None:
     torch.manual_seed(0)
     fast = fastddp.DistributedDataParallel(with_batchnorm())
     reducer = fast.reducer
-    for call, name in ((reducer._delay_all_reduce, "_delay_all_reduce"),
-                       (reducer._get_local_used_map, "_get_local_used_map"),
+    for call, name in ((reducer._get_local_used_map, "_get_local_used_map"),
                        (lambda: reducer._set_ddp_runtime_logging_sample_rate(2),
                         "_set_ddp_runtime_logging_sample_rate")):
         _expect_raises(call, NotImplementedError, f"reducer.{name}()")
@@ -136,13 +143,7 @@ def unsupported_calls() -> None:
     # torch's own DDP method reaches the proxy and names the missing reducer method.
     _expect_raises(lambda: fast._set_ddp_runtime_logging_sample_rate(2), NotImplementedError,
                    "_set_ddp_runtime_logging_sample_rate")
-
-    static = fastddp.DistributedDataParallel(with_batchnorm(), static_graph=True)
-    with static.no_sync():
-        loss = F.mse_loss(*_forward(static, vector_batch(0)))
-    _expect_raises(lambda: static.reducer.prepare_for_backward([]), NotImplementedError,
-                   "static graph")
-    loss.backward()
+    _expect_raises(reducer._delay_all_reduce, RuntimeError, "first iteration of static_graph")
 
 
 def copies_answer_for_themselves() -> None:

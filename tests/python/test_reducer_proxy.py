@@ -12,6 +12,11 @@ def test_lightning_manual_optimization(world, find_unused_parameters):
     world.check(scenarios.manual_step_in_forward, find_unused_parameters=find_unused_parameters)
 
 
+def test_lightning_manual_optimization_static_graph(world):
+    world.check(scenarios.manual_step_in_forward, find_unused_parameters=False,
+                static_graph=True)
+
+
 @pytest.mark.parametrize("gradient_as_bucket_view", [False, True], ids=["copy", "view"])
 def test_accelerate_trigger_sync_in_backward(world, gradient_as_bucket_view):
     world.check(scenarios.trigger_sync_in_backward, gradient_as_bucket_view=gradient_as_bucket_view)
