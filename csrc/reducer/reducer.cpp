@@ -364,6 +364,9 @@ void Reducer::finalize_backward() {
   grad_slot_.reset();
   ++num_syncs_;
   stats_.steps = num_syncs_;
+  stats_.backward_start_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                 backward_start_.time_since_epoch())
+                                 .count();
   stats_.exposed_us = std::max(0.0, elapsed_us() - last_ready_us_);
   stats_.total_exposed_us += stats_.exposed_us;
 }

@@ -84,6 +84,7 @@ struct CommStats {
   std::vector<int64_t> bucket_bytes;
   std::vector<int64_t> wire_bytes;
   std::vector<BucketTiming> timings;
+  int64_t backward_start_ns = 0;  // last step's first gradient, steady clock (CLOCK_MONOTONIC)
   double exposed_us = 0;        // last step: last gradient ready -> grads final
   double total_exposed_us = 0;  // over all steps
 };

@@ -3,6 +3,7 @@ keys that describe buckets and the run) and fastddp's communication figures."""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -22,25 +23,33 @@ def bucket_sizes(params, plan) -> str:
     return ", ".join(str(sum(params[i].numel() * params[i].element_size() for i in b)) for b in plan)
 
 
-class DdpErrorLog:
-    """``model.logger``: where torch DDP records the last error it raised (its C++ Logger's
-    ``set_error_and_log``), read back as the logging data's ``has_error`` / ``error``.
+_ENV_KEYS = {"master_addr": "MASTER_ADDR", "master_port": "MASTER_PORT",
+             "torch_distributed_debug": "TORCH_DISTRIBUTED_DEBUG",
+             "cuda_visible_devices": "CUDA_VISIBLE_DEVICES"}
+_GLOO_ENV_KEYS = {"gloo_socket_ifname": "GLOO_SOCKET_IFNAME",
+                  "gloo_device_transport": "GLOO_DEVICE_TRANSPORT"}
+_NCCL_ENV_KEYS = {"nccl_socket_ifname": "NCCL_SOCKET_IFNAME",
+                  "nccl_blocking_wait": "TORCH_NCCL_BLOCKING_WAIT",
+                  "nccl_async_error_handling": "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                  "nccl_debug": "NCCL_DEBUG", "nccl_nthreads": "NCCL_NTHREADS",
+                  "nccl_ib_timeout": "NCCL_IB_TIMEOUT"}
 
-    Errors raised inside a backward are kept by the C++ reducer (``Reducer.last_error``);
-    an error raised from Python (construction, forward) takes precedence over those.
-    """
 
-    def __init__(self) -> None:
-        self.error = ""
-        self.sample_rate = 100  # torch's default: timings every 100 iterations
-
-    def set_error_and_log(self, message: str) -> None:
-        self.error = message
-
-    def _set_ddp_runtime_logging_sample_rate(self, rate: int) -> None:
-        if rate < 1:
-            raise ValueError(f"DDP runtime logging sample rate should be >= 1, got {rate}")
-        self.sample_rate = rate
+def environment_keys(group) -> dict[str, Any]:
+    """torch's logger records the environment the job ran under ("N/A" when unset), with
+    the backend's own variables only for that backend."""
+    keys = dict(_ENV_KEYS)
+    backend = group.name() if hasattr(group, "name") else ""
+    if backend == "gloo":
+        keys.update(_GLOO_ENV_KEYS)
+    elif backend == "nccl":
+        keys.update(_NCCL_ENV_KEYS)
+    data: dict[str, Any] = {k: os.environ.get(v, "N/A") for k, v in keys.items()}
+    if backend == "gloo":
+        # torch's logger reads the group's thread count, which Python cannot see; groups
+        # made by init_process_group / new_group have torch's default of 2.
+        data["gloo_num_threads"] = 2
+    return data
 
 
 def logging_data(ddp: DistributedDataParallel) -> dict[str, Any]:
@@ -72,15 +81,16 @@ def logging_data(ddp: DistributedDataParallel) -> dict[str, Any]:
         "unused_parameter_size": sum(params[i].numel() * params[i].element_size() for i in unused),
         "comm_hook": reducer.hook_name if reducer is not None else "",
         "join_uneven_inputs": int(ddp._join_config.enable),
-        "iteration": max(reducer.num_iterations - 1, 0) if reducer is not None else 0,
+        "iteration": ddp.logger.sampled_iteration,
         "num_backward_syncs": reducer.num_backward_syncs if reducer is not None else 0,
     }
     if reducer is not None and reducer.has_rebuilt_buckets:
         data["rebuilt_bucket_sizes"] = bucket_sizes(params, plan)
         data["rebuilt_per_bucket_param_indices"] = ", ".join(
             " ".join(str(i) for i in b) for b in plan)
-    error = reducer.last_error() if reducer is not None else ""
-    error = ddp.logger.error or error
+    data.update(environment_keys(ddp.process_group))
+    data.update(ddp.logger.runtime_stats)
+    error = ddp.logger.error or (reducer.last_error() if reducer is not None else "")
     if error:
         data["has_error"] = 1
         data["error"] = error

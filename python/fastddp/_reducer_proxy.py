@@ -94,6 +94,13 @@ class ReducerProxy:
         if reducer is not None:
             reducer.delay_all_reduce()
 
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        """torch's sampling of runtime statistics for ``_get_ddp_logging_data()``: every
+        iteration up to the 10th, then every ``sample_rate``-th (see _ddp_logger.py)."""
+        ddp = self._ddp()
+        if ddp is not None:
+            ddp.logger._set_ddp_runtime_logging_sample_rate(sample_rate)
+
     def __getattr__(self, name: str) -> Callable[..., NoReturn]:
         # Only reached for names not defined above.
         if name.startswith("__") or _TORCH_REDUCER is None or not hasattr(_TORCH_REDUCER, name):

@@ -14,7 +14,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fastddp import _C
 from fastddp import _hook_state
 from fastddp import hooks as fastddp_hooks
-from fastddp._introspection import DdpErrorLog, bucket_sizes, comm_stats, logging_data
+from fastddp._ddp_logger import DdpLogger
+from fastddp._introspection import bucket_sizes, comm_stats, logging_data
 from fastddp._join import _JoinHook, announce_backward_sync, sync_buffers
 from fastddp._module_sync import broadcast_tensors, verify_param_shapes
 from fastddp._options import world1_reducer_requested
@@ -152,7 +153,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._comm_hooks: list[tuple[Any, object]] = []
         self._native_hook = None  # the registered C++ hook (None: the default allreduce)
         self._ddp_sink_clone = True
-        self.logger = DdpErrorLog()
+        self.logger = DdpLogger()
         self._bucket_limits = (initial_limits, rebuild_limits)
         plan = self._initial_plan()
         self._initial_bucket_sizes = bucket_sizes(params, plan)
@@ -210,6 +211,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             # Divide by the ranks still training (a host sync, only in this mode).
             work.wait()
             reducer.set_divide_factor(int(work.get_future().value()[0].item()))
+        if sync:
+            self.logger.before_forward(reducer.num_iterations, reducer.comm_stats)
         if grad_enabled:
             try:
                 reducer.before_forward(sync)
@@ -220,7 +223,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             sync_buffers(self)
         if self._join_config.enable:
             announce_backward_sync(self, joined=False)
+        started = self.logger.now()
         output = self.module(*inputs, **kwargs)
+        self.logger.forward_done(started)
         # Read again, as torch's _post_forward does: Lightning's manual optimization runs its
         # own backward inside the module's forward and turns sync off before returning.
         sync = grad_enabled and self.require_backward_grad_sync
@@ -315,7 +320,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                           stacklevel=2)
             return
         if self._reducer is not None:
-            self._reducer.set_static_graph()
+            try:
+                self._reducer.set_static_graph()
+            except RuntimeError as e:
+                self.logger.set_error_and_log(f"{RuntimeError}: {e}")
+                raise
         self.static_graph = True
         if self.find_unused_parameters:
             warnings.warn(

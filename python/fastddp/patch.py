@@ -345,6 +345,16 @@ def _patched_class(base: type, owner: Patch) -> type:
     return DistributedDataParallel
 
 
+def __getattr__(name: str) -> type:
+    # The patched class is made per patch() call, so pickle (torch.save(model)) cannot find
+    # it by name as a plain global; this module answers the name it carries: the active
+    # patch's class, or fastddp's own where no patch is active (a model saved under the
+    # launcher and loaded in a plain script).
+    if name == "DistributedDataParallel":
+        return _active.cls if _active is not None and _active.cls is not None else FastDDP
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _rank() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank()
