@@ -174,7 +174,9 @@ class _LiveState:
 
     def __reduce_ex__(self, protocol: int) -> Any:
         # The plain class: a checkpoint is torch's PowerSGDState (its __setstate__ loads it).
-        return copyreg.__newobj__, (self._plain,), self.__getstate__()
+        # copyreg's reconstructor (object.__new__ of it), as pickle's __newobj__ insists on
+        # the object's own class.
+        return copyreg._reconstructor, (self._plain, object, None), self.__getstate__()
 
 
 def _live_property(field: str) -> property:
