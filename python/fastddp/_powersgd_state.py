@@ -37,7 +37,9 @@ torch's hook given the state still reuses its Q). Loading ignores it.
 
 When the model goes (garbage collected), the state takes the hook's final values and
 becomes a plain ``PowerSGDState`` again: a snapshot that no longer changes. Registered on
-another model, a state follows the model it was registered on last.
+another model, a state follows the model it was registered on last. A copy of the model
+(``copy.deepcopy``, pickle) holds a copy of the state, live on the copy's hook. The same
+holds at world size 1, where a registered hook runs as in torch.
 """
 
 from __future__ import annotations

@@ -86,6 +86,16 @@ def per_parameter(table: dict) -> dict[str, torch.Tensor]:
     return out
 
 
+def _same_per_parameter(a: dict, b: dict, where: str) -> None:
+    """same_fields() for states of models whose buckets differ: the dicts per parameter."""
+    for name in (*SCALARS, "rng", "stats"):
+        assert a[name] == b[name], f"{where}: {name} {a[name]!r} != {b[name]!r}"
+    for name in ("error_dict", "q_memory_dict"):
+        x, y = per_parameter(a[name]), per_parameter(b[name])
+        assert sorted(x) == sorted(y), (where, name, sorted(x), sorted(y))
+        assert all(torch.equal(x[k], y[k]) for k in x), (where, name)
+
+
 # --- (a) against torch's own hook ---------------------------------------------------------
 
 def against_torch(steps: int = 7, batched: bool = False, **args) -> dict:
@@ -329,14 +339,8 @@ def reregistered(steps: int = 3) -> dict:
     module = Mixed()
     module.load_state_dict(unwrap(first).state_dict())
     second, opt2 = _fast(module, state, False, 0.004)
-    now = fields(state)
-    for name in (*SCALARS, "rng", "stats"):
-        assert now[name] == at_move[name], (name, now[name], at_move[name])
     # The dicts are keyed by the new model's buckets (not rebuilt yet): compare per parameter.
-    for name in ("error_dict", "q_memory_dict"):
-        before, after = per_parameter(at_move[name]), per_parameter(now[name])
-        assert sorted(before) == sorted(after), (name, sorted(before), sorted(after))
-        assert all(torch.equal(before[k], after[k]) for k in before), name
+    _same_per_parameter(at_move, fields(state), "registered again")
     _step(first, opt, steps)  # the first model alone: not the state's any more
     iter_after_first = state.iter
     _step(second, opt2, steps)
@@ -366,3 +370,29 @@ def world1(steps: int = 5) -> dict:
             "rng": (int(state.rng.get_state()[2]), int(ref_state.rng.get_state()[2])),
             "same_rng_key": bool(np.array_equal(state.rng.get_state()[1],
                                                 ref_state.rng.get_state()[1]))}
+
+
+def model_copied(steps: int = 4) -> dict:
+    """copy.deepcopy of a fastddp model with a registered PowerSGDState: the copy gets a copy
+    of the state, live on the copy's hook, and both take the same next steps."""
+    torch.manual_seed(0)
+    state = psgd.PowerSGDState(None, **ARGS)
+    model, opt = _fast(Mixed(), state, False, 0.004)
+    for s in range(steps):
+        _step(model, opt, s)
+    clone = copy.deepcopy(model)
+    clone_opt = torch.optim.SGD(clone.parameters(), lr=0.05, momentum=0.9)
+    clone_opt.load_state_dict(opt.state_dict())
+    clone_state = clone._comm_hooks[0][1]
+    ours, theirs = _step(model, opt, steps), _step(clone, clone_opt, steps)
+    a, b = fields(state), fields(clone_state)
+    scalars = all(a[n] == b[n] for n in (*SCALARS, "rng", "stats"))
+    # The copy's buckets are not the original's (compare per parameter); on 3 ranks gloo's
+    # ring then adds in another order.
+    x, y = per_parameter(a["error_dict"]), per_parameter(b["error_dict"])
+    assert sorted(x) == sorted(y), (sorted(x), sorted(y))
+    return {"equal": all(torch.equal(u, v) for u, v in zip(ours, theirs, strict=True)),
+            "max_diff": max(float((u - v).abs().max()) for u, v in zip(ours, theirs)),
+            "error_diff": max(float((x[k] - y[k]).abs().max()) for k in x),
+            "same_scalars": scalars, "distinct": clone_state is not state,
+            "iters": (state.iter, clone_state.iter), "clone_live": type(clone_state).__name__}

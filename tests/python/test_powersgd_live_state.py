@@ -100,3 +100,13 @@ def test_world_size_one(world1):
     assert out["iter"] == (5, 5) and out["stats"][0] == out["stats"][1], out
     assert out["errors"][0] == out["errors"][1] == [0], out
     assert out["rng"][0] == out["rng"][1] and out["same_rng_key"], out
+
+
+def test_model_copy_carries_a_live_copy_of_the_state(world):
+    out = world.check(scen.model_copied)[0]
+    assert out["distinct"] and out["same_scalars"] and out["iters"] == (5, 5), out
+    assert out["clone_live"] == "LivePowerSGDState", out
+    if world.size == 2:
+        assert out["equal"] and out["error_diff"] == 0, out
+    else:
+        assert out["max_diff"] < 1e-6 and out["error_diff"] < 1e-6, out
