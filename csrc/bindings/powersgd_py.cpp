@@ -16,6 +16,9 @@ py::dict powersgd_checkpoint_to_dict(const PowerSGDCheckpoint& ck) {
   // Only the batched hook has per-bucket state: the per-layer hook's dict stays as it was.
   if (!ck.bucket_qs.empty()) d["bucket_qs"] = ck.bucket_qs;
   if (!ck.bucket_error_tails.empty()) d["bucket_error_tails"] = ck.bucket_error_tails;
+  // Read only (P is not state): PowerSGDState's p_memory_dict. from_dict ignores them.
+  if (!ck.ps.empty()) d["ps"] = ck.ps;
+  if (!ck.bucket_ps.empty()) d["bucket_ps"] = ck.bucket_ps;
   return d;
 }
 

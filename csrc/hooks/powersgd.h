@@ -67,6 +67,8 @@ class PowerSGDHook : public PowerSGDBase {
     // The layout it was made for, to hand its state on per parameter.
     std::vector<int64_t> params, offsets, numels;
     std::vector<int64_t> q_offsets, q_rows, q_cols;  // per compressed slot; -1 offset: none
+    // Where each compressed slot's P (p_rows x q_cols) is in `wire` (-1: none).
+    std::vector<int64_t> p_offsets, p_rows;
     at::Tensor error;     // error feedback, the bucket's numel
     at::Tensor source;    // M = gradient + error, with error feedback
     at::Tensor wire;      // [uncompressed | P]: one allreduce

@@ -15,7 +15,8 @@ namespace {
 
 // A checkpoint's own copies: not views of the live state, nor the caller's.
 void clone_tensors(PowerSGDCheckpoint& ck) {
-  for (auto* map : {&ck.errors, &ck.qs, &ck.bucket_qs, &ck.bucket_error_tails}) {
+  for (auto* map : {&ck.errors, &ck.qs, &ck.bucket_qs, &ck.bucket_error_tails, &ck.ps,
+                    &ck.bucket_ps}) {
     for (auto& e : *map) e.second = e.second.clone();
   }
 }
@@ -127,6 +128,8 @@ void PowerSGDBase::load_state_dict(const PowerSGDCheckpoint& ck) {
   stats_.next_report = ck.next_stats_report;
   drop_buckets();
   carried_ = ck;
+  carried_.ps.clear();  // P is not state (PowerSGDCheckpoint)
+  carried_.bucket_ps.clear();
   clone_tensors(carried_);
 }
 

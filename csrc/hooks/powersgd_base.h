@@ -37,6 +37,13 @@ struct PowerSGDCheckpoint {
   // Batched PowerSGD only, by a bucket's first parameter index: the warm-start
   // Q (side x r) of the bucket, and the error of its zero padding.
   std::map<int64_t, at::Tensor> bucket_qs, bucket_error_tails;
+  // Read only, not state: P as the last compressed step left it (summed over
+  // the ranks and orthogonalized: torch's p_memory_dict), per compressed
+  // parameter (n x r) and, batched, per bucket (side x r). Both hooks
+  // overwrite P before reading it, so only state_dict() fills these (with
+  // warm start, where torch keeps P), load_state_dict ignores them and a
+  // rebuild does not carry them.
+  std::map<int64_t, at::Tensor> ps, bucket_ps;
 };
 
 // numpy RandomState.get_state()'s position and key as "pos key0 ... key623",

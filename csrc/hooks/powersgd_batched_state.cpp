@@ -77,7 +77,10 @@ void BatchedPowerSGDHook::carry(const BucketState& s, PowerSGDCheckpoint& into) 
     if (tail > 0) into.bucket_error_tails[s.params.front()] = s.error.narrow(0, s.numel, tail);
   }
   // Without warm start Q is drawn every step: nothing to keep.
-  if (options_.warm_start && s.q_ready) into.bucket_qs[s.params.front()] = s.q;
+  if (options_.warm_start && s.q_ready) {
+    into.bucket_qs[s.params.front()] = s.q;
+    into.bucket_ps[s.params.front()] = s.p;  // read only (PowerSGDCheckpoint)
+  }
 }
 
 void BatchedPowerSGDHook::on_new_buckets(const std::vector<Bucket>& buckets) {
@@ -99,6 +102,7 @@ void BatchedPowerSGDHook::on_new_buckets(const std::vector<Bucket>& buckets) {
       carried_.bucket_error_tails.erase(s.params.front());
     }
   }
+  carried_.bucket_ps.clear();  // P is not state (PowerSGDCheckpoint)
   states_.clear();
 }
 

@@ -24,11 +24,15 @@ std::shared_ptr<PowerSGDHook::BucketState> PowerSGDHook::bucket_state(const Buck
     s.q_offsets.assign(bucket.params.size(), -1);
     s.q_rows.assign(bucket.params.size(), 0);
     s.q_cols.assign(bucket.params.size(), 0);
+    s.p_offsets.assign(bucket.params.size(), -1);
+    s.p_rows.assign(bucket.params.size(), 0);
     for (const auto& group : plan.groups) {
       for (const PowerSGDMatrix& mat : group) {
         s.q_offsets[mat.slot] = mat.q_offset;
         s.q_rows[mat.slot] = mat.m;
         s.q_cols[mat.slot] = mat.r;
+        s.p_offsets[mat.slot] = plan.uncompressed_numel + mat.p_offset;  // wire: [uncompressed | P]
+        s.p_rows[mat.slot] = mat.n;
       }
     }
     const auto options = bucket.flat.options();
@@ -81,6 +85,9 @@ void PowerSGDHook::carry(const BucketState& s, PowerSGDCheckpoint& into) const {
     if (s.q_offsets[k] >= 0 && s.q_memory.defined()) {
       into.qs[s.params[k]] = s.q_memory.narrow(0, s.q_offsets[k], s.q_rows[k] * s.q_cols[k])
                             .view({s.q_rows[k], s.q_cols[k]});
+      // With Q, P is the last step's (q_memory is only kept with warm start).
+      into.ps[s.params[k]] = s.wire.narrow(0, s.p_offsets[k], s.p_rows[k] * s.q_cols[k])
+                            .view({s.p_rows[k], s.q_cols[k]});
     }
   }
 }
@@ -89,6 +96,7 @@ void PowerSGDHook::on_new_buckets(const std::vector<Bucket>& buckets) {
   (void)buckets;
   std::lock_guard<std::mutex> lock(mutex_);
   carry_buckets(carried_);
+  carried_.ps.clear();  // P is not state (PowerSGDCheckpoint)
   states_.clear();
 }
 

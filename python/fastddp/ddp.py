@@ -12,7 +12,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fastddp import _C
-from fastddp import _hook_state
+from fastddp import _hook_state, _powersgd_state
 from fastddp import hooks as fastddp_hooks
 from fastddp._ddp_logger import DdpLogger
 from fastddp._introspection import bucket_sizes, comm_stats, logging_data
@@ -280,15 +280,20 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if self._comm_hooks:
             raise RuntimeError(
                 "register_comm_hook or register_builtin_comm_hook can only be called once.")
+        self._install_hook(state, hook)  # raises before anything is registered
         self._comm_hooks.append((hook, state))
-        self._install_hook(state, hook)
 
     def _install_hook(self, state: object, hook: Any) -> None:
+        native = fastddp_hooks.resolve(state, hook, self.process_group, self._reducer_params)
+        # torch's PowerSGDState: its training state goes into the native hook (raises, before
+        # anything changes, for a state it cannot take), and is read from it from now on.
+        live = _powersgd_state.load(state, self, native)
         if self._reducer is None:  # world size 1: a hook runs there too, as in torch
             self._build_reducer()
-        self._native_hook = fastddp_hooks.resolve(state, hook, self.process_group,
-                                                  self._reducer_params)
-        self._reducer.set_comm_hook(self._native_hook)
+        self._native_hook = native
+        self._reducer.set_comm_hook(native)
+        if live:
+            _powersgd_state.link(state, self, native)
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
         """torch's built-in hook types (ALLREDUCE, FP16_COMPRESS) as fastddp built-ins."""

@@ -13,9 +13,10 @@ Built-ins run in C++ (no Python per bucket)::
 torch's own hook functions are recognized and run by the same C++ code:
 ``default_hooks.allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``, and
 ``fp16_compress_wrapper(allreduce_hook)`` / ``bf16_compress_wrapper(allreduce_hook)``, and
-``powerSGD_hook`` and ``batched_powerSGD_hook`` with a ``PowerSGDState`` (its settings,
-iteration and generator are read at registration; the native hook keeps its own state from
-then on). Any other callable ``hook(state, bucket) -> torch.futures.Future`` runs as it
+``powerSGD_hook`` and ``batched_powerSGD_hook`` with a ``PowerSGDState`` (its settings
+are read at registration; its training state is loaded into the native hook, and read back
+from it whenever Python reads the state, so torch's checkpoint recipe works: see
+fastddp._powersgd_state). Any other callable ``hook(state, bucket) -> torch.futures.Future`` runs as it
 would under torch DDP, on a real ``torch.distributed.GradBucket``.
 
 A built-in hook object is also a torch-style Python hook: calling it runs the same algorithm
