@@ -14,6 +14,7 @@ def test_fields_are_torchs(world, batched):
     assert out["stats"][1] > out["stats"][2] > 0, out  # compression ran
     assert out["keys"]["error_dict"] == [0] and out["keys"]["q_memory_dict"] == [0], out
     assert out["is_state"] and out["live_type"] == "LivePowerSGDState", out
+    assert out["p_native"], "p_memory_dict must hold the hook's P, compared with torch's"
     names = [name for name, _ in out["error_layout"]["params"]]
     assert "b.weight" in names and "head.bias" in names, out
 
