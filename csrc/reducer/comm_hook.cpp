@@ -39,6 +39,8 @@ at::Tensor CommHook::result_tensor(const c10::IValue& result) {
   return hook_result_tensor(result, name());
 }
 
+// Ours rather than c10d::detail::parseCppCommHookResult: torch's answers an empty
+// list or a wrong type with an internal assert; this names the hook and what it got.
 at::Tensor hook_result_tensor(const c10::IValue& result, const std::string& hook_name) {
   if (result.isTensor()) return result.toTensor();
   if (result.isTensorList()) {

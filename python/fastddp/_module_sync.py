@@ -40,7 +40,13 @@ def verify_param_shapes(
     device: torch.device,
 ) -> None:
     """Raises ValueError on every rank, naming the first parameter whose shape or
-    dtype differs from rank 0's, and the ranks involved."""
+    dtype differs from rank 0's, and the ranks involved.
+
+    Ours rather than torch's ``dist._verify_params_across_processes`` (c10d's
+    verify_params_across_processes): torch's compares against rank 0 too, but reports an
+    index and sizes only, and only on the rank that differs, so the other ranks wait in
+    the next collective; this check raises the same named error on every rank.
+    """
     world = group.size()
     local = torch.tensor(_describe(params), dtype=torch.int64, device=device)
     lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
