@@ -3,6 +3,7 @@ side with torch DDP (the reference) on every rank of a harness world."""
 
 import copy
 import io
+import os
 import pickle
 import threading
 import warnings
@@ -60,6 +61,21 @@ def hook_at_world_size_one() -> dict[str, int]:
     assert calls[1] and len(calls[1]) == len(calls[0]), (
         f"the hook ran {len(calls[1])} times under fastddp, {len(calls[0])} under torch")
     return {"torch": len(calls[0]), "fastddp": len(calls[1])}
+
+
+def world1_reducer_requested() -> list[list[str]]:
+    """FASTDDP_WORLD1_REDUCER=1: the full reducer path on one rank, no hook registered,
+    trains as torch DDP does."""
+    assert dist.get_world_size() == 1
+    os.environ["FASTDDP_WORLD1_REDUCER"] = "1"
+    try:
+        ref, fast = side_by_side(mlp, bucket_cap_mb=0.001)
+    finally:
+        del os.environ["FASTDDP_WORLD1_REDUCER"]
+    assert fast._reducer is not None, "FASTDDP_WORLD1_REDUCER=1 built no reducer"
+    train(ref, fast)
+    assert fast.comm_stats()["steps"] == 5, fast.comm_stats()
+    return fast.bucket_plan()
 
 
 def powersgd_at_world_size_one() -> None:

@@ -15,6 +15,11 @@ def test_hook_runs_at_world_size_one(world1):
     assert calls["fastddp"] == calls["torch"] > 0
 
 
+def test_world1_reducer_option(world1):
+    (plan,) = world1.check(s.world1_reducer_requested)
+    assert len(plan) > 1, plan  # several buckets: the whole bucket path ran
+
+
 def test_powersgd_compresses_at_world_size_one(world1):
     world1.check(s.powersgd_at_world_size_one)
 

@@ -31,6 +31,15 @@ def test_hook_matches_reference(world, pair):
                 bucket_cap_mb=0.001)
 
 
+@pytest.mark.parametrize("pair", list(EXACT_PAIRS))
+def test_hook_at_world_size_one(world1, pair):
+    """A registered hook runs at world size 1 (as in torch), bit for bit as its reference."""
+    fast, ref = EXACT_PAIRS[pair]
+    name = world1.check(hook_scenarios.hooked_training, fast_hook=fast, ref_hook=ref, exact=True,
+                        bucket_cap_mb=0.001)[0]
+    assert name is not None, "no reducer ran the hook"
+
+
 @pytest.mark.parametrize("hook", ["fastddp.bf16_fp32_ef", "fastddp.bf16"])
 def test_hook_gradient_as_bucket_view(world, hook):
     world.check(hook_scenarios.hooked_training, fast_hook=hook, ref_hook=hook, exact=True,
