@@ -6,6 +6,7 @@
 
 #include "../reducer/profile_range.h"
 #include "half_ops.h"
+#include "side_stream.h"
 #include "registry.h"
 
 namespace fastddp {
@@ -34,7 +35,6 @@ void HalfCompressHook::on_new_buckets(const std::vector<Bucket>& buckets) {
   // Buffers follow the layout; residuals are per parameter and stay.
   (void)buckets;
   states_.clear();
-  pending_.reset();
 }
 
 HalfCompressHook::BucketState& HalfCompressHook::state_for(const Bucket& bucket) {
@@ -102,16 +102,26 @@ void HalfCompressHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& gr
   }
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> HalfCompressHook::run(Bucket& bucket, size_t index,
-                                                              bool is_last) {
+struct HalfCompressHook::HalfStage : Stage {
+  std::shared_ptr<BucketState> state;
+  c10::intrusive_ptr<c10d::Work> alltoall;
+  void wait_first() override {
+    if (alltoall) alltoall->wait();
+  }
+};
+
+std::shared_ptr<PipelinedHook::Stage> HalfCompressHook::start(
+    Bucket& bucket, size_t index, bool is_last, c10::intrusive_ptr<c10::ivalue::Future>& done) {
   FASTDDP_PROFILE_RANGE("fastddp launch (half)");
   (void)index;
+  (void)is_last;
   state_for(bucket);
   std::shared_ptr<BucketState> state = states_[bucket.flat.unsafeGetTensorImpl()];
   if (!options_.fp32_accumulate && !half_allreduce_unsupported_) {
     std::vector<at::Tensor> tensors{state->wire};
     try {
-      return group_->allreduce(tensors)->getFuture();
+      done = group_->allreduce(tensors)->getFuture();
+      return nullptr;
     } catch (const c10::Error& e) {
       // A backend without 16-bit sums (old gloo) refuses at enqueue, on every
       // rank alike: from now on use the float32-accumulation algorithm.
@@ -122,51 +132,31 @@ c10::intrusive_ptr<c10::ivalue::Future> HalfCompressHook::run(Bucket& bucket, si
       half_allreduce_unsupported_ = true;
     }
   }
-  return run_fp32_accumulate(state, is_last);
-}
-
-c10::intrusive_ptr<c10::ivalue::Future> HalfCompressHook::run_fp32_accumulate(
-    const std::shared_ptr<BucketState>& state, bool is_last) {
   BucketState& s = *state;
   if (!s.recv.defined()) {
     s.recv = at::empty_like(s.wire);
     s.shard_sum = at::empty({s.wire.numel() / world_size_}, s.wire.options());
   }
+  auto stage = std::make_shared<HalfStage>();
+  stage->state = state;
   std::vector<int64_t> even_splits;
-  s.alltoall = group_->alltoall_base(s.recv, s.wire, even_splits, even_splits);
-  std::vector<c10::Device> devices;
-  if (s.wire.is_cuda()) devices.push_back(s.wire.device());
-  s.result = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors(), devices);
-  c10::intrusive_ptr<c10::ivalue::Future> result = s.result;
-  // The previous bucket's second half now, after this bucket's alltoall: the
-  // same order on every rank (Note [half compression]).
-  if (pending_) {
-    std::shared_ptr<BucketState> previous = std::move(pending_);
-    finish_fp32_accumulate(*previous);
-  }
-  pending_ = state;
-  if (is_last) {
-    std::shared_ptr<BucketState> last = std::move(pending_);
-    finish_fp32_accumulate(*last);
-  }
-  return result;
+  stage->alltoall = group_->alltoall_base(s.recv, s.wire, even_splits, even_splits);
+  stage->result = make_result(s.wire);
+  return stage;
 }
 
-void HalfCompressHook::finish_fp32_accumulate(BucketState& s) {
-  // On CUDA, wait() only makes the current stream wait: no host sync.
-  s.alltoall->wait();
-  s.alltoall.reset();
+void HalfCompressHook::finish(Stage& base) {
+  auto& stage = static_cast<HalfStage&>(base);
+  BucketState& s = *stage.state;
+  // Off the compute stream (Note [hook streams]): the wait is a stream wait.
+  const SideStreamScope side(s.wire.device());
+  stage.alltoall->wait();
+  stage.alltoall.reset();
   half_sum_shards_into(options_.kind, s.recv, world_size_, s.shard_sum);
+  record_current_stream({s.wire, s.recv, s.shard_sum});
   c10::intrusive_ptr<c10d::Work> work = group_->_allgather_base(s.wire, s.shard_sum);
-  c10::intrusive_ptr<c10::ivalue::Future> result = s.result;
   at::Tensor wire = s.wire;
-  work->getFuture()->addCallback([result, wire](c10::ivalue::Future& done) {
-    if (done.hasError()) {
-      result->setError(done.exception_ptr());
-    } else {
-      result->markCompleted(c10::IValue(std::vector<at::Tensor>{wire}));
-    }
-  });
+  complete_after(work->getFuture(), stage.result, [wire]() { return c10::IValue(wire); });
 }
 
 void HalfCompressHook::write_back(Bucket& bucket, const c10::IValue& result,

@@ -9,10 +9,11 @@
 //           of the world_size shards (rank order), one rounding, allgather of
 //           the 16-bit result: the same bytes on the wire as a 16-bit ring
 //           allreduce (2 (n-1)/n of the buffer), one rounding instead of n-1.
-//           The two collectives of bucket i are issued as alltoall(i) ...
-//           alltoall(i+1), allgather(i), never from a completion callback, so
-//           every rank issues the same sequence (gloo pairs collectives by
-//           issue order).
+//           The two collectives are a PipelinedHook's (Note [pipelined
+//           hooks]): alltoall(i) ... alltoall(i+1), allgather(i), never from a
+//           completion callback, and a step abandoned after a failure is
+//           dropped, not finished, at the next step. The shard sum runs on the
+//           side stream (Note [hook streams]).
 // write_back the 16-bit result -> every grad in one fused pass (one launch on CUDA).
 // error_feedback keeps, per parameter, the float32 rounding residual of its
 //           compressed (scaled) gradient and adds it to the next step's; it
@@ -30,7 +31,7 @@
 #include <vector>
 
 #include "../core/half_rounding.h"
-#include "../reducer/comm_hook.h"
+#include "pipelined_hook.h"
 
 namespace c10d {
 class ProcessGroup;
@@ -45,15 +46,13 @@ struct HalfCompressOptions {
   bool error_feedback = false;
 };
 
-class HalfCompressHook : public CommHook {
+class HalfCompressHook : public PipelinedHook {
  public:
   HalfCompressHook(c10::intrusive_ptr<c10d::ProcessGroup> group, HalfCompressOptions options);
 
   std::string name() const override;
   void on_new_buckets(const std::vector<Bucket>& buckets) override;
   void copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) override;
-  c10::intrusive_ptr<c10::ivalue::Future> run(Bucket& bucket, size_t index,
-                                              bool is_last) override;
   void write_back(Bucket& bucket, const c10::IValue& result,
                   std::vector<at::Tensor>& dsts) override;
   int64_t wire_bytes(const Bucket& bucket) const override;
@@ -62,20 +61,23 @@ class HalfCompressHook : public CommHook {
 
   const HalfCompressOptions& options() const { return options_; }
 
+ protected:
+  // accumulate="half": the allreduce, no stage. accumulate="fp32": the
+  // alltoall; finish() sums the shards and issues the allgather.
+  std::shared_ptr<Stage> start(Bucket& bucket, size_t index, bool is_last,
+                               c10::intrusive_ptr<c10::ivalue::Future>& done) override;
+  void finish(Stage& stage) override;
+
  private:
   struct BucketState {
     at::Tensor wire;       // 16-bit, the bucket's numel rounded up to a multiple of world size
     at::Tensor recv;       // fp32 accumulation: the shards received by the alltoall
     at::Tensor shard_sum;  // fp32 accumulation: this rank's reduced shard
-    c10::intrusive_ptr<c10d::Work> alltoall;
-    c10::intrusive_ptr<c10::ivalue::Future> result;
   };
+  struct HalfStage;
 
   BucketState& state_for(const Bucket& bucket);
   at::Tensor& residual_for(size_t param, const at::Tensor& like, int64_t numel);
-  c10::intrusive_ptr<c10::ivalue::Future> run_fp32_accumulate(
-      const std::shared_ptr<BucketState>& state, bool is_last);
-  void finish_fp32_accumulate(BucketState& state);
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   HalfCompressOptions options_;
@@ -85,7 +87,6 @@ class HalfCompressHook : public CommHook {
   // Keyed by the bucket's flat buffer: the reducer may move Bucket objects.
   std::unordered_map<const void*, std::shared_ptr<BucketState>> states_;
   std::unordered_map<size_t, at::Tensor> residuals_;  // by parameter index
-  std::shared_ptr<BucketState> pending_;  // fp32 accumulation: alltoall issued, allgather not
 };
 
 }  // namespace fastddp

@@ -12,11 +12,9 @@ namespace fastddp {
 c10::intrusive_ptr<c10::ivalue::Future> PipelinedHook::run(Bucket& bucket, size_t index,
                                                            bool is_last) {
   if (pending_ && index == 0) {
-    // Left over from a step that failed before its last bucket: nobody waits
-    // for it any more, and its second collective must not be issued now.
-    pending_->result->setErrorIfNeeded(std::make_exception_ptr(
-        std::runtime_error("fastddp: comm hook '" + name() + "': the step was abandoned")));
-    pending_.reset();
+    // Left over from a step that failed before its last bucket without the
+    // reducer noticing: its second collective must not be issued now.
+    abandon_step();
   }
   c10::intrusive_ptr<c10::ivalue::Future> done;
   std::shared_ptr<Stage> stage = start(bucket, index, is_last, done);
@@ -37,6 +35,18 @@ c10::intrusive_ptr<c10::ivalue::Future> PipelinedHook::run(Bucket& bucket, size_
     }
   }
   return done;
+}
+
+void PipelinedHook::abandon_step() {
+  if (!pending_) return;
+  std::shared_ptr<Stage> stage = std::move(pending_);
+  try {
+    stage->wait_first();
+  } catch (...) {
+    // Its error is the step's, which has failed already.
+  }
+  stage->result->setErrorIfNeeded(std::make_exception_ptr(
+      std::runtime_error("fastddp: comm hook '" + name() + "': the step was abandoned")));
 }
 
 void PipelinedHook::finish_or_fail(Stage& stage) {

@@ -44,7 +44,14 @@ class PipelinedHook : public CommHook {
     // What run() returned for the bucket; completed by finish()'s chain.
     c10::intrusive_ptr<c10::ivalue::Future> result;
     size_t index = 0;
+    // Waits (a stream wait on CUDA) for the first collective: its buffers are
+    // free again afterwards.
+    virtual void wait_first() = 0;
   };
+
+  // The reducer gave the step up: waits for the pending stage's first
+  // collective and fails the stage's future (its second is never issued).
+  void abandon_step() final;
 
   // Issues the bucket's first collective. Returns the stage that finish()
   // will take, or nullptr when one collective was enough (`done` is then the

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "../reducer/profile_range.h"
+#include "side_stream.h"
 #include "lowrank.h"
 #include "powersgd_options.h"
 #include "registry.h"
@@ -23,6 +24,7 @@ struct PowerSGDHook::PowerSGDStage : PipelinedHook::Stage {
   at::Tensor input_copy;  // M = gradient + error (error feedback)
   at::Tensor wire;
   c10::intrusive_ptr<c10::ivalue::Future> p_reduced;
+  void wait_first() override { p_reduced->wait(); }
 };
 
 PowerSGDHook::PowerSGDHook(c10::intrusive_ptr<c10d::ProcessGroup> group, PowerSGDOptions options,
@@ -94,6 +96,8 @@ std::shared_ptr<PipelinedHook::Stage> PowerSGDHook::start(
 
 void PowerSGDHook::finish(Stage& base) {
   auto& stage = static_cast<PowerSGDStage&>(base);
+  // Off the compute stream (Note [hook streams]): waiting for P is a stream wait.
+  const SideStreamScope side(stage.wire.device());
   wait_for_p(*stage.p_reduced, stage.index);
   FASTDDP_PROFILE_RANGE("fastddp launch (powersgd Q)");
   const PowerSGDPlan& plan = stage.plan;
@@ -111,6 +115,9 @@ void PowerSGDHook::finish(Stage& base) {
   PowerSGDWork& work = stage.work;
   for (at::Tensor& p : work.p_groups) powersgd_orthogonalize(p, options_.orthogonalization_epsilon);
   for (PowerSGDBatch& b : work.batches) lowrank_back_project(b.matrices, b.p, b.q);
+  record_current_stream({stage.wire, stage.input, stage.input_copy, state.source,
+                         state.q_memory});
+  for (const PowerSGDBatch& b : work.batches) record_current_stream({b.matrices, b.out});
   auto q_reduced = allreduce(state.q_memory);
   complete_after(q_reduced, stage.result,
                  [this, state = stage.state, batches = std::move(work.batches),
@@ -152,14 +159,10 @@ c10::IValue PowerSGDHook::decompress(BucketState& state, std::vector<PowerSGDBat
   } else if (error_feedback) {
     at::sub_out(state.error, input_copy, input);
   }
+  // This callback's kernels run on the collective's stream (Note [hook streams]).
+  record_current_stream({state.q_memory, state.error, input, input_copy});
+  for (const PowerSGDBatch& b : batches) record_current_stream({b.p, b.matrices, b.out});
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!input.is_cpu()) {
-    // This callback's kernels run on a side stream: the caching allocator
-    // must not hand their memory to the main stream before it has waited for
-    // them (next step).
-    for (PowerSGDBatch& b : batches) state.in_flight.push_back(b.out);
-    state.in_flight.push_back(state.q_memory);
-  }
   if (!options_.warm_start) state.q_memory = at::Tensor();
   return c10::IValue(input);
 }

@@ -73,8 +73,6 @@ class PowerSGDHook : public PowerSGDBase {
     at::Tensor source;    // M = gradient + error, with error feedback
     at::Tensor wire;      // [uncompressed | P]: one allreduce
     at::Tensor q_memory;  // every Q of the bucket, flat
-    // Kept until the next step (CUDA): see the decompression callback.
-    std::vector<at::Tensor> in_flight;
     // Carried Qs (q_offset, Q) to put in place once Q is initialized.
     std::vector<std::pair<int64_t, at::Tensor>> qs_after_draw;
   };

@@ -128,6 +128,7 @@ void PowerSGDBase::load_state_dict(const PowerSGDCheckpoint& ck) {
   stats_.next_report = ck.next_stats_report;
   drop_buckets();
   carried_ = ck;
+  carried_has_qs_ = !carried_.qs.empty() || !carried_.bucket_qs.empty();
   carried_.ps.clear();  // P is not state (PowerSGDCheckpoint)
   carried_.bucket_ps.clear();
   clone_tensors(carried_);

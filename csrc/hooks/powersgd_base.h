@@ -106,6 +106,10 @@ class PowerSGDBase : public PipelinedHook {
   // Waiting for a bucket's next compressed step: loaded from a checkpoint,
   // or left by a bucket rebuild. Only its maps are used.
   PowerSGDCheckpoint carried_;
+  // carried_ held warm-start Qs when it was loaded or carried over a rebuild:
+  // torch's q_memory_dict then knows every bucket, also those with nothing
+  // to compress, and draws no new Q for them.
+  bool carried_has_qs_ = false;
 };
 
 }  // namespace fastddp

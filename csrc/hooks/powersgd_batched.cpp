@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "../reducer/profile_range.h"
+#include "side_stream.h"
 #include "powersgd_options.h"
 #include "lowrank.h"
 #include "registry.h"
@@ -37,6 +38,7 @@ struct BatchedPowerSGDHook::BatchedStage : PipelinedHook::Stage {
   at::Tensor flat;        // the bucket's gradient: gets the result
   at::Tensor input_copy;  // M before compression (error feedback)
   c10::intrusive_ptr<c10::ivalue::Future> p_reduced;
+  void wait_first() override { p_reduced->wait(); }
 };
 
 BatchedPowerSGDHook::BatchedPowerSGDHook(c10::intrusive_ptr<c10d::ProcessGroup> group,
@@ -94,6 +96,8 @@ std::shared_ptr<PipelinedHook::Stage> BatchedPowerSGDHook::start(
 
 void BatchedPowerSGDHook::finish(Stage& base) {
   auto& stage = static_cast<BatchedStage&>(base);
+  // Off the compute stream (Note [hook streams]): waiting for P is a stream wait.
+  const SideStreamScope side(stage.flat.device());
   wait_for_p(*stage.p_reduced, stage.index);
   FASTDDP_PROFILE_RANGE("fastddp launch (powersgd_batched Q)");
   BucketState& state = *stage.state;
@@ -101,6 +105,7 @@ void BatchedPowerSGDHook::finish(Stage& base) {
   orthogonalize(state.p);
   at::Tensor q3 = state.q.unsqueeze(0);
   lowrank_back_project(matrix.unsqueeze(0), state.p.unsqueeze(0), q3);
+  record_current_stream({state.padded, state.p, state.q});
   auto q_reduced = allreduce(state.q);
   complete_after(q_reduced, stage.result,
                  [this, state = stage.state, flat = stage.flat,
@@ -116,6 +121,9 @@ void BatchedPowerSGDHook::finish(Stage& base) {
                      lowrank_expand(state->p.unsqueeze(0), state->q.unsqueeze(0), m);
                    }
                    flat.copy_(state->padded.narrow(0, 0, state->numel));
+                   // Run on the collective's stream (Note [hook streams]).
+                   record_current_stream({state->padded, state->p, state->q, state->error,
+                                          input_copy, flat});
                    return c10::IValue(flat);
                  });
 }

@@ -43,7 +43,6 @@ std::shared_ptr<PowerSGDHook::BucketState> PowerSGDHook::bucket_state(const Buck
     }
   }
   BucketState& s = *slot;
-  s.in_flight.clear();  // the reducer waited for last step's callbacks
   randomize = !s.q_memory.defined();  // first step, or no warm start
   if (randomize) s.q_memory = at::empty({plan.q_numel}, bucket.flat.options());
   if (fresh) adopt_carried(s, plan, randomize);
@@ -65,7 +64,9 @@ void PowerSGDHook::adopt_carried(BucketState& s, const PowerSGDPlan& plan, bool&
   for (const auto& group : plan.groups) {
     for (const PowerSGDMatrix& mat : group) all = all && carried_.qs.count(s.params[mat.slot]);
   }
-  if (randomize && all) randomize = false;
+  // A bucket with no matrix has no Q of its own to tell: torch still draws a
+  // seed for it, unless it resumes a state that knew it (carried_has_qs_).
+  if (randomize && all && (!plan.groups.empty() || carried_has_qs_)) randomize = false;
   for (const auto& group : plan.groups) {
     for (const PowerSGDMatrix& mat : group) {
       auto it = carried_.qs.find(s.params[mat.slot]);
@@ -96,6 +97,7 @@ void PowerSGDHook::on_new_buckets(const std::vector<Bucket>& buckets) {
   (void)buckets;
   std::lock_guard<std::mutex> lock(mutex_);
   carry_buckets(carried_);
+  carried_has_qs_ = !carried_.qs.empty();
   carried_.ps.clear();  // P is not state (PowerSGDCheckpoint)
   states_.clear();
 }

@@ -69,6 +69,12 @@ class CommHook {
   // torch's do, may ignore it.
   virtual void set_divide_factor(int64_t factor) { (void)factor; }
 
+  // The step failed after some buckets were run(): the reducer then waits for
+  // their futures before the next step reuses their buffers, so a hook must
+  // complete (or fail) every future it returned, also for work it will now
+  // never start (a pipelined hook's second collective).
+  virtual void abandon_step() {}
+
   // Whether run() and write_back() accept sparse buckets (see Bucket::sparse):
   // copy_in then stores the gradient in bucket.sparse_grad, run() reduces it,
   // and the future's tensor becomes the parameter's .grad.

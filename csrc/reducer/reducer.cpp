@@ -381,8 +381,14 @@ void Reducer::fail_iteration(const std::exception_ptr& error) {
   } catch (...) {
     last_error_ = "unknown error";
   }
-  // The next forward starts afresh instead of reporting unready parameters.
-  for (Bucket& bucket : buckets_) bucket.future.reset();
+  // Collectives already issued finish (every rank issued them) before the next
+  // step writes into their buffers; then the next forward starts afresh
+  // instead of reporting unready parameters.
+  hook_->abandon_step();
+  for (Bucket& bucket : buckets_) {
+    if (bucket.future) bucket.future->wait();  // its error, if any, is this step's
+    bucket.future.reset();
+  }
   phase_ = Phase::kIdle;
   divide_factor_ = 0;
   grad_slot_.reset();

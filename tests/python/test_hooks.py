@@ -40,6 +40,11 @@ def test_hook_at_world_size_one(world1, pair):
     assert name is not None, "no reducer ran the hook"
 
 
+@pytest.mark.parametrize("spec", ["fastddp.bf16_fp32", "fastddp.bf16", "fastddp.allreduce"])
+def test_failed_step_is_dropped(world, spec):
+    world.check(hook_scenarios.abandoned_step, spec=spec)
+
+
 @pytest.mark.parametrize("hook", ["fastddp.bf16_fp32_ef", "fastddp.bf16"])
 def test_hook_gradient_as_bucket_view(world, hook):
     world.check(hook_scenarios.hooked_training, fast_hook=hook, ref_hook=hook, exact=True,
