@@ -1,5 +1,5 @@
 """Run PyTorch's DDP tests in both columns (stock torch DDP, then fastddp) and print them
-side by side: test, stock result, fastddp result, DDP models built, seconds.
+side by side: test, stock result, fastddp result, DDP constructor calls, seconds.
 
     python tests/torch_ddp/compare_columns.py [--out DIR] [--table-only] [PYTEST ARGS, e.g. -k hook]
 
@@ -59,23 +59,23 @@ def read_results(xml_path: Path) -> dict[str, tuple[str, float]]:
     return results
 
 
-def read_built(jsonl: Path) -> dict[str, int]:
-    """DDP models constructed per test, summed over ranks (test_torch_ddp.ColumnChecked)."""
+def read_calls(jsonl: Path) -> dict[str, int]:
+    """DDP constructor calls per test, summed over ranks (test_torch_ddp.ColumnChecked)."""
     if not jsonl.exists():
         return {}
     rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
-    return {r["test"]: r["ddp_built"] for r in rows}
+    return {r["test"]: r["ddp_calls"] for r in rows}
 
 
 def table(out: Path) -> str:
     results = {c: read_results(out / f"{c}.xml") for c in COLUMNS}
-    built = {c: read_built(out / f"{c}.jsonl") for c in COLUMNS}
+    calls = {c: read_calls(out / f"{c}.jsonl") for c in COLUMNS}
     tests = sorted(set(results["stock"]) | set(results["fastddp"]))
     width = max([len(t) for t in tests] + [4])
-    lines = [f"{'test':<{width}}  {'stock':<8} {'fastddp':<8} {'DDPs s/f':<9} {'sec s/f'}"]
+    lines = [f"{'test':<{width}}  {'stock':<8} {'fastddp':<8} {'DDP() s/f':<9} {'sec s/f'}"]
     for t in tests:
         cells = [results[c].get(t, ("-", 0.0)) for c in COLUMNS]
-        ddps = "/".join(str(built[c].get(t, "-")) for c in COLUMNS)
+        ddps = "/".join(str(calls[c].get(t, "-")) for c in COLUMNS)
         secs = "/".join(f"{cell[1]:.0f}" for cell in cells)
         lines.append(f"{t:<{width}}  {cells[0][0]:<8} {cells[1][0]:<8} {ddps:<9} {secs}")
     lines.append("")
@@ -87,11 +87,11 @@ def table(out: Path) -> str:
         wall = f", wall {float(wall_file.read_text()):.0f} s" if wall_file.exists() else ""
         summary = ", ".join(f"{n} {o}" for o, n in sorted(counts.items()))
         lines.append(f"{c:>8} column: {summary or 'no results'}{wall}")
-    # A passing test that built no DDP model tests nothing of DDP: its selection is wrong.
+    # A passing test that never called a DDP constructor tests nothing of DDP.
     idle = [t for t in tests if results["fastddp"].get(t, ("",))[0] == "passed"
-            and built["fastddp"].get(t) == 0]
+            and calls["fastddp"].get(t) == 0]
     if idle:
-        lines.append(f"passed in the fastddp column without constructing a DDP model: "
+        lines.append(f"passed in the fastddp column without a DDP constructor call: "
                      f"{', '.join(idle)}")
     return "\n".join(lines)
 

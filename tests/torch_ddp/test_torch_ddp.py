@@ -18,8 +18,8 @@ Both columns side by side: compare_columns.py (make test-torch-ddp-suite).
 Environment: FASTDDP_DISABLE=1 (stock column), FASTDDP_TORCH_DDP_TIMEOUT (seconds before a
 hung test is killed, 120), FASTDDP_TORCH_DDP_START (spawn, as pytorch; or forkserver),
 FASTDDP_TORCH_DDP_ALL=1 (also the tests stock torch skips here), FASTDDP_TORCH_DDP_RAW=1 (no
-xfail marks), FASTDDP_TORCH_DDP_RECORD (a file that gets one JSON line per test: DDP models
-built).
+xfail marks), FASTDDP_TORCH_DDP_RECORD (a file that gets one JSON line per test: DDP
+constructor calls).
 """
 # Imports below the environment set-up and the patch: torch's test modules read both.
 # ruff: noqa: E402
@@ -56,26 +56,34 @@ else:  # the reference column needs no fastddp build
 # torch's class, before patching. In a tuple: fastddp.patch() rebinds module globals that hold
 # torch's class (Patch.rebound), and this must stay torch's.
 TORCH_DDP_CLASS = (torch.nn.parallel.distributed.DistributedDataParallel,)
-_torch_ddp_init = TORCH_DDP_CLASS[0].__init__
-_stock_built = 0
+_ddp_calls = 0  # DDP constructor calls in this process, failed ones included
 
 
-@functools.wraps(_torch_ddp_init)
-def _guarded_torch_ddp_init(self: Any, *args: Any, **kwargs: Any) -> None:
-    """torch's DDP constructor, counted; in the fastddp column only fastddp may build one
-    (fastddp's constructor does not call torch's, so this raises for torch's class only)."""
-    global _stock_built
-    if COLUMN == "fastddp" and not isinstance(self, FastDDP):
-        raise RuntimeError(
-            f"[torch_ddp suite] stock torch DistributedDataParallel ({type(self).__module__}."
-            f"{type(self).__qualname__}) constructed in the fastddp column: this code path "
-            "holds torch's class from before fastddp.patch()")
-    _torch_ddp_init(self, *args, **kwargs)
-    _stock_built += 1
+def _counted(init: Any, guard: bool) -> Any:
+    """``init`` (a DDP constructor) counting its calls; with ``guard`` it admits only
+    fastddp instances (fastddp's constructor does not call torch's, so this raises for
+    torch's class only)."""
+
+    @functools.wraps(init)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        global _ddp_calls
+        if guard and not isinstance(self, FastDDP):
+            raise RuntimeError(
+                f"[torch_ddp suite] stock torch DistributedDataParallel ({type(self).__module__}"
+                f".{type(self).__qualname__}) constructed in the fastddp column: this code path "
+                "holds torch's class from before fastddp.patch()")
+        _ddp_calls += 1
+        init(self, *args, **kwargs)
+
+    return wrapper
 
 
-TORCH_DDP_CLASS[0].__init__ = _guarded_torch_ddp_init
-PATCH = fastddp.patch(disable=False) if COLUMN == "fastddp" else None
+if COLUMN == "fastddp":
+    TORCH_DDP_CLASS[0].__init__ = _counted(TORCH_DDP_CLASS[0].__init__, guard=True)
+    FastDDP.__init__ = _counted(FastDDP.__init__, guard=False)
+    fastddp.patch(disable=False)
+else:
+    TORCH_DDP_CLASS[0].__init__ = _counted(TORCH_DDP_CLASS[0].__init__, guard=False)
 
 torch.backends.cuda.matmul.allow_tf32 = False
 
@@ -135,14 +143,10 @@ def _run_with_env(env: dict[str, str], run: Any, *args: Any, **kwargs: Any) -> N
     run(*args, **kwargs)
 
 
-def ddp_built() -> int:
-    """DDP models this process has constructed (with the column's class)."""
-    return PATCH.models_wrapped if PATCH is not None else _stock_built
-
-
 class ColumnChecked:
     """Mixed in before torch's test classes: spawns the ranks (as pytorch's spawn runners
-    do), checks the DDP class in every rank and records how many DDP models each built."""
+    do), checks the DDP class in every rank and records how many DDP constructor calls each
+    made."""
 
     def setUp(self) -> None:
         super().setUp()  # type: ignore[misc]
@@ -168,7 +172,7 @@ class ColumnChecked:
         if record:
             name = f"{type(self).__name__}::{self._testMethodName}"  # type: ignore[attr-defined]
             with open(record, "a") as f:
-                f.write(json.dumps({"test": name, "column": COLUMN, "ddp_built": sum(counts),
+                f.write(json.dumps({"test": name, "column": COLUMN, "ddp_calls": sum(counts),
                                     "ranks_reported": len(counts)}) + "\n")
 
     def run_test(self, test_name: str, parent_pipe: Any) -> None:
@@ -182,7 +186,7 @@ class ColumnChecked:
                 return body()
             finally:
                 counts_dir = Path(os.environ["FASTDDP_TORCH_DDP_COUNTS"])
-                (counts_dir / str(self.rank)).write_text(str(ddp_built()))  # type: ignore
+                (counts_dir / str(self.rank)).write_text(str(_ddp_calls))  # type: ignore
 
         setattr(self, test_name, checked)
         super().run_test(test_name, parent_pipe)  # type: ignore[misc]
