@@ -19,6 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import selection  # noqa: E402
 
+
 def _test_id(item: pytest.Item) -> str:
     return f"{item.cls.__name__}::{item.name}" if item.cls is not None else item.name
 
@@ -34,9 +35,9 @@ def _all_ddp_tests(module: object) -> set[str]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     ours = [i for i in items if Path(str(i.fspath)).parent == selection.HERE]
-    our_set = set(ours)
     if not ours:
         return
+    our_set = set(ours)
     run_all = selection.env_flag("FASTDDP_TORCH_DDP_ALL")
     raw = selection.env_flag("FASTDDP_TORCH_DDP_RAW")
     fastddp_column = selection.column() == "fastddp"
@@ -60,9 +61,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         keep.append(item)
 
     # A listed test that is not a DDP test of this torch is a stale or mistyped line.
+    ddp_tests = _all_ddp_tests(ours[0].module)
     for path, entries in ((selection.STOCK_EXCLUDED, stock_excluded),
                           (selection.KNOWN_FAILURES, known)):
-        stale = sorted(set(entries) - _all_ddp_tests(ours[0].module))
+        stale = sorted(set(entries) - ddp_tests)
         if stale:
             raise pytest.UsageError(f"{path.name} lists tests that are not selected DDP tests "
                                     f"of this torch: {', '.join(stale)}")
