@@ -1,6 +1,8 @@
 # fastddp's two commands (see README.md):
 #   make run    the main job: a 2-process torchrun training with fastddp, then torch DDP side by side
-#   make test   Catch2 and pytest suites, with their summary lines
+#   make test   Catch2 and pytest suites, with their summary lines, and PyTorch's own DDP
+#               tests run against fastddp (tests/torch_ddp)
+#   make test-torch-ddp-suite   PyTorch's DDP tests on stock torch and on fastddp, side by side
 # Both start with `make install`, which installs only what is missing and
 # rebuilds fastddp._C only when a source changed.
 
@@ -14,7 +16,8 @@ BUILD_STAMP := build/.fastddp-built
 SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 STACKS_REQUIREMENTS := tests/stacks/requirements.txt
 
-.PHONY: install deps deps-stacks test test-cpp test-python run bench clean
+.PHONY: install deps deps-stacks test test-cpp test-python test-torch-ddp test-torch-ddp-suite \
+  run bench clean
 
 install: deps $(BUILD_STAMP)
 
@@ -25,6 +28,9 @@ deps:
 	@$(PYTHON) -c "import setuptools, wheel, pytest" 2>/dev/null \
 	  || $(PYTHON) -m pip install -q setuptools wheel pytest
 	@$(PYTHON) -c "import matplotlib" 2>/dev/null || $(PYTHON) -m pip install -q matplotlib
+	@# torch's own test modules (tests/torch_ddp) import these; the torch wheel does not
+	@$(PYTHON) -c "import expecttest, numpy" 2>/dev/null \
+	  || $(PYTHON) -m pip install -q expecttest numpy
 	@$(PYTHON) -c "import torch; print('[make] torch', torch.__version__, 'CUDA', torch.version.cuda)"
 
 # Lightning, Accelerate and transformers at the pinned versions, for tests/python/test_stacks.py;
@@ -47,7 +53,7 @@ $(BUILD_STAMP): $(SOURCES)
 	@$(PYTHON) -c "import fastddp; print('[make] fastddp build:', fastddp.build_info())"
 	@touch $@
 
-test: install deps-stacks test-cpp test-python
+test: install deps-stacks test-cpp test-python test-torch-ddp
 
 test-cpp:
 	cmake -S . -B build/cpp -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
@@ -56,6 +62,14 @@ test-cpp:
 
 test-python:
 	$(PYTHON) -m pytest tests/python -q -p no:cacheprovider
+
+# The fastddp column of PyTorch's DDP tests; known_failures.txt are strict xfails.
+test-torch-ddp:
+	$(PYTHON) -m pytest tests/torch_ddp -q -p no:cacheprovider
+
+# Both columns (stock torch DDP, then fastddp) and a side-by-side table; files in build/torch_ddp.
+test-torch-ddp-suite: install
+	$(PYTHON) tests/torch_ddp/compare_columns.py --out build/torch_ddp $(ARGS)
 
 run: install
 	$(PYTHON) -m torch.distributed.run --standalone \
