@@ -220,8 +220,9 @@ def default_steps(out_dir: Path, python: str = sys.executable) -> list[Step]:
             [sanitizer or "compute-sanitizer", "--tool", tool, "--error-exitcode", "1",
              "--target-processes", "all", "--print-limit", "20",
              python, world1, "--device", "cuda", "--backend", "nccl", "--steps", "3",
-             "--configs", "plain"],
-            150, f"compute-sanitizer {tool}: a short world-size-1 training with each hook",
+             "--configs", "plain", "--exit-zero"],
+            150, f"compute-sanitizer {tool}: a short world-size-1 training with each hook "
+            "(its grads against torch are the nccl-world1 step's verdict)",
             # Every tensor its own cudaMalloc, so that memcheck sees the true bounds.
             env={"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"},
             figures=sanitizer_figures, verdict=sanitizer_verdict,
@@ -338,7 +339,9 @@ def probe_build() -> int:
     elif info.get("built_with_torch") != torch.__version__:
         reason = f"fastddp._C was built against torch {info.get('built_with_torch')}"
     else:
-        print(FIGURES_PREFIX + json.dumps({"summary": f"already built: {info}", **info}))
+        summary = (f"already built: CUDA {info.get('cuda_version')}, against torch "
+                   f"{info.get('built_with_torch')}")
+        print(FIGURES_PREFIX + json.dumps({"summary": summary, **info}))
         print(SKIP_PREFIX + f"fastddp._C is built with CUDA {info.get('cuda_version')} "
               f"against torch {torch.__version__}")
         return 0
@@ -351,8 +354,9 @@ def probe_build() -> int:
         print(f"pip install failed with exit code {rc}")
         return rc
     info, why = _fastddp_build_info()
-    print(FIGURES_PREFIX + json.dumps({"summary": f"built ({reason}): {info or why}",
-                                       **(info or {})}))
+    summary = (f"built ({reason}): CUDA {info.get('cuda')} {info.get('cuda_version')}"
+               if info else f"built ({reason}), but it does not import: {why}")
+    print(FIGURES_PREFIX + json.dumps({"summary": summary, **(info or {})}))
     if info is None or not info.get("cuda"):
         print(f"after the build, fastddp.build_info() is {info or why}: no CUDA")
         return 1

@@ -13,7 +13,8 @@ one process, what `make gpu-check` and its compute-sanitizer steps run:
         [--cases none,bf16,...] [--configs plain,bucket_view] [--steps 5]
 
 It prints one row per case and config, then a `gpu-check figures: {json}` line, and exits
-1 if any case failed (every case runs).
+1 if any case failed (every case runs; --exit-zero: 0 all the same, for compute-sanitizer,
+whose exit code must then say only what the sanitizer found).
 """
 
 import argparse
@@ -165,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--exit-zero", action="store_true",
+                        help="exit 0 even when a case fails (the table still says so)")
     args = parser.parse_args(argv)
     cases, configs = args.cases.split(","), args.configs.split(",")
     unknown = [c for c in cases if c not in CASES] + [c for c in configs if c not in CONFIGS]
@@ -203,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{len(results) - failed} of {len(results)} passed")
     print("gpu-check figures: " + json.dumps({"passed": len(results) - failed,
                                               "failed": failed, "cases": results}))
-    return 1 if failed else 0
+    return 1 if failed and not args.exit_zero else 0
 
 
 if __name__ == "__main__":
