@@ -3,6 +3,10 @@
 #   make test   Catch2 and pytest suites, with their summary lines, and PyTorch's own DDP
 #               tests run against fastddp (tests/torch_ddp)
 #   make test-torch-ddp-suite   PyTorch's DDP tests on stock torch and on fastddp, side by side
+#   make gpu-check [OUT=dir] [DRY_RUN=1] [ARGS=...]
+#               on a machine with one GPU: builds _C if needed, runs the GPU tests, NCCL at
+#               world size 1 with every hook, compute-sanitizer and the benchmarks, and
+#               writes one report (gpu_check.md/.json/.log) to OUT (benchmarks/gpu_check.py)
 # Both start with `make install`, which installs only what is missing and
 # rebuilds fastddp._C only when a source changed.
 
@@ -17,7 +21,7 @@ SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 STACKS_REQUIREMENTS := tests/stacks/requirements.txt
 
 .PHONY: install deps deps-stacks test test-cpp test-python test-torch-ddp test-torch-ddp-suite \
-  run bench clean
+  run bench gpu-check clean
 
 install: deps $(BUILD_STAMP)
 
@@ -78,6 +82,13 @@ run: install
 
 bench: install
 	$(PYTHON) benchmarks/step_time.py $(ARGS)
+
+# Not part of `make test` (CI has no GPU), and not after `make install`: the GPU machine has
+# no network for apt or pip; the check builds _C itself, only when it must. OUT may come from
+# the environment. DRY_RUN=1 lists the steps and writes the report without running any.
+OUT ?= build/gpu-check
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py --out $(OUT) $(if $(filter 1 yes true,$(DRY_RUN)),--dry-run) $(ARGS)
 
 clean:
 	rm -rf build python/fastddp/_C*.so python/*.egg-info

@@ -29,8 +29,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 from fastddp import _C
-
-HBM_GBPS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0}
+from gpu_check_steps import nominal_hbm_gbps  # one table of nominal bandwidths, by name
 
 
 def timed(fn, device: str, reps: int) -> float:
@@ -137,7 +136,7 @@ def main() -> None:
     device = args.device
     if device == "cuda":
         name = torch.cuda.get_device_name()
-        peak = next((v for k, v in HBM_GBPS.items() if k in name), None)
+        peak = nominal_hbm_gbps(name)
         where = f"{name} (HBM {peak or '?'} GB/s nominal)"
     else:
         peak = None

@@ -1,0 +1,219 @@
+"""benchmarks/gpu_check.py (`make gpu-check`) without a GPU: the dry run, and the
+orchestrator on made-up steps (a failure does not stop the others, timeouts kill the
+step's whole process group, the budget leaves late steps "not run (budget)"), and the
+readers of the benchmarks' outputs."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_check  # noqa: E402
+import gpu_check_steps as steps  # noqa: E402
+from gpu_check_steps import Step  # noqa: E402
+
+PY = sys.executable
+# The steps the check promises (README): none may silently drop out of the list.
+PROMISED = ["env", "build", "pytest-gpu", "nccl-world1", "sanitizer-memcheck",
+            "sanitizer-racecheck", "kernels", "powersgd-hook", "article"]
+
+
+def py(code: str) -> list[str]:
+    return [PY, "-c", code]
+
+
+def test_dry_run_lists_every_step_and_imports_no_torch(tmp_path):
+    # In a fresh interpreter: the dry run must not import torch (so it cannot touch CUDA).
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import gpu_check; "
+            f"rc = gpu_check.main(['--dry-run', '--out', {str(tmp_path)!r}]); "
+            "assert 'torch' not in sys.modules, 'the dry run imported torch'; sys.exit(rc)")
+    done = subprocess.run(py(code), cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [s["name"] for s in report["steps"]] == PROMISED
+    assert all(s["status"] == "dry run" for s in report["steps"])
+    assert report["dry_run"] and report["exit_code"] == 0
+    md = (tmp_path / "gpu_check.md").read_text()
+    for s in report["steps"]:
+        assert f"| {s['name']} | `" in md and s["command"] in done.stdout
+    assert "FASTDDP_WORLD1_REDUCER=1" in md  # the article runs the full reducer path
+    assert not (tmp_path / "article").exists(), "the dry run ran the article benchmark"
+
+
+def test_unknown_step_is_an_error(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--dry-run", "--out", str(tmp_path), "--steps", "env,nope"])
+    assert "unknown step nope" in capsys.readouterr().err
+
+
+def test_failures_are_reported_and_the_rest_runs(tmp_path):
+    figures = {"summary": "two figures", "x": 2}
+    made = [
+        Step("fails", py("print('broken on purpose'); raise SystemExit(3)"), 20),
+        Step("figures", py(f"print('gpu-check figures: ' + {json.dumps(json.dumps(figures))})"),
+             20),
+        Step("skips-itself", py("print('gpu-check skip: nothing to build')"), 20),
+        Step("skipped", py("raise SystemExit(9)"), 20, skip_reason=lambda: "no tool here"),
+        Step("verdict", py("print('0 passed')"), 20, verdict=lambda out, f: "no test passed"),
+        Step("hangs", py("import time; time.sleep(60)"), 1),
+        Step("missing", ["/nonexistent/tool"], 20),
+        Step("last", py("print('still ran')"), 20),
+    ]
+    start = time.monotonic()
+    report = gpu_check.run_steps(made, tmp_path, budget_s=60)
+    assert time.monotonic() - start < 10
+    by = {s["name"]: s for s in report["steps"]}
+    assert by["fails"]["status"] == "fail" and by["fails"]["reason"] == "exit code 3"
+    assert "broken on purpose" in by["fails"]["output_tail"]
+    assert by["figures"]["status"] == "pass" and by["figures"]["figures"] == figures
+    assert by["skips-itself"]["status"] == "skip"
+    assert by["skips-itself"]["reason"] == "nothing to build"
+    assert by["skipped"]["status"] == "skip" and by["skipped"]["reason"] == "no tool here"
+    assert by["verdict"]["status"] == "fail" and by["verdict"]["reason"] == "no test passed"
+    assert by["hangs"]["status"] == "fail" and "timed out after 1 s" in by["hangs"]["reason"]
+    assert by["missing"]["status"] == "fail" and "could not start" in by["missing"]["reason"]
+    assert by["last"]["status"] == "pass" and "still ran" in by["last"]["output_tail"]
+    assert report["exit_code"] == 1
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "## fails: exit code 3" in md and "broken on purpose" in md
+    assert "| last | " in md and "two figures" in md
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert "broken on purpose" in log and "still ran" in log
+
+
+def test_report_is_rewritten_after_every_step(tmp_path):
+    # What a run killed from outside leaves: the steps done so far, the rest "pending".
+    peek = ("import json; r = json.load(open('gpu_check.json')); "
+            "print('seen', [s['status'] for s in r['steps']])")
+    made = [Step("first", py("print('ok')"), 20), Step("peek", py(peek), 20),
+            Step("third", py("print('ok')"), 20)]
+    report = gpu_check.run_steps(made, tmp_path, budget_s=60, cwd=tmp_path)
+    assert "seen ['pass', 'pending', 'pending']" in report["steps"][1]["output_tail"]
+    assert [s["status"] for s in report["steps"]] == ["pass"] * 3
+
+
+def test_timeout_kills_the_steps_children(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time; "
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            f"open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(60)")
+    report = gpu_check.run_steps([Step("spawns", py(code), 2)], tmp_path / "r", budget_s=30)
+    assert report["steps"][0]["status"] == "fail"
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)  # still there (or a zombie not yet reaped by init)
+        except ProcessLookupError:
+            break
+        if _is_zombie(pid):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the step's child {pid} outlived the step")
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+def test_budget_cuts_late_steps(tmp_path):
+    made = [
+        Step("quick", py("print('ok')"), 20),
+        # Its own timeout is 30 s, but only about 2 s of the budget are left for it.
+        Step("slow", py("import time; time.sleep(30)"), 30),
+        Step("late", py("print('never')"), 20),
+        Step("later", py("print('never')"), 20),
+    ]
+    start = time.monotonic()
+    report = gpu_check.run_steps(made, tmp_path, budget_s=2.5, min_start_s=1.0)
+    assert time.monotonic() - start < 9
+    status = {s["name"]: s["status"] for s in report["steps"]}
+    assert status == {"quick": "pass", "slow": "fail", "late": "not run (budget)",
+                      "later": "not run (budget)"}
+    slow = report["steps"][1]
+    assert "the total budget ran out" in slow["reason"], slow["reason"]
+    assert report["exit_code"] == 1
+    assert "not run (budget)" in (tmp_path / "gpu_check.md").read_text()
+    # Nothing failed, something was not run: exit code 2.
+    report = gpu_check.run_steps(made[:1] + made[2:3], tmp_path / "b", budget_s=0.5,
+                                 min_start_s=1.0)
+    assert [s["status"] for s in report["steps"]] == ["not run (budget)"] * 2
+    assert report["exit_code"] == 2
+
+
+# --- readers of the steps' outputs (formats as the scripts print them) ------------------
+
+KERNELS = """\
+| kernel | elements | fastddp GB/s | torch GB/s | speed-up | fastddp / HBM |
+|---|---:|---:|---:|---:|---:|
+| compress | 6,553,600 | 1500.0 | 900.0 | 1.67x | 45% |
+| compress | 306,535,400 | 2800.0 | 1400.0 | 2.00x | 84% |
+
+| P batch (B, n, r) | fastddp us | torch us | speed-up | fastddp GB/s |
+|---|---:|---:|---:|---:|
+| (24, 1024, 1) | 7.5 | 14.6 | 1.95x | 26.2 |
+| (24, 4096, 8) | 32.3 | 29.9 | 0.93x | 24.4 |
+"""
+
+
+def test_kernel_figures():
+    f = steps.kernels_figures(KERNELS)
+    assert f["half"]["compress"] == {"elements": 306_535_400, "fastddp_gbps": 2800.0,
+                                     "torch_gbps": 1400.0, "speedup": "2.00x", "of_hbm": "84%"}
+    assert [o["speedup"] for o in f["ortho"]] == [1.95, 0.93]
+    assert "compress 2800 GB/s (84% HBM), 2.00x torch" in f["summary"]
+
+
+def test_pytest_figures_and_verdict():
+    f = steps.pytest_figures("....s\n4 passed, 1 skipped, 12 deselected in 3.2s\n")
+    assert (f["passed"], f["skipped"], f["deselected"]) == (4, 1, 12)
+    assert "skipped" in steps.pytest_verdict("", f)
+    assert steps.pytest_verdict("", steps.pytest_figures("5 passed in 1s")) is None
+    assert steps.pytest_verdict("", steps.pytest_figures("no tests ran")) == "no test passed"
+
+
+def test_sanitizer_figures():
+    out = ("========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n"
+           "gpu-check figures: " + json.dumps({"passed": 2, "failed": 0, "cases": {
+               "a/plain": {"result": "pass", "max_rel_diff": 0.0}}}) + "\n"
+           "========= ERROR SUMMARY: 0 errors\n")
+    f = steps.sanitizer_figures(out)
+    assert (f["sanitizer_errors"], f["hazards"], f["cases_passed"]) == (0, 0, 2)
+    assert steps.sanitizer_verdict(out, f) is None
+    assert "did not finish" in steps.sanitizer_verdict("", steps.sanitizer_figures(""))
+
+
+def test_powersgd_and_article_figures():
+    f = steps.powersgd_figures("| variant | median ms | vs torch powerSGD_hook |\n|---|---:|---:|\n"
+                               "| fastddp native powersgd | 2.00 | 0.5x |\n"
+                               "| torch powerSGD_hook | 5.00 | 1.000x |\n")
+    assert f["summary"] == "hook time per step: native 2.00 ms, torch 5.00 ms (2.50x)"
+    table = ("| configuration | ranks | torch DDP steps/s | fastddp steps/s | fastddp / torch "
+             "| torch / baseline | fastddp / baseline |\n|---|---|---|---|---|---|---|\n"
+             "| no DDP (bare model, 1 process): baseline | 1 | 9.0 | 9.0 | - | 1.00 | 1.00 |\n"
+             "| DDP, 1 process | 1 | 8.0 | 8.8 | 1.100 | 0.89 | 0.98 |\n"
+             "| + static_graph | 1 | 8.0 | n/a (not yet) | - | 0.89 | - |\n"
+             "| + BF16 hook | 1 | 8.0 | 7.6 | 0.950 | 0.89 | 0.84 |\n")
+    f = steps.article_figures(table)
+    assert f["fastddp_over_torch"] == {"DDP, 1 process": 1.1, "+ BF16 hook": 0.95}
+    assert f["not_available"] == ["+ static_graph"]
+    assert "min 0.950" in f["summary"] and "n/a: 1" in f["summary"]
+
+
+def test_nominal_bandwidth_by_name():
+    assert steps.nominal_hbm_gbps("NVIDIA H100 80GB HBM3") == 3350.0
+    assert steps.nominal_hbm_gbps("NVIDIA H100 PCIe") == 2000.0
+    assert steps.nominal_hbm_gbps("NVIDIA H200") == 4800.0
+    assert steps.nominal_hbm_gbps("NVIDIA GH200 480GB") == 4000.0
+    assert steps.nominal_hbm_gbps("Some Other GPU") is None
