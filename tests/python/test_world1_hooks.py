@@ -7,19 +7,11 @@ import pytest
 import world1_hook_scenarios as s
 from harness import World
 
-# Single-parameter buckets: a bucket holding only a bias has nothing to compress, and
-# fastddp's native PowerSGD then draws no seed from its generator where torch's
-# powerSGD_hook does (adopt_carried in csrc/hooks/powersgd_state.cpp: "every Q is carried"
-# holds vacuously for a bucket without matrices), so every later bucket's random Q differs.
-KNOWN_BUGS = {("powersgd_r1", "plain"), ("powersgd_r4", "plain")}
-KNOWN_BUG = ("native PowerSGD skips the random-Q seed draw for a bucket with no compressible "
-             "matrix (torch draws one)")
-
-
+# "plain" uses single-parameter buckets: a bucket holding only a bias has nothing for
+# PowerSGD to compress, and torch's hook still draws a seed for it (a native hook that did
+# not drew every later bucket's Q from the wrong seed).
 def _cases() -> list:
-    return [pytest.param(case, config, id=f"{case}-{config}",
-                         marks=[pytest.mark.xfail(strict=True, reason=KNOWN_BUG)]
-                         if (case, config) in KNOWN_BUGS else [])
+    return [pytest.param(case, config, id=f"{case}-{config}")
             for case in s.CASES for config in s.CONFIGS]
 
 
