@@ -108,6 +108,7 @@ py::dict comm_stats_dict(const Reducer& reducer) {
   }
   py::dict out;
   out["steps"] = stats.steps;
+  out["clock"] = stats.device_clock ? "device" : "host";
   out["backward_start_ns"] = stats.backward_start_ns;
   out["hook"] = hook_name;
   out["bytes_reduced"] = reduced;

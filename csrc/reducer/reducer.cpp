@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 
+#include "device_timeline.h"
 #include "profile_range.h"
 
 namespace fastddp {
@@ -48,6 +49,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
               options_.expect_sparse.size(), " entries for ", params_.size(), " parameters");
   buckets_ = make_buckets(params_, plan, options_.expect_sparse);
   check_hook_supports(*hook_);
+  timeline_ = std::make_unique<DeviceTimeline>(params_[0].device());
   reset_bucket_views();
   const auto n = static_cast<int64_t>(params_.size());
   ready_.assign(params_.size(), false);
@@ -224,6 +226,7 @@ void Reducer::mark_ready(size_t index) {
     return false;
   });
   if (--bucket.pending > 0) return;
+  timeline_->mark(b, DeviceTimeline::kReady);
   last_ready_us_ = elapsed_us();
   if (b < stats_.timings.size()) stats_.timings[b].ready_us = last_ready_us_;
   launch_ready_buckets();
@@ -238,6 +241,7 @@ void Reducer::launch_ready_buckets() {
     bucket.future = hook_->run(bucket, next_bucket_, next_bucket_ + 1 == buckets_.size());
     TORCH_CHECK(bucket.future, "fastddp: comm hook '", hook_->name(), "' returned no future");
     stats_.timings[next_bucket_].launched_us = elapsed_us();
+    timeline_->mark(next_bucket_, DeviceTimeline::kLaunched);
     ++next_bucket_;
   }
   if (next_bucket_ == buckets_.size() && !finalize_queued_) {
@@ -349,6 +353,7 @@ void Reducer::finalize_backward() {
       }
       bucket.future.reset();
       stats_.timings[b].done_us = elapsed_us();
+      timeline_->mark(b, DeviceTimeline::kDone);
     }
     if (track_usage() && used_work_ && !used_map_reduced_) used_work_->wait();
   } catch (...) {
@@ -362,6 +367,7 @@ void Reducer::finalize_backward() {
   phase_ = Phase::kReduced;
   divide_factor_ = 0;
   grad_slot_.reset();
+  timeline_->mark_end();
   ++num_syncs_;
   stats_.steps = num_syncs_;
   stats_.backward_start_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -452,6 +458,7 @@ void Reducer::note_backward_start() {
   if (hooks_seen_) return;
   hooks_seen_ = true;
   backward_start_ = std::chrono::steady_clock::now();
+  timeline_->mark_start();
 }
 
 double Reducer::elapsed_us() const {

@@ -52,6 +52,8 @@ class Work;
 
 namespace fastddp {
 
+class DeviceTimeline;
+
 // std::shared_ptr<Node> before torch 2.13, c10::intrusive_ptr<Node> from 2.13.
 using GradAccumulatorPtr =
     decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
@@ -81,6 +83,9 @@ struct BucketTiming {
 
 struct CommStats {
   int64_t steps = 0;  // synchronized backward passes
+  // timings and exposed_us are device times (CUDA events, see
+  // device_timeline.h) rather than host times.
+  bool device_clock = false;
   std::vector<int64_t> bucket_bytes;
   std::vector<int64_t> wire_bytes;
   std::vector<BucketTiming> timings;
@@ -241,6 +246,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<int64_t> last_ready_order_;  // introspection
 
   CommStats stats_;
+  std::unique_ptr<DeviceTimeline> timeline_;  // the same points on the device's clock
   std::string last_error_;
   std::chrono::steady_clock::time_point backward_start_;
   double last_ready_us_ = 0;

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "device_timeline.h"
 #include "reducer.h"
 
 namespace fastddp {
@@ -55,6 +56,7 @@ std::vector<std::vector<size_t>> Reducer::broadcast_plan(
 void Reducer::reset_bucket_views() {
   locator_.assign(params_.size(), {0, 0});
   stats_.timings.assign(buckets_.size(), BucketTiming{});
+  timeline_->resize(buckets_.size());
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
     for (size_t k = 0; k < bucket.params.size(); ++k) {
@@ -106,6 +108,9 @@ CommStats Reducer::comm_stats() const {
     stats.bucket_bytes.push_back(bucket.bytes());
     stats.wire_bytes.push_back(hook_->wire_bytes(bucket));
   }
+  // On a GPU the device's clock (waits for the last step's end event: called
+  // between steps, never on the step path).
+  stats.device_clock = timeline_->read(stats.timings, stats.exposed_us);
   return stats;
 }
 

@@ -299,3 +299,22 @@ def error_logged() -> None:
         verify_ddp_error_logged(fast, str(e))
     else:
         raise AssertionError("no prior-reduction error")
+
+
+def device_clock_stats() -> dict:
+    """comm_stats() on a GPU: device times (CUDA events), in the order the points happen."""
+    os.environ["FASTDDP_WORLD1_REDUCER"] = "1"
+    try:
+        torch.manual_seed(0)
+        fast = fastddp.DistributedDataParallel(mlp().cuda(), bucket_cap_mb=0.001)
+    finally:
+        del os.environ["FASTDDP_WORLD1_REDUCER"]
+    for step in range(3):
+        inputs, target = vector_batch(step, device="cuda")
+        F.mse_loss(fast(inputs), target).backward()
+    stats = fast.comm_stats()
+    assert stats["clock"] == "device", stats
+    for b in stats["buckets"]:
+        assert 0 <= b["ready_ms"] <= b["launched_ms"] <= b["done_ms"], b
+    return stats
+

@@ -53,6 +53,7 @@ def test_comm_stats(world, dtype_name, width):
         assert numel == 8 * 32 + 32 + 32 * 32 + 32 + 32 * 4 + 4
         assert stats["bytes_reduced"] == width * numel == stats["bytes_sent"]
         assert stats["steps"] == 2 and stats["hook"] == "allreduce"
+        assert stats["clock"] == "host"  # CPU tensors: no device events
         assert stats["compression_ratio"] == 1.0
         for b in stats["buckets"]:
             assert b["dtype"] == dtype_name and b["bytes"] == width * b["numel"]

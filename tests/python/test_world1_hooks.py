@@ -33,3 +33,12 @@ def nccl_world1():
 def test_world1_hooks_nccl(nccl_world1, case, config):
     out = nccl_world1.check(s.run_case, case=case, config=config, device="cuda")[0]
     assert out["bytes_reduced"] > 0, out
+
+
+@pytest.mark.gpu
+def test_comm_stats_on_the_device_clock(nccl_world1):
+    import dropin_scenarios
+
+    (stats,) = nccl_world1.check(dropin_scenarios.device_clock_stats)
+    assert len(stats["buckets"]) > 1, stats
+
