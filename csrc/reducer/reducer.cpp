@@ -7,7 +7,6 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-
 #include "device_timeline.h"
 #include "profile_range.h"
 

@@ -62,10 +62,12 @@ std::vector<at::Tensor> Reducer::after_forward(bool sync, std::vector<at::Tensor
     }
     phase_ = Phase::kExpecting;
     reset_iteration();
-    delay_from_first_hook_ = false;
     if (dynamic_find_unused()) unused_ = search_unused_parameters(outputs);
     sink = dynamic_find_unused() || (static_first_iteration() && !delayed_reduce_queued_);
     sink_clone = sink_clone_;
+    // No output to hang the sink on: as prepare_for_backward, queue the first
+    // static-graph iteration's reduction from the first gradient hook.
+    delay_from_first_hook_ = static_first_iteration() && outputs.empty();
   }
   if (!sink || outputs.empty()) return outputs;
   // A TensorList, not the vector: apply() tracks only tensor arguments it
