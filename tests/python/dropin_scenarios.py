@@ -318,3 +318,32 @@ def device_clock_stats() -> dict:
         assert 0 <= b["ready_ms"] <= b["launched_ms"] <= b["done_ms"], b
     return stats
 
+
+class StoresLoss(nn.Module):
+    """A forward that returns no tensor: the loss is left on the module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+        self.loss: torch.Tensor | None = None
+
+    def forward(self, inputs: torch.Tensor, target: torch.Tensor) -> None:
+        self.loss = F.mse_loss(self.net(inputs), target)
+
+
+def static_graph_without_outputs() -> None:
+    """static_graph=True when forward returns nothing to hang the output sink on: the first
+    iteration still reduces (queued from the first gradient hook). Reference: torch DDP
+    without static_graph (torch's own static graph leaves that iteration unreduced)."""
+    torch.manual_seed(0)
+    base = StoresLoss()
+    ref = TorchDDP(copy.deepcopy(base))
+    fast = fastddp.DistributedDataParallel(copy.deepcopy(base), static_graph=True)
+    for step in range(3):
+        inputs, target = vector_batch(step)
+        for model in (ref, fast):
+            model.zero_grad()
+            model(inputs, target)
+            model.module.loss.backward()
+        agree(lambda: compare_grads(ref.module, fast.module, f"step {step}"))
+

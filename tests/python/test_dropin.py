@@ -71,3 +71,8 @@ def test_logging_data_for_a_direct_group(world):
 
 def test_error_logged_as_torch(world):
     world.check(s.error_logged)
+
+
+def test_static_graph_without_outputs(world):
+    world.check(s.static_graph_without_outputs)
+
