@@ -263,50 +263,6 @@ void Reducer::queue_finalize() {
   });
 }
 
-void Reducer::on_output_grad() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!static_first_iteration() || phase_ != Phase::kExpecting || delayed_reduce_queued_) return;
-  queue_delayed_reduce();
-}
-
-void Reducer::queue_delayed_reduce() {
-  delayed_reduce_queued_ = true;
-  std::weak_ptr<Reducer> weak = weak_from_this();
-  torch::autograd::Engine::get_default_engine().queue_callback([weak] {
-    if (auto self = weak.lock()) self->reduce_all_delayed();
-  });
-}
-
-void Reducer::delay_all_reduce() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    TORCH_CHECK(options_.static_graph && num_iterations_ <= 1,
-                "fastddp: reducer._delay_all_reduce() belongs to the first iteration of "
-                "static_graph=True training");
-    if (delayed_reduce_queued_ || phase_ != Phase::kExpecting) return;  // done or queued
-    delayed_reduce_queued_ = true;
-  }
-  reduce_all_delayed();
-}
-
-void Reducer::reduce_all_delayed() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  note_backward_start();
-  unused_.clear();
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (expected_hooks_[i] == 0) unused_.push_back(i);
-  }
-  finalize_queued_ = true;  // finalized right here, not by a second callback
-  try {
-    for (size_t i = 0; i < params_.size(); ++i) mark_ready(i);
-  } catch (...) {
-    fail_iteration(std::current_exception());
-    throw;
-  }
-  launch_used_map_allreduce();
-  finalize_backward();
-}
-
 void Reducer::launch_used_map_allreduce() {
   if (used_map_dev_.is_cuda()) {
     // A pinned staging copy: the host map may change again before the
@@ -492,53 +448,9 @@ void Reducer::set_sink_clone(bool clone) {
   sink_clone_ = clone;
 }
 
-void Reducer::set_static_graph() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(num_iterations_ == 0,
-              "set_static_graph() should be called before training loop starts and after "
-              "DistributedDataParallel is constructed.");
-  options_.static_graph = true;
-}
-
 std::string Reducer::hook_name() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return hook_->name();
-}
-
-void Reducer::shadow_backward() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
-  // Kept across join iterations: hooks may key per-bucket state by buffer.
-  if (shadow_buckets_.size() != buckets_.size()) {
-    shadow_buckets_.clear();
-    for (const Bucket& bucket : buckets_) shadow_buckets_.push_back(bucket.zeros_like());
-  }
-  hook_->set_divide_factor(world_size_);
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    Bucket& shadow = shadow_buckets_[b];
-    shadow.flat.zero_();
-    // Hooks may keep their own per-bucket buffers: fill them with zeros too.
-    for (size_t k = 0; k < shadow.params.size(); ++k) hook_->copy_in(shadow, k, at::Tensor());
-    futures.push_back(hook_->run(shadow, b, b + 1 == buckets_.size()));
-  }
-  if (track_usage()) {
-    used_map_.zero_();
-    launch_used_map_allreduce();
-    used_work_->wait();
-    used_map_reduced_ = true;
-  }
-  for (size_t b = 0; b < futures.size(); ++b) {
-    futures[b]->wait();
-    TORCH_CHECK(!futures[b]->hasError(), "fastddp: join: the shadow reduction of bucket ", b,
-                " failed on rank ", rank_, ": ", futures[b]->tryRetrieveErrorMessage());
-  }
-  if (dynamic_find_unused()) used_map_.zero_();
-}
-
-void Reducer::record_default_ready_order() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!should_rebuild() || !ready_order_.empty()) return;
-  for (size_t i = 0; i < params_.size(); ++i) ready_order_.push_back(i);
 }
 
 }  // namespace fastddp

@@ -1,0 +1,46 @@
+// The reducer's side of join() (uneven inputs): a rank without data runs the
+// collectives of one backward with zero gradients, in the others' order.
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "reducer.h"
+
+namespace fastddp {
+
+void Reducer::shadow_backward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
+  // Kept across join iterations: hooks may key per-bucket state by buffer.
+  if (shadow_buckets_.size() != buckets_.size()) {
+    shadow_buckets_.clear();
+    for (const Bucket& bucket : buckets_) shadow_buckets_.push_back(bucket.zeros_like());
+  }
+  hook_->set_divide_factor(world_size_);
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    Bucket& shadow = shadow_buckets_[b];
+    shadow.flat.zero_();
+    // Hooks may keep their own per-bucket buffers: fill them with zeros too.
+    for (size_t k = 0; k < shadow.params.size(); ++k) hook_->copy_in(shadow, k, at::Tensor());
+    futures.push_back(hook_->run(shadow, b, b + 1 == buckets_.size()));
+  }
+  if (track_usage()) {
+    used_map_.zero_();
+    launch_used_map_allreduce();
+    used_work_->wait();
+    used_map_reduced_ = true;
+  }
+  for (size_t b = 0; b < futures.size(); ++b) {
+    futures[b]->wait();
+    TORCH_CHECK(!futures[b]->hasError(), "fastddp: join: the shadow reduction of bucket ", b,
+                " failed on rank ", rank_, ": ", futures[b]->tryRetrieveErrorMessage());
+  }
+  if (dynamic_find_unused()) used_map_.zero_();
+}
+
+void Reducer::record_default_ready_order() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!should_rebuild() || !ready_order_.empty()) return;
+  for (size_t i = 0; i < params_.size(); ++i) ready_order_.push_back(i);
+}
+
+}  // namespace fastddp

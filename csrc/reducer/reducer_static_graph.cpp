@@ -1,0 +1,63 @@
+// The reducer's static-graph mode (Note [static graph]): the first
+// iteration's delayed reduction of every bucket, however it is triggered
+// (the output sink, the first gradient hook, or a framework calling
+// reducer._delay_all_reduce()), and the switch itself.
+#include <torch/csrc/autograd/engine.h>
+
+#include "reducer.h"
+
+namespace fastddp {
+
+void Reducer::on_output_grad() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!static_first_iteration() || phase_ != Phase::kExpecting || delayed_reduce_queued_) return;
+  queue_delayed_reduce();
+}
+
+void Reducer::queue_delayed_reduce() {
+  delayed_reduce_queued_ = true;
+  std::weak_ptr<Reducer> weak = weak_from_this();
+  torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+    if (auto self = weak.lock()) self->reduce_all_delayed();
+  });
+}
+
+void Reducer::delay_all_reduce() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(options_.static_graph && num_iterations_ <= 1,
+                "fastddp: reducer._delay_all_reduce() belongs to the first iteration of "
+                "static_graph=True training");
+    if (delayed_reduce_queued_ || phase_ != Phase::kExpecting) return;  // done or queued
+    delayed_reduce_queued_ = true;
+  }
+  reduce_all_delayed();
+}
+
+void Reducer::reduce_all_delayed() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  note_backward_start();
+  unused_.clear();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (expected_hooks_[i] == 0) unused_.push_back(i);
+  }
+  finalize_queued_ = true;  // finalized right here, not by a second callback
+  try {
+    for (size_t i = 0; i < params_.size(); ++i) mark_ready(i);
+  } catch (...) {
+    fail_iteration(std::current_exception());
+    throw;
+  }
+  launch_used_map_allreduce();
+  finalize_backward();
+}
+
+void Reducer::set_static_graph() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(num_iterations_ == 0,
+              "set_static_graph() should be called before training loop starts and after "
+              "DistributedDataParallel is constructed.");
+  options_.static_graph = true;
+}
+
+}  // namespace fastddp

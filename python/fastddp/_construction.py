@@ -1,0 +1,119 @@
+"""What fastddp.DistributedDataParallel checks and resolves when it is constructed: the
+arguments it does not support, the process group, the parameters the reducer takes (and
+which get sparse gradients), the module's devices, and the inputs' device."""
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def _not_yet(argument: str, why: str) -> NotImplementedError:
+    return NotImplementedError(f"fastddp.DistributedDataParallel: {argument} is not supported yet ({why})")
+
+
+def _reject_unsupported(**arguments: Any) -> None:
+    reasons = {
+        "delay_all_reduce_named_params": "delayed allreduce is not implemented yet",
+        "param_to_hook_all_reduce": "delayed allreduce is not implemented yet",
+        "mixed_precision": "DDP's experimental mixed_precision is not implemented yet; "
+        "cast the module (model.to(dtype)) instead",
+        "skip_all_reduce_unused_params": "skipping the reduction of all-unused buckets is not "
+        "implemented yet",
+        "lazy_bucket_allocation": "buckets are allocated at construction",
+    }
+    for name, value in arguments.items():
+        if value not in (None, False):
+            raise _not_yet(f"{name}={value!r}", reasons[name])
+
+
+def _resolve_group(process_group, device_mesh) -> dist.ProcessGroup:
+    if process_group is not None and device_mesh is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+    if device_mesh is not None:
+        if device_mesh.ndim != 1:
+            raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+        if device_mesh._get_root_mesh() != device_mesh:
+            raise _not_yet("device_mesh sliced from a larger mesh", "DDP + tensor parallel")
+        return device_mesh.get_group(mesh_dim=0)
+    if process_group is not None:
+        return process_group
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "fastddp.DistributedDataParallel needs a process group, but none is initialized: "
+            "call torch.distributed.init_process_group() first (torchrun sets up its "
+            "environment), or pass process_group=."
+        )
+    return dist.distributed_c10d._get_default_group()
+
+
+def _params_for_reducer(module: nn.Module, ignore: set[str]) -> tuple[list[str], list[torch.Tensor]]:
+    """Parameters that require grad, in registration order, each once (a tied
+    parameter under its first name), as torch DDP orders them."""
+    names, params, seen = [], [], set()
+    for module_name, sub in module.named_modules():
+        for param_name, p in sub.named_parameters(recurse=False):
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            if not p.requires_grad or name in ignore or id(p) in seen:
+                continue
+            seen.add(id(p))
+            names.append(name)
+            params.append(p)
+    return names, params
+
+
+def _expect_sparse_gradients(module: nn.Module, params: list[torch.Tensor]) -> list[bool]:
+    """Which parameters get sparse gradients: the weights of nn.Embedding and
+    nn.EmbeddingBag with sparse=True, as torch DDP decides."""
+    sparse = {id(sub.weight) for sub in module.modules()
+              if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse}
+    return [id(p) in sparse for p in params]
+
+
+def _check_module(module: nn.Module, all_params: list[torch.Tensor], params: list[torch.Tensor]) -> None:
+    if not params:
+        raise RuntimeError(
+            "DistributedDataParallel is not needed when a module doesn't have any parameter "
+            "that requires a gradient."
+        )
+    first_on: dict[torch.device, str] = {}
+    for name, p in module.named_parameters():
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            raise RuntimeError(
+                f"fastddp: parameter {name!r} is uninitialized (a lazy module). Run a dummy "
+                "forward pass to initialize it before wrapping the module."
+            )
+        first_on.setdefault(p.device, name)
+    if len(first_on) > 1:
+        where = ", ".join(f"{name!r} on {dev}" for dev, name in first_on.items())
+        raise ValueError(
+            f"fastddp: the module's parameters are on several devices ({where}). "
+            "fastddp.DistributedDataParallel needs every parameter on one device per process; "
+            "move the module with module.to(device) first."
+        )
+
+
+def _resolve_device_ids(device_ids, output_device, device_type: str):
+    if device_ids is not None and len(device_ids) > 1:
+        raise ValueError("device_ids can only be None or contain a single element.")
+    if not device_ids or device_type == "cpu":
+        if device_ids or output_device:
+            raise ValueError(
+                "DistributedDataParallel device_ids and output_device arguments only work with "
+                f"single-device GPU modules or CPU modules, but got device_ids {device_ids}, "
+                f"output_device {output_device}, and module parameters on {device_type}."
+            )
+        return None, None
+    from torch._utils import _get_device_index
+
+    ids = [_get_device_index(x, True) for x in device_ids]
+    out = _get_device_index(output_device if output_device is not None else device_ids[0], True)
+    return ids, out
+
+
+def _move_inputs(inputs: tuple, kwargs: dict, device_type: str, index: int) -> tuple[tuple, dict]:
+    from torch.distributed.utils import _to_kwargs
+
+    moved, moved_kwargs = _to_kwargs(inputs, kwargs, torch.device(device_type, index), True)
+    return moved[0], moved_kwargs[0]
