@@ -14,8 +14,9 @@ On CUDA they are host times, as torch's logger's are on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 # torch's Reducer: every iteration up to this one is sampled, then every sample_rate-th.
@@ -37,6 +38,16 @@ class DdpLogger:
 
     def set_error_and_log(self, message: str) -> None:
         self.error = message
+
+    @contextlib.contextmanager
+    def recording_errors(self) -> Iterator[None]:
+        """Records a RuntimeError raised inside (as torch's C++ checks log theirs), then
+        lets it go on."""
+        try:
+            yield
+        except RuntimeError as e:
+            self.set_error_and_log(f"{RuntimeError}: {e}")
+            raise
 
     def _set_ddp_runtime_logging_sample_rate(self, rate: int) -> None:
         if rate < 1:

@@ -160,11 +160,16 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         # registered (torch runs it there too) or FASTDDP_WORLD1_REDUCER=1 asks
         # for the full path, no reducer, no flat buffers, and forward is the
         # bare module's.
-        if world > 1 or world1_reducer_requested():
+        if self._wants_reducer():
             self._build_reducer(plan)
         self.reducer = ReducerProxy(self)  # torch's ddp.reducer, for frameworks that call it
         if static_graph:
             self._set_static_graph()
+
+    def _wants_reducer(self) -> bool:
+        """Whether the reducer is built before any hook is registered (registering one
+        builds it at world size 1 too, see _install_hook)."""
+        return self.process_group.size() > 1 or world1_reducer_requested()
 
     def _initial_plan(self) -> list[list[int]]:
         plan, _ = _C.compute_bucket_assignment_by_size(
@@ -213,11 +218,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if sync:
             self.logger.before_forward(reducer.num_iterations, reducer.comm_stats)
         if grad_enabled:
-            try:
+            with self.logger.recording_errors():
                 reducer.before_forward(sync)
-            except RuntimeError as e:
-                self.logger.set_error_and_log(f"{RuntimeError}: {e}")
-                raise
         if self._will_sync_buffers():
             sync_buffers(self)
         if self._join_config.enable:
@@ -324,11 +326,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                           stacklevel=2)
             return
         if self._reducer is not None:
-            try:
+            with self.logger.recording_errors():
                 self._reducer.set_static_graph()
-            except RuntimeError as e:
-                self.logger.set_error_and_log(f"{RuntimeError}: {e}")
-                raise
         self.static_graph = True
         if self.find_unused_parameters:
             warnings.warn(
@@ -356,7 +355,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.reducer = ReducerProxy(self)
         self.require_forward_param_sync = True
         self.require_backward_grad_sync = True
-        if self.process_group.size() > 1 or world1_reducer_requested() or self._comm_hooks:
+        if self._wants_reducer():
             self._build_reducer()
         if self._comm_hooks:
             # torch loses the hook with its reducer; fastddp keeps it (no silent change of
@@ -372,8 +371,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self._reducer.set_sink_clone(val)
 
     def _get_ddp_logging_data(self) -> dict:
-        """torch DDP's logging data, for the keys that describe the run and
-        its buckets (no timing keys: see comm_stats())."""
+        """torch DDP's logging data: the keys that describe the run and its buckets, the
+        environment, the sampled runtime statistics and the last error (see
+        _introspection.py and _ddp_logger.py)."""
         return logging_data(self)
 
     def comm_hook_state_dict(self) -> dict:
