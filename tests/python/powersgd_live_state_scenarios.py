@@ -219,14 +219,21 @@ def _modules_in(blob: bytes) -> list[str]:
     return sorted(seen)
 
 
-def pickle_roundtrip(batched: bool = False, steps: int = 4) -> dict:
-    """pickle, torch.save (the state itself) and deepcopy of a live state: torch's plain
-    class with the live values; a copy stays as it was while the live state moves on."""
+def _trained_live_state(steps: int, batched: bool = False):
+    """A fresh PowerSGDState registered on a fresh Mixed model (0.004 MiB buckets), trained
+    `steps` steps: (state, model, optimizer)."""
     torch.manual_seed(0)
     state = psgd.PowerSGDState(None, **ARGS)
     model, opt = _fast(Mixed(), state, batched, 0.004)
     for s in range(steps):
         _step(model, opt, s)
+    return state, model, opt
+
+
+def pickle_roundtrip(batched: bool = False, steps: int = 4) -> dict:
+    """pickle, torch.save (the state itself) and deepcopy of a live state: torch's plain
+    class with the live values; a copy stays as it was while the live state moves on."""
+    state, model, opt = _trained_live_state(steps, batched=batched)
     live = fields(state)
     blob = pickle.dumps(state)
     copies = {"pickle": pickle.loads(blob),
@@ -247,11 +254,7 @@ def pickle_roundtrip(batched: bool = False, steps: int = 4) -> dict:
 
 def model_deleted(steps: int = 4) -> dict:
     """The state keeps the native hook's final values and is a plain PowerSGDState again."""
-    torch.manual_seed(0)
-    state = psgd.PowerSGDState(None, **ARGS)
-    model, opt = _fast(Mixed(), state, False, 0.004)
-    for s in range(steps):
-        _step(model, opt, s)
+    state, model, opt = _trained_live_state(steps)
     before = fields(state)
     live_type = type(state).__name__
     del model, opt
@@ -265,11 +268,7 @@ def model_deleted(steps: int = 4) -> dict:
 
 
 def writes_refused() -> dict[str, str]:
-    torch.manual_seed(0)
-    state = psgd.PowerSGDState(None, **ARGS)
-    model, opt = _fast(Mixed(), state, False, 0.004)
-    for s in range(3):
-        _step(model, opt, s)
+    state, model, opt = _trained_live_state(3)
     out = {}
     for case, write in (("iter", lambda: setattr(state, "iter", 0)),
                         ("error_item", lambda: state.error_dict.__setitem__(0, torch.zeros(1))),
@@ -311,11 +310,7 @@ def torch_state(steps: int = 3) -> dict:
 def own_state_dict(steps: int = 4) -> dict:
     """model.comm_hook_state_dict() / load_comm_hook_state_dict() on a model with a
     registered PowerSGDState; a load shows in the live state."""
-    torch.manual_seed(0)
-    state = psgd.PowerSGDState(None, **ARGS)
-    model, opt = _fast(Mixed(), state, False, 0.004)
-    for s in range(steps):
-        _step(model, opt, s)
+    state, model, opt = _trained_live_state(steps)
     saved = model.comm_hook_state_dict()
     other = psgd.PowerSGDState(None, **ARGS)
     fresh, _ = _fast(Mixed(), other, False, 0.004)
@@ -330,11 +325,7 @@ def own_state_dict(steps: int = 4) -> dict:
 def reregistered(steps: int = 3) -> dict:
     """A live state registered on a second model follows it: the first model's steps and
     its deletion no longer touch the state."""
-    torch.manual_seed(0)
-    state = psgd.PowerSGDState(None, **ARGS)
-    first, opt = _fast(Mixed(), state, False, 0.004)
-    for s in range(steps):
-        _step(first, opt, s)
+    state, first, opt = _trained_live_state(steps)
     at_move = fields(state)
     module = Mixed()
     module.load_state_dict(unwrap(first).state_dict())
@@ -375,11 +366,7 @@ def world1(steps: int = 5) -> dict:
 def model_copied(steps: int = 4) -> dict:
     """copy.deepcopy of a fastddp model with a registered PowerSGDState: the copy gets a copy
     of the state, live on the copy's hook, and both take the same next steps."""
-    torch.manual_seed(0)
-    state = psgd.PowerSGDState(None, **ARGS)
-    model, opt = _fast(Mixed(), state, False, 0.004)
-    for s in range(steps):
-        _step(model, opt, s)
+    state, model, opt = _trained_live_state(steps)
     clone = copy.deepcopy(model)
     clone_opt = torch.optim.SGD(clone.parameters(), lr=0.05, momentum=0.9)
     clone_opt.load_state_dict(opt.state_dict())
