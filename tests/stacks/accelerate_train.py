@@ -12,7 +12,7 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from stack_result import describe_wrapper, write_result
+from stack_result import describe_wrapper, shutdown, write_result
 
 
 def main() -> None:
@@ -57,3 +57,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    shutdown()

@@ -16,7 +16,7 @@ import torch  # noqa: E402
 from transformers import (BertConfig, BertForSequenceClassification, Trainer,  # noqa: E402
                           TrainingArguments)
 
-from stack_result import describe_wrapper, write_result  # noqa: E402
+from stack_result import describe_wrapper, shutdown, write_result  # noqa: E402
 
 
 def main() -> None:
@@ -47,3 +47,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    shutdown()

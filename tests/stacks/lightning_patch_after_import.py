@@ -15,6 +15,8 @@ if int(os.environ.get("RANK", "0")) == 0:
     print(handle.describe(), flush=True)
 
 import lightning_train  # noqa: E402
+from stack_result import shutdown  # noqa: E402
 
 if __name__ == "__main__":
     lightning_train.main()
+    shutdown()

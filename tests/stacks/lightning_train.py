@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from stack_result import describe_wrapper, write_result
+from stack_result import describe_wrapper, shutdown, write_result
 
 
 class Regressor(L.LightningModule):
@@ -69,3 +69,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    shutdown()

@@ -30,3 +30,18 @@ def write_result(out: str, wrapper: dict, losses: list[float], module: nn.Module
     result = {"rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
               "wrapper": wrapper, "losses": [float(x) for x in losses], "state": state}
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(result))
+
+
+def shutdown() -> None:
+    """After main() returned: frees what its locals left in reference cycles (a DDP wrapper
+    holds its process group), then tears gloo down on every rank together. A group left to
+    the interpreter's exit can abort the process ("terminate called without an active
+    exception"), as tests/python/scripts/train_tiny.py notes."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
