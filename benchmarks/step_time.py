@@ -11,7 +11,8 @@ Spawns its own gloo ranks on 127.0.0.1 (one intra-op thread each) and measures:
     same model, interleaved: after a warm-up, ``--rounds`` rounds each time one block of
     steps of each, in alternating order. Each of ``--configs``: plain, gbv
     (gradient_as_bucket_view=True), static (static_graph=True), unused
-    (find_unused_parameters=True), the same arguments on both sides.
+    (find_unused_parameters=True), the same arguments on both sides; and nancheck:
+    fastddp with check_for_nan_in_grad=True against fastddp without it.
 (b) world size 1: fastddp-wrapped vs the bare module (the same module object, called
     through the wrapper or directly), and torch DDP (on an identical replica) vs the bare
     module, interleaved the same way (three variants, rotating order, twice the rounds);
@@ -158,6 +159,8 @@ CONFIGS = {
     "gbv": {"gradient_as_bucket_view": True},
     "static": {"static_graph": True},
     "unused": {"find_unused_parameters": True},
+    # fastddp with its non-finite check against fastddp without it (not against torch).
+    "nancheck": {"check_for_nan_in_grad": True},
 }
 
 
@@ -167,15 +170,18 @@ def _compare_ranks(shape: Shape, x: torch.Tensor, args: argparse.Namespace) -> l
     for config in args.configs.split(","):
         kwargs = CONFIGS[config]
         fast_m, torch_m = _replicas(shape, 2)
-        variants = {
-            "fastddp": _make_step(fastddp.DistributedDataParallel(fast_m, **kwargs), x),
-            "torch": _make_step(TorchDDP(torch_m, **kwargs), x),
-        }
+        variants = {"fastddp": _make_step(fastddp.DistributedDataParallel(fast_m, **kwargs), x)}
+        if config == "nancheck":
+            variants["torch"] = _make_step(fastddp.DistributedDataParallel(torch_m), x)
+            b = "fastddp unchecked"
+        else:
+            variants["torch"] = _make_step(TorchDDP(torch_m, **kwargs), x)
+            b = "torch DDP"
         dist.barrier()
         ms = _timed_blocks(variants, args.rounds, shape.block_steps, args.warmup)
         n_bytes = _n_bytes(fast_m)
         rows.append({"world": dist.get_world_size(), "model": shape.name, "config": config,
-                     "bytes": n_bytes, "a": "fastddp", "b": "torch DDP",
+                     "bytes": n_bytes, "a": "fastddp", "b": b,
                      **_summary(ms, "fastddp", "torch"), "raw_ms": _allreduce_ms(n_bytes)})
     return rows
 

@@ -170,13 +170,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        c10::intrusive_ptr<c10d::ProcessGroup> group,
                        std::shared_ptr<fastddp::CommHook> hook, bool gradient_as_bucket_view,
                        bool find_unused_parameters, bool static_graph,
-                       std::vector<size_t> rebuild_limits, std::vector<bool> expect_sparse) {
+                       std::vector<size_t> rebuild_limits, std::vector<bool> expect_sparse,
+                       bool check_for_nan_in_grad) {
              ReducerOptions options;
              options.gradient_as_bucket_view = gradient_as_bucket_view;
              options.find_unused_parameters = find_unused_parameters;
              options.static_graph = static_graph;
              options.rebuild_limits = std::move(rebuild_limits);
              options.expect_sparse = std::move(expect_sparse);
+             options.check_for_nan_in_grad = check_for_nan_in_grad;
              if (!hook) hook = std::make_shared<fastddp::AllreduceHook>(group);
              return std::make_shared<Reducer>(std::move(params), std::move(names), std::move(plan),
                                               std::move(group), std::move(hook), options);
@@ -185,7 +187,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("hook") = nullptr, py::arg("gradient_as_bucket_view") = false,
            py::arg("find_unused_parameters") = false, py::arg("static_graph") = false,
            py::arg("rebuild_limits") = std::vector<size_t>{1024 * 1024, 25 * 1024 * 1024},
-           py::arg("expect_sparse") = std::vector<bool>{})
+           py::arg("expect_sparse") = std::vector<bool>{},
+           py::arg("check_for_nan_in_grad") = false)
       // Every method that takes the reducer's lock releases the GIL first: the
       // autograd thread holds that lock while a Python comm hook wants the GIL.
       .def("before_forward", &Reducer::before_forward, py::arg("sync"), nogil())

@@ -29,6 +29,9 @@ void AllreduceHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad)
   } else if (grad.is_alias_of(view)) {
     // gradient_as_bucket_view: autograd accumulated into the bucket already.
     view.div_(factor_);
+    check_grad(bucket, slot, view);  // x / factor is finite exactly when x is
+  } else if (guard_ != nullptr) {
+    scale_into_view(bucket, slot, grad, 1.0 / static_cast<double>(factor_));
   } else {
     at::mul_out(view, grad, inverse_);
   }

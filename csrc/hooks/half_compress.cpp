@@ -82,6 +82,8 @@ void HalfCompressHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& gr
     bucket.views[slot].copy_(grad);
     src = view;
   }
+  // Not fused with the compression: a separate read of the gradient.
+  check_grad(bucket, slot, src);
   if (src.scalar_type() == at::kFloat) {
     at::Tensor* residual =
         options_.error_feedback ? &residual_for(bucket.params[slot], src, numel) : nullptr;

@@ -118,6 +118,13 @@ PowerSGDCheckpoint PowerSGDBase::state_dict() const {
   return ck;
 }
 
+void PowerSGDBase::drop_state_after_nonfinite() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  drop_buckets();
+  carried_ = PowerSGDCheckpoint{};
+  carried_has_qs_ = false;
+}
+
 void PowerSGDBase::load_state_dict(const PowerSGDCheckpoint& ck) {
   check_checkpoint(ck);
   std::lock_guard<std::mutex> lock(mutex_);

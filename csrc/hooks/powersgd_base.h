@@ -72,6 +72,9 @@ class PowerSGDBase : public PipelinedHook {
   // Drops the bucket state; the buckets adopt the checkpoint's at their next
   // compressed step.
   void load_state_dict(const PowerSGDCheckpoint& checkpoint);
+  // Error feedback and warm-start memories start afresh (the counter and the
+  // generator go on, the same on every rank).
+  void drop_state_after_nonfinite() override;
 
  protected:
   PowerSGDBase(c10::intrusive_ptr<c10d::ProcessGroup> group, PowerSGDOptions options,

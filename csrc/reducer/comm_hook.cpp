@@ -1,6 +1,12 @@
 #include "comm_hook.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <atomic>
+
+#include "../kernels/nonfinite.h"
+#include "nonfinite_guard.h"
 
 #if defined(FASTDDP_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>
@@ -22,12 +28,74 @@ void CommHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) {
     bucket.sparse_grad = sparse_grad_or_zeros(bucket, grad);
     return;
   }
-  at::Tensor& view = bucket.views[slot];
   if (!grad.defined()) {
-    view.zero_();
-  } else if (!grad.is_alias_of(view)) {
-    view.copy_(grad);
+    bucket.views[slot].zero_();
+    return;
   }
+  scale_into_view(bucket, slot, grad, 1.0);
+}
+
+namespace {
+
+// Whether grad and view walk the same elements in storage order, so that one
+// flat loop over their data is the elementwise copy.
+bool same_dense_layout(const at::Tensor& grad, const at::Tensor& view) {
+  return grad.scalar_type() == view.scalar_type() && grad.device() == view.device() &&
+         grad.is_non_overlapping_and_dense() && view.is_non_overlapping_and_dense() &&
+         grad.strides() == view.strides();
+}
+
+template <typename T>
+bool fused_scale_check(const at::Tensor& grad, at::Tensor& view, double scale) {
+  const T* src = grad.const_data_ptr<T>();
+  T* dst = view.data_ptr<T>();
+  const auto s = static_cast<T>(scale);
+  std::atomic<bool> bad{false};
+  at::parallel_for(0, grad.numel(), 32768, [&](int64_t begin, int64_t end) {
+    if (kernels::scale_copy_check_cpu(src + begin, dst + begin, s, end - begin)) bad = true;
+  });
+  return bad.load();
+}
+
+}  // namespace
+
+void CommHook::scale_into_view(Bucket& bucket, size_t slot, const at::Tensor& grad,
+                               double scale) {
+  at::Tensor& view = bucket.views[slot];
+  const bool alias = grad.is_alias_of(view);
+  if (guard_ != nullptr && grad.is_cpu() && same_dense_layout(grad, view) &&
+      (grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kDouble)) {
+    if (alias && scale == 1.0) {
+      check_grad(bucket, slot, grad);
+      return;
+    }
+    const bool bad = grad.scalar_type() == at::kFloat ? fused_scale_check<float>(grad, view, scale)
+                                                      : fused_scale_check<double>(grad, view, scale);
+    guard_->note(bucket.params[slot], bad);
+    return;
+  }
+  if (alias) {
+    if (scale != 1.0) view.mul_(scale);
+  } else if (scale == 1.0) {
+    view.copy_(grad);
+  } else {
+    at::mul_out(view, grad, at::scalar_tensor(scale, at::kDouble));
+  }
+  check_grad(bucket, slot, view);
+}
+
+void CommHook::check_grad(const Bucket& bucket, size_t slot, const at::Tensor& grad) {
+  if (guard_ == nullptr) return;
+  const size_t param = bucket.params[slot];
+  if (grad.is_cpu() && grad.is_contiguous() &&
+      (grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kDouble)) {
+    const bool bad = grad.scalar_type() == at::kFloat
+                         ? kernels::any_nonfinite_cpu(grad.const_data_ptr<float>(), grad.numel())
+                         : kernels::any_nonfinite_cpu(grad.const_data_ptr<double>(), grad.numel());
+    guard_->note(param, bad);
+    return;
+  }
+  guard_->note_tensor(param, grad);
 }
 
 void CommHook::write_back(Bucket& bucket, const c10::IValue& result,

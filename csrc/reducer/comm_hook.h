@@ -34,6 +34,8 @@
 
 namespace fastddp {
 
+class NonFiniteGuard;
+
 class CommHook {
  public:
   virtual ~CommHook() = default;
@@ -75,6 +77,12 @@ class CommHook {
   // never start (a pipelined hook's second collective).
   virtual void abandon_step() {}
 
+  // check_for_nan_in_grad found a non-finite gradient this step (on some
+  // rank), after every future of the step completed: state that this step
+  // fed with it (error-feedback residuals, PowerSGD's memories) is dropped,
+  // so that later steps do not inherit NaN. See Note [non-finite guard].
+  virtual void drop_state_after_nonfinite() {}
+
   // Whether run() and write_back() accept sparse buckets (see Bucket::sparse):
   // copy_in then stores the gradient in bucket.sparse_grad, run() reduces it,
   // and the future's tensor becomes the parameter's .grad.
@@ -86,6 +94,20 @@ class CommHook {
   // Bytes this hook puts on the wire for one bucket per step, for the
   // communication report (what one rank contributes to the collective).
   virtual int64_t wire_bytes(const Bucket& bucket) const { return bucket.bytes(); }
+
+  // check_for_nan_in_grad: copy_in reports every gradient to `guard` (owned
+  // by the reducer; nullptr: no check). See Note [non-finite guard].
+  void set_nonfinite_guard(NonFiniteGuard* guard) { guard_ = guard; }
+
+ protected:
+  // grad -> bucket.views[slot], times `scale` (1: a copy); in place when grad
+  // already is the view (gradient_as_bucket_view). With a guard, the check
+  // rides on the same pass where it can (dense float32/float64 on the CPU).
+  void scale_into_view(Bucket& bucket, size_t slot, const at::Tensor& grad, double scale);
+  // Reports `grad` to the guard, if any, for a copy_in that wrote it elsewhere.
+  void check_grad(const Bucket& bucket, size_t slot, const at::Tensor& grad);
+
+  NonFiniteGuard* guard_ = nullptr;
 };
 
 // The flat tensor in a hook future's value: the tensor itself or the first

@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "device_timeline.h"
+#include "nonfinite_guard.h"
 #include "profile_range.h"
 
 namespace fastddp {
@@ -56,11 +57,16 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   used_map_dev_ = at::zeros({n}, at::TensorOptions().dtype(at::kInt).device(params_[0].device()));
   expected_hooks_.assign(params_.size(), 0);
   hooks_left_.assign(params_.size(), 0);
+  if (options_.check_for_nan_in_grad) {
+    nonfinite_ = std::make_unique<NonFiniteGuard>(rank_, world_size_);
+    hook_->set_nonfinite_guard(nonfinite_.get());
+  }
   hook_->on_new_buckets(buckets_);
   install_hooks();
 }
 
 Reducer::~Reducer() {
+  hook_->set_nonfinite_guard(nullptr);  // the hook may outlive us (Python holds it)
   for (size_t i = 0; i < grad_accumulators_.size(); ++i) {
     grad_accumulators_[i]->del_post_hook(hook_keys_[i]);
   }
@@ -125,6 +131,7 @@ void Reducer::reset_iteration() {
   for (Bucket& bucket : buckets_) bucket.pending = bucket.params.size();
   if (options_.static_graph) hooks_left_ = expected_hooks_;
   hook_->set_divide_factor(divide_factor_ > 0 ? divide_factor_ : world_size_);
+  if (nonfinite_) nonfinite_->begin_step();
 }
 
 void Reducer::set_divide_factor(int64_t factor) {
@@ -292,6 +299,7 @@ bool Reducer::globally_unused(size_t index) {
 
 void Reducer::finalize_backward() {
   try {
+    if (nonfinite_) check_finite_gradients();
     for (size_t b = 0; b < buckets_.size(); ++b) {
       Bucket& bucket = buckets_[b];
       {
@@ -349,6 +357,10 @@ void Reducer::fail_iteration(const std::exception_ptr& error) {
   for (Bucket& bucket : buckets_) {
     if (bucket.future) bucket.future->wait();  // its error, if any, is this step's
     bucket.future.reset();
+  }
+  if (drop_hook_state_) {
+    hook_->drop_state_after_nonfinite();
+    drop_hook_state_ = false;
   }
   phase_ = Phase::kIdle;
   divide_factor_ = 0;
@@ -428,7 +440,9 @@ void Reducer::set_comm_hook(std::shared_ptr<CommHook> hook) {
   TORCH_CHECK(phase_ != Phase::kExpecting || num_ready_ == 0,
               "fastddp: a comm hook cannot be changed while a backward is reducing");
   check_hook_supports(*hook);
+  hook_->set_nonfinite_guard(nullptr);
   hook_ = std::move(hook);
+  hook_->set_nonfinite_guard(nonfinite_.get());
   hook_->on_new_buckets(buckets_);
 }
 

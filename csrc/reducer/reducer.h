@@ -53,6 +53,7 @@ class Work;
 namespace fastddp {
 
 class DeviceTimeline;
+class NonFiniteGuard;
 
 // std::shared_ptr<Node> before torch 2.13, c10::intrusive_ptr<Node> from 2.13.
 using GradAccumulatorPtr =
@@ -71,6 +72,8 @@ struct ReducerOptions {
   // Size limits for the one rebuild after the first iteration, as in
   // plan_buckets (torch's are {first_bucket_bytes, bucket_bytes_cap}).
   std::vector<size_t> rebuild_limits = {1024 * 1024, 25 * 1024 * 1024};
+  // Raise on non-finite gradients, see Note [non-finite guard].
+  bool check_for_nan_in_grad = false;
 };
 
 // Timings of one bucket in the last synchronized backward, in microseconds
@@ -178,6 +181,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool globally_unused(size_t index);
   void launch_used_map_allreduce();
   void reset_iteration();
+  // check_for_nan_in_grad: shares this step's findings and raises, on every
+  // rank, if a gradient was not finite (Note [non-finite guard]).
+  void check_finite_gradients();
   // Records the error for the logging data; the next forward starts afresh.
   void fail_iteration(const std::exception_ptr& error);
 
@@ -247,6 +253,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   CommStats stats_;
   std::unique_ptr<DeviceTimeline> timeline_;  // the same points on the device's clock
+  std::unique_ptr<NonFiniteGuard> nonfinite_;  // check_for_nan_in_grad only
+  bool drop_hook_state_ = false;  // the failing step was non-finite
   std::string last_error_;
   std::chrono::steady_clock::time_point backward_start_;
   double last_ready_us_ = 0;

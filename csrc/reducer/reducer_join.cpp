@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "nonfinite_guard.h"
 #include "reducer.h"
 
 namespace fastddp {
@@ -29,11 +30,13 @@ void Reducer::shadow_backward() {
     used_work_->wait();
     used_map_reduced_ = true;
   }
+  if (nonfinite_) nonfinite_->begin_step();  // the training ranks' guard collective
   for (size_t b = 0; b < futures.size(); ++b) {
     futures[b]->wait();
     TORCH_CHECK(!futures[b]->hasError(), "fastddp: join: the shadow reduction of bucket ", b,
                 " failed on rank ", rank_, ": ", futures[b]->tryRetrieveErrorMessage());
   }
+  if (nonfinite_) check_finite_gradients();
   if (dynamic_find_unused()) used_map_.zero_();
 }
 

@@ -65,6 +65,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         batched_grad_copy: bool = False,
         forward_sync_buffers: bool | None = None,
         lazy_bucket_allocation: bool = False,
+        *,
+        check_for_nan_in_grad: bool = False,
     ):
         # torch DDP's __init__ would build torch's reducer; only the module and
         # Joinable parts of the base classes are wanted.
@@ -110,6 +112,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.find_unused_parameters = find_unused_parameters
         self._divide_by_initial_world_size = True
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        # fastddp's own (Megatron's name): raise on NaN/Inf gradients, see the README.
+        self.check_for_nan_in_grad = bool(check_for_nan_in_grad)
         self.batched_grad_copy = batched_grad_copy
         self.mixed_precision = None
         self.require_backward_grad_sync = True
@@ -157,8 +161,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         plan = self._initial_plan()
         self._initial_bucket_sizes = bucket_sizes(params, plan)
         # At world size 1 there is nothing to average: unless a comm hook is
-        # registered (torch runs it there too) or FASTDDP_WORLD1_REDUCER=1 asks
-        # for the full path, no reducer, no flat buffers, and forward is the
+        # registered (torch runs it there too), FASTDDP_WORLD1_REDUCER=1 asks
+        # for the full path or check_for_nan_in_grad for its check, no reducer, no flat buffers, and forward is the
         # bare module's.
         if self._wants_reducer():
             self._build_reducer(plan)
@@ -169,7 +173,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     def _wants_reducer(self) -> bool:
         """Whether the reducer is built before any hook is registered (registering one
         builds it at world size 1 too, see _install_hook)."""
-        return self.process_group.size() > 1 or world1_reducer_requested()
+        return (self.process_group.size() > 1 or world1_reducer_requested()
+                or getattr(self, "check_for_nan_in_grad", False))
 
     def _initial_plan(self) -> list[list[int]]:
         plan, _ = _C.compute_bucket_assignment_by_size(
@@ -184,6 +189,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             find_unused_parameters=self.find_unused_parameters,
             rebuild_limits=self._bucket_limits[1],
             expect_sparse=self._expect_sparse,
+            check_for_nan_in_grad=getattr(self, "check_for_nan_in_grad", False),
         )
         if not self._ddp_sink_clone:
             self._reducer.set_sink_clone(False)

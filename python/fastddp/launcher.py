@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bucket-cap-mb", metavar="X", type=_positive_float,
                         help="bucket size in MiB for every wrapped model (overrides the "
                              "script's bucket_cap_mb and bucket_cap_mb_list)")
+    parser.add_argument("--check-for-nan-in-grad", action="store_true",
+                        help="raise, on every rank, when a gradient holds NaN or Inf, naming "
+                             "the parameter, the rank and the step (costs one small "
+                             "allreduce per step)")
     parser.add_argument("--report", action="store_true",
                         help="print a table of model.comm_stats() on rank 0 at exit")
     return parser
@@ -98,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     single = _default_to_world_of_one()
     try:
         handle = patch(hook=hook, bucket_cap_mb=options.bucket_cap_mb,
-                       report=options.report, _option="--hook")
-    except (HookUnavailableError, ValueError) as e:
+                       report=options.report, _option="--hook",
+                       check_for_nan_in_grad=options.check_for_nan_in_grad)
+    except (HookUnavailableError, ValueError, NotImplementedError) as e:
         print(f"python -m fastddp: error: {e}", file=sys.stderr)
         return 2
     rank = int(os.environ.get("RANK", "0"))

@@ -142,9 +142,10 @@ class Patch:
     """What ``patch()`` did. Undo it with ``unpatch()`` or by leaving its ``with`` block."""
 
     def __init__(self, hook: HookSpec | None, bucket_cap_mb: float | None, report: bool,
-                 disabled: bool, option: str = "--hook"):
+                 disabled: bool, option: str = "--hook", check_for_nan_in_grad: bool = False):
         self.hook = hook
         self.bucket_cap_mb = bucket_cap_mb
+        self.check_for_nan_in_grad = check_for_nan_in_grad
         self.report = report
         self.disabled = disabled
         self.models_wrapped = 0
@@ -155,6 +156,10 @@ class Patch:
         # (module, attribute) pairs outside torch that held torch's class; see imported_bindings.
         self._rebound: list[tuple[ModuleType, str]] = []
         # Stock torch without overrides: nothing to change, the script runs exactly as is.
+        if disabled and check_for_nan_in_grad:
+            raise NotImplementedError(
+                "check_for_nan_in_grad is fastddp's: stock torch DDP (FASTDDP_DISABLE=1) has "
+                "no such check")
         self.cls = None if disabled and hook is None and bucket_cap_mb is None else (
             _patched_class(self._original if disabled else FastDDP, self))
 
@@ -178,6 +183,8 @@ class Patch:
                             "registers)")
         if self.bucket_cap_mb is not None:
             settings.append(f"bucket_cap_mb={self.bucket_cap_mb:g} (launcher)")
+        if self.check_for_nan_in_grad:
+            settings.append("check_for_nan_in_grad=True (launcher)")
         if self.report:
             settings.append("comm report at exit")
         rest = "; other arguments as the script passes them"
@@ -235,12 +242,14 @@ class Patch:
 
 
 def patch(hook: str | HookSpec | None = None, bucket_cap_mb: float | None = None,
-          report: bool = False, disable: bool | None = None, _option: str = "hook=") -> Patch:
+          report: bool = False, disable: bool | None = None, _option: str = "hook=",
+          check_for_nan_in_grad: bool = False) -> Patch:
     """Replace torch's DistributedDataParallel (both import paths) with fastddp's.
 
     ``hook`` (``"bf16"``, ``"bf16-fp32acc"``, ``"powersgd:4"``, ...) is registered on every
     wrapped model and replaces hooks the script registers itself; ``bucket_cap_mb``
-    overrides the script's value. ``report=True`` keeps the last model alive for
+    overrides the script's value; ``check_for_nan_in_grad=True`` turns the non-finite
+    gradient check on for every wrapped model. ``report=True`` keeps the last model alive for
     ``Patch.report_text()``. ``disable=None`` reads ``FASTDDP_DISABLE``. Returns a Patch
     (a context manager); models constructed before the patch are not affected.
     """
@@ -252,7 +261,7 @@ def patch(hook: str | HookSpec | None = None, bucket_cap_mb: float | None = None
     if bucket_cap_mb is not None and not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb={bucket_cap_mb}: must be positive")
     disabled = fastddp_disabled() if disable is None else disable
-    result = Patch(spec, bucket_cap_mb, report, disabled, _option)
+    result = Patch(spec, bucket_cap_mb, report, disabled, _option, check_for_nan_in_grad)
     if result.cls is not None:
         result._rebound = imported_bindings(result._original)
         _set_ddp_names(result.cls)
@@ -316,6 +325,8 @@ def _patched_class(base: type, owner: Patch) -> type:
                     bound.arguments["bucket_cap_mb_list"] = None
                 bound.arguments["bucket_cap_mb"] = owner.bucket_cap_mb
                 args, kwargs = bound.args[1:], bound.kwargs
+            if owner.check_for_nan_in_grad:
+                kwargs = {**kwargs, "check_for_nan_in_grad": True}
             super().__init__(*args, **kwargs)
             if owner._hook_factory is not None:
                 state, hook = owner._hook_factory()
