@@ -336,3 +336,13 @@ def hang_on_rank(rank: int) -> None:
     if dist.get_rank() == rank:
         time.sleep(3600)
     dist.all_reduce(torch.ones(1))
+
+
+def kill_rank(rank: int) -> str:
+    import signal
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return "alive"

@@ -24,7 +24,7 @@ import fastddp
 
 SCRIPT = Path(__file__).parent / "scripts" / "elastic_train.py"
 PACKAGE_DIR = Path(fastddp.__file__).resolve().parents[1]
-TIMEOUT_S = 150  # per torchrun; the run and all its workers are killed past it
+TIMEOUT_S = 150  # per test; the runs and all their workers are killed past it
 KILL_AT, EVERY, STEPS = 6, 4, 12
 
 
@@ -64,10 +64,19 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     proc.wait(10)
 
 
-def torchrun(tmp_path: Path, name: str, hook: str, kill_at: int) -> list[dict]:
-    """Runs the script under stock torchrun; each rank's final record."""
+def _command(tmp_path: Path, name: str, hook: str, kill_at: int) -> tuple[list[str], Path]:
     ckpt = tmp_path / name
     ckpt.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "--max-restarts", "3", str(SCRIPT), "--ckpt", str(ckpt), "--out",
+           str(ckpt / "final"), "--hook", hook, "--steps", str(STEPS), "--every", str(EVERY),
+           "--kill-at", str(kill_at)]
+    return cmd, ckpt
+
+
+def torchrun_both(tmp_path: Path, hook: str) -> tuple[list[dict], list[dict]]:
+    """The script under stock torchrun, uninterrupted and killed at KILL_AT, side by side
+    (the two runs spend much of their time waiting); each rank's final record of each."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [str(PACKAGE_DIR), os.environ.get("PYTHONPATH", "")]),
         # A fresh store per restart: with the agent's shared store, the restarted workers
@@ -76,28 +85,32 @@ def torchrun(tmp_path: Path, name: str, hook: str, kill_at: int) -> list[dict]:
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", "--max-restarts", "3", str(SCRIPT), "--ckpt", str(ckpt), "--out",
-           str(ckpt / "final"), "--hook", hook, "--steps", str(STEPS), "--every", str(EVERY),
-           "--kill-at", str(kill_at)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    runs = [_command(tmp_path, "uninterrupted", hook, -1),
+            _command(tmp_path, "killed", hook, KILL_AT)]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for cmd, _ in runs]
+    deadline = time.monotonic() + TIMEOUT_S
     try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        _kill_tree(proc)
-        pytest.fail(f"{name}: torchrun did not finish within {TIMEOUT_S} s: {' '.join(cmd)}")
+        outputs = []
+        for proc, (cmd, _) in zip(procs, runs):
+            try:
+                outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"torchrun did not finish within {TIMEOUT_S} s: {' '.join(cmd)}")
     finally:
-        _kill_tree(proc)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-6000:]}"
-    return [torch.load(ckpt / f"final.rank{r}.pt") for r in range(2)]
+        for proc in procs:
+            _kill_tree(proc)
+    records = []
+    for proc, (cmd, ckpt), output in zip(procs, runs, outputs):
+        assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-6000:]}"
+        records.append([torch.load(ckpt / f"final.rank{r}.pt") for r in range(2)])
+    return records[0], records[1]
 
 
 @pytest.mark.parametrize("hook", ["allreduce", "powersgd"])
 def test_restart_resumes_bitwise(tmp_path, hook):
     started = time.monotonic()
-    reference = torchrun(tmp_path, "uninterrupted", hook, kill_at=-1)
-    resumed = torchrun(tmp_path, "killed", hook, kill_at=KILL_AT)
+    reference, resumed = torchrun_both(tmp_path, hook)
     last_checkpoint = KILL_AT // EVERY * EVERY - 1
     for r, (ref, res) in enumerate(zip(reference, resumed)):
         assert (ref["attempt"], ref["start"]) == (0, 0), ref
