@@ -32,28 +32,33 @@ HOOKS = {
 }
 
 
-def _die(stamp_path: str) -> None:
+def _die(stamp_path: str, stall_s: float = 0.0) -> None:
+    """Writes the time, then stalls for `stall_s` (its peers see a live rank that does not
+    answer, until their timeout), then dies by SIGKILL."""
     with open(stamp_path, "w") as f:
         f.write(repr(time.time()))
+    time.sleep(stall_s)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 class _KillInBackward(torch.autograd.Function):
-    """Identity; its backward kills the process when `armed` says so. It sits between
+    """Identity; its backward kills the process (after stalling `stall_s` seconds) when
+    `armed` says so. It sits between
     `low` and `mid`, so buckets [head, high] and [mid] are launched before it runs
     (autograd accumulates a parameter's gradient, which launches its bucket, before it
     runs the next backward node)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, armed: bool, stamp_path: str) -> torch.Tensor:
-        ctx.armed, ctx.stamp_path = armed, stamp_path
+    def forward(ctx: Any, x: torch.Tensor, armed: bool, stall_s: float,
+                stamp_path: str) -> torch.Tensor:
+        ctx.armed, ctx.stall_s, ctx.stamp_path = armed, stall_s, stamp_path
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         if ctx.armed:
-            _die(ctx.stamp_path)
-        return grad, None, None
+            _die(ctx.stamp_path, ctx.stall_s)
+        return grad, None, None, None
 
 
 class Tower(nn.Module):
@@ -66,11 +71,12 @@ class Tower(nn.Module):
         self.head = nn.Linear(64, 8)
         self.norm = nn.BatchNorm1d(64) if buffers else nn.Identity()
         self.kill_now = False
+        self.stall_s = 0.0
         self.stamp_path = ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.low(torch.tanh(self.inp(x))))
-        h = _KillInBackward.apply(h, self.kill_now, self.stamp_path)
+        h = _KillInBackward.apply(h, self.kill_now, self.stall_s, self.stamp_path)
         h = torch.tanh(self.high(torch.tanh(self.mid(h))))
         return self.head(self.norm(h))
 
@@ -78,7 +84,8 @@ class Tower(nn.Module):
 def train_until_killed(hook: str, victim: int, kill: str, kill_step: int, stamp_path: str,
                        buffers: bool = False) -> dict[str, Any]:
     """Trains until rank `victim` kills itself at step `kill_step`: in that step's
-    backward (`kill="backward"`) or after its optimizer step (`kill="between"`).
+    backward (`kill="backward"`), after its optimizer step (`kill="between"`), or in its
+    backward after stalling past the group's timeout (`kill="stall"`).
 
     A survivor returns where its step raised ("forward" or "backward"), at which step,
     the exception, and when (time.time()); "phase" None if nothing raised. Also whether
@@ -89,6 +96,7 @@ def train_until_killed(hook: str, victim: int, kill: str, kill_step: int, stamp_
     torch.manual_seed(0)
     tower = Tower(buffers)
     tower.stamp_path = stamp_path
+    tower.stall_s = GROUP_TIMEOUT_S + 1.0 if kill == "stall" else 0.0
     model = fastddp.DistributedDataParallel(tower, process_group=group,
                                             bucket_cap_mb=BUCKET_CAP_MB)
     comm_hook = HOOKS[hook]()
@@ -99,7 +107,7 @@ def train_until_killed(hook: str, victim: int, kill: str, kill_step: int, stamp_
     for step in range(kill_step + 2):
         gen = torch.Generator().manual_seed(100 * step + rank)
         x, y = torch.randn(16, 16, generator=gen), torch.randn(16, 8, generator=gen)
-        tower.kill_now = rank == victim and kill == "backward" and step == kill_step
+        tower.kill_now = rank == victim and kill in ("backward", "stall") and step == kill_step
         phase = "forward"
         try:
             loss = (model(x) - y).square().mean()
