@@ -21,7 +21,6 @@ code, which differs per hook, and in where the step stood; so
 
 import os
 import re
-import time
 
 import pytest
 

@@ -1,7 +1,10 @@
 """Elastic training with fastddp: checkpoint every K steps, resume after torchrun restarts.
 
-    torchrun --standalone --nproc-per-node 2 --max-restarts 3 elastic_train.py \\
-        --ckpt DIR --out PREFIX [--hook powersgd] [--kill-at N]
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \\
+        --max-restarts 3 elastic_train.py --ckpt DIR --out PREFIX [--hook powersgd] [--kill-at N]
+
+(The variable gives each restart a fresh store: with torch 2.14's shared agent store,
+restarted gloo workers can meet the dead attempt's addresses; pytorch/pytorch#135712.)
 
 The model and optimizer go through torch.distributed.checkpoint (DCP) with get_state_dict /
 set_state_dict. DCP keeps one copy of a tensor that every rank holds, but a comm hook's
@@ -50,7 +53,7 @@ if args.hook == "powersgd":
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
-def save(step: int) -> None:
+def save(model: fastddp.DistributedDataParallel, opt: torch.optim.Optimizer, step: int) -> None:
     path = os.path.join(args.ckpt, f"step{step}")
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
@@ -62,7 +65,7 @@ def save(step: int) -> None:
         os.replace(os.path.join(args.ckpt, "LATEST.tmp"), os.path.join(args.ckpt, "LATEST"))
 
 
-def resume() -> int:
+def resume(model: fastddp.DistributedDataParallel, opt: torch.optim.Optimizer) -> int:
     """Loads the latest checkpoint, if any; returns the first step to run."""
     latest = os.path.join(args.ckpt, "LATEST")
     step = [int(open(latest).read()) if os.path.exists(latest) else -1]
@@ -78,7 +81,7 @@ def resume() -> int:
     return step[0] + 1
 
 
-start = resume()
+start = resume(model, opt)
 losses = {}
 for step in range(start, args.steps):
     gen = torch.Generator().manual_seed(1000 * step + rank)
@@ -91,7 +94,7 @@ for step in range(start, args.steps):
     opt.step()
     losses[step] = loss.item()
     if (step + 1) % args.every == 0:
-        save(step)
+        save(model, opt, step)
 
 torch.save({"params": {n: p.detach().clone() for n, p in model.module.named_parameters()},
             "attempt": attempt, "start": start, "losses": losses,
