@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
+from fastddp._hook_state import _hook_name
 from fastddp._module_sync import broadcast_tensors
 
 if TYPE_CHECKING:
@@ -53,8 +54,16 @@ def sync_buffers(ddp: DistributedDataParallel, joined: bool = False) -> None:
     """Broadcasts the module's buffers before a forward: from rank 0, or under
     join() from the largest rank still training (rank 0 may have stale ones)."""
     src = find_common_rank(ddp, not joined) if ddp._join_config.enable else 0
-    with torch.no_grad():
-        broadcast_tensors(ddp.process_group, ddp.modules_buffers, src=src)
+    try:
+        with torch.no_grad():
+            broadcast_tensors(ddp.process_group, ddp.modules_buffers, src=src)
+    except RuntimeError as e:
+        # Typically a dead or stuck peer: gloo's text names neither the collective nor
+        # what it carried, and this is the first collective of a step.
+        raise RuntimeError(
+            f"fastddp: the broadcast of the module's buffers from rank {src} before the "
+            f"forward (comm hook {_hook_name(ddp)!r}) failed on rank "
+            f"{ddp.process_group.rank()}: {e}") from e
 
 
 class _JoinHook(JoinHook):

@@ -6,6 +6,12 @@ Starting a rank costs seconds (it imports torch), so a test module or session st
 world once and runs many scenarios on it. Every wait has a deadline: a rank that does not
 answer in time fails the test and the whole world is killed and reaped; the next run
 starts a fresh one.
+
+A world started with ``start_method="forkserver"`` forks its ranks from a server that has
+imported torch and fastddp already: a rank starts in a fraction of a second instead of
+seconds, for tests that need many short-lived worlds (test_faults.py kills a rank in each).
+``run(..., allow_deaths=True)`` reports a rank that died (by a signal, say) as a result
+instead of tearing the world down at once.
 """
 
 import atexit
@@ -29,6 +35,10 @@ DEFAULT_TIMEOUT_S = 120.0
 # peer died reports an error instead of being killed.
 COLLECTIVE_TIMEOUT_S = 60.0
 _STOP = None
+# The error_type of a rank that died (see World.run's allow_deaths).
+DIED = "Died"
+# torch._dynamo: the first optimizer a process builds imports it (2 s and more).
+_FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "fastddp", "harness"]
 _live_worlds: "set[World]" = set()
 
 
@@ -50,10 +60,14 @@ class RankResult:
 class World:
     """`size` ranks in spawned processes, one process group over `backend`."""
 
-    def __init__(self, size: int, backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, size: int, backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S,
+                 start_method: str = "spawn"):
+        if start_method not in ("spawn", "forkserver"):
+            raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
         self.size = size
         self.backend = backend
         self.timeout_s = timeout_s
+        self.start_method = start_method
         self.starts = 0
         self._procs: list[mp.process.BaseProcess] = []
         self._conns: list[multiprocessing.connection.Connection] = []
@@ -77,13 +91,17 @@ class World:
             self._spawn()
 
     def _spawn(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(self.start_method)
+        if self.start_method == "forkserver":
+            # Takes effect when the server starts (once per test process); forking from a
+            # process that only imported torch is safe (no threads run yet).
+            ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
         port = _free_port()
         for rank in range(self.size):
             parent_end, child_end = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, self.size, port, self.backend, child_end, os.getpid()),
+                args=(rank, self.size, port, self.backend, child_end),
                 name=f"fastddp-test-rank{rank}",
                 daemon=True,
             )
@@ -101,12 +119,15 @@ class World:
             raise RuntimeError("world failed to start:\n" + _describe(failed))
 
     def run(self, scenario: Callable[..., Any] | str, timeout_s: float | None = None,
-            **kwargs: Any) -> list[RankResult]:
+            allow_deaths: bool = False, **kwargs: Any) -> list[RankResult]:
         """Runs `scenario(**kwargs)` on every rank; one result per rank, in rank order.
 
         `scenario` is a module-level function or its "module.function" name; the ranks
         import it by name. Raises TimeoutError (after tearing the world down) when a rank
-        does not answer within `timeout_s`.
+        does not answer within `timeout_s`. A rank that dies raises RuntimeError, or with
+        `allow_deaths` gives a result with error_type "Died" and its exit code in `error`
+        (-9: SIGKILL); the other ranks' results are still collected, then the world is
+        torn down.
         """
         name = scenario if isinstance(scenario, str) else (
             f"{scenario.__module__}.{scenario.__qualname__}")
@@ -117,8 +138,11 @@ class World:
             except OSError:
                 self.close(polite=False)
                 raise RuntimeError(f"{name}: rank {rank} is gone; the world was torn down")
-        results = self._collect(name, timeout_s or self.timeout_s)
-        if len({r.ok for r in results}) > 1:
+        results = self._collect(name, timeout_s or self.timeout_s, allow_deaths=allow_deaths)
+        if any(r.error_type == DIED for r in results):
+            # Survivors may still hold collectives with the dead rank.
+            self.close(polite=False)
+        elif len({r.ok for r in results}) > 1:
             # Some ranks failed and others did not: their collectives may be out of step,
             # so a later scenario could hang or pair up with stale messages.
             self.close()
@@ -173,10 +197,11 @@ class World:
         self._procs, self._conns = [], []
         _live_worlds.discard(self)
 
-    def _collect(self, what: str, timeout_s: float,
-                 stop_at_failure: bool = False) -> list[RankResult]:
+    def _collect(self, what: str, timeout_s: float, stop_at_failure: bool = False,
+                 allow_deaths: bool = False) -> list[RankResult]:
         """One reply per rank, or TimeoutError. With `stop_at_failure`, returns at the first
-        failure (ranks still waiting for a failed peer are then left unanswered)."""
+        failure (ranks still waiting for a failed peer are then left unanswered). With
+        `allow_deaths`, a rank that died is a "Died" result instead of an error."""
         deadline = time.monotonic() + timeout_s
         results: dict[int, RankResult] = {}
         pending = dict(enumerate(self._conns))
@@ -195,8 +220,13 @@ class World:
                 try:
                     results[rank] = conn.recv()
                 except (EOFError, OSError):
-                    self.close(polite=False)
-                    raise RuntimeError(f"{what}: rank {rank} died; the world was torn down")
+                    if not allow_deaths:
+                        self.close(polite=False)
+                        raise RuntimeError(f"{what}: rank {rank} died; the world was torn down")
+                    proc = self._procs[rank]
+                    proc.join(5.0)  # its pipe closed as it died: the exit code is moments away
+                    results[rank] = RankResult(rank, error_type=DIED,
+                                               error=f"exit code {proc.exitcode}")
                 del pending[rank]
                 if stop_at_failure and not results[rank].ok:
                     return [results[rank]]
@@ -226,15 +256,16 @@ def _close_all() -> None:
 
 def _exit_with_parent(parent_pid: int) -> None:
     # A rank stuck in a collective never reads its pipe again; this makes it die with
-    # an interrupted test run instead of lingering as an orphan.
+    # an interrupted test run instead of lingering as an orphan. The parent is the test
+    # process, or the fork server, which exits when the test process does.
     while os.getppid() == parent_pid:
         time.sleep(1.0)
     os._exit(1)
 
 
 def _worker_main(rank: int, size: int, port: int, backend: str,
-                 conn: multiprocessing.connection.Connection, parent_pid: int) -> None:
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+                 conn: multiprocessing.connection.Connection) -> None:
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(size), LOCAL_RANK=str(rank))
     try:
@@ -305,3 +336,13 @@ def hang_on_rank(rank: int) -> None:
     if dist.get_rank() == rank:
         time.sleep(3600)
     dist.all_reduce(torch.ones(1))
+
+
+def kill_rank(rank: int) -> str:
+    import signal
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return "alive"

@@ -54,3 +54,22 @@ def test_hung_rank_times_out_and_is_killed(spare_world):
     starts = spare_world.starts
     assert spare_world.check(harness.ping) == [0, 1]
     assert spare_world.starts == starts + 1
+
+
+@pytest.mark.parametrize("allow_deaths", [True, False])
+def test_rank_killed_by_a_signal(allow_deaths):
+    # Forked from a server that imported torch: a fresh world in well under a second.
+    world = World(2, timeout_s=60, start_method="forkserver")
+    world.start()
+    pids = world.pids
+    try:
+        if allow_deaths:
+            results = world.run(harness.kill_rank, allow_deaths=True, rank=1)
+            assert results[0].ok and results[0].value == "alive"
+            assert (results[1].error_type, results[1].error) == (harness.DIED, "exit code -9")
+        else:
+            with pytest.raises(RuntimeError, match="rank 1 died; the world was torn down"):
+                world.run(harness.kill_rank, rank=1)
+    finally:
+        world.close(polite=False)
+    assert not world.running and reaped(pids)
