@@ -158,22 +158,27 @@ def _verdict(warm: dict, end: dict) -> list[str]:
 
 def _table(runs: list[dict], warmup: int) -> str:
     lines = [
-        f"| hook | rank | RSS at step {warmup} MiB | RSS at end MiB | growth | peak RSS MiB "
+        f"| hook | rank | RSS at step {warmup} MiB | RSS at end MiB | growth | growth over "
+        "the 2nd half | peak RSS MiB "
         "| threads | fds | comm_stats() values (bytes) | logging data values (bytes) "
         "| ms/step | verdict |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         samples = run["samples"]
         warm = next(s for s in samples if s["step"] == warmup)
         end = samples[-1]
         growth = (end["rss"] - warm["rss"]) / warm["rss"]
+        # The allocator settles in the first few hundred steps; a leak keeps growing.
+        half = min(samples, key=lambda x: abs(x["step"] - samples[-1]["step"] / 2))
+        late = (end["rss"] - half["rss"]) / half["rss"]
         stats = (f"{warm['stats_values']} ({warm['stats_bytes']}) -> {end['stats_values']} "
                  f"({end['stats_bytes']})" if "stats_bytes" in warm else "n/a (torch)")
         problems = _verdict(warm, end)
         lines.append(
             f"| {run['hook']} | {run['rank']} | {warm['rss'] / MIB:.2f} | {end['rss'] / MIB:.2f} "
-            f"| {growth:+.3%} | {end['hwm'] / MIB:.1f} | {warm['threads']} -> {end['threads']} "
+            f"| {growth:+.3%} | {late:+.3%} (from step {half['step']}) "
+            f"| {end['hwm'] / MIB:.1f} | {warm['threads']} -> {end['threads']} "
             f"| {warm['fds']} -> {end['fds']} | {stats} "
             f"| {warm['logging_values']} ({warm['logging_bytes']}) -> {end['logging_values']} "
             f"({end['logging_bytes']}) | {run['ms_per_step']:.2f} "
@@ -215,11 +220,12 @@ def main() -> None:
 
     start, load_before = time.perf_counter(), os.getloadavg()[0]
     runs = [run for hook in hooks for run in _run(hook, args)]
+    buckets = next((r["buckets"] for r in runs if r["buckets"]), "?")
     header = (f"Machine: {_machine()}\n\nCommand: `python {' '.join(sys.argv)}` "
               f"({time.perf_counter() - start:.0f} s; 1-min load average {load_before:.2f} "
               f"before, {os.getloadavg()[0]:.2f} after). Model: MLP 128-256x4-10 (0.23M "
               f"parameters), batch 32, SGD; bucket_cap_mb={args.bucket_cap_mb:g} "
-              f"({next((r['buckets'] for r in runs if r['buckets']), '?')} buckets under fastddp).\n")
+              f"({buckets} buckets under fastddp).\n")
     table = _table(runs, args.warmup)
     print(header)
     print(table)
