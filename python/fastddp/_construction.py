@@ -1,7 +1,9 @@
 """What fastddp.DistributedDataParallel checks and resolves when it is constructed: the
 arguments it does not support, the process group, the parameters the reducer takes (and
-which get sparse gradients), the module's devices, and the inputs' device."""
+which get sparse gradients), the module's devices, and the inputs' device; and, later, the
+conversions (model.to(), .double(), ...) that would leave the reducer behind."""
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -117,3 +119,30 @@ def _move_inputs(inputs: tuple, kwargs: dict, device_type: str, index: int) -> t
 
     moved, moved_kwargs = _to_kwargs(inputs, kwargs, torch.device(device_type, index), True)
     return moved[0], moved_kwargs[0]
+
+
+def check_conversion(fn: Callable[[torch.Tensor], torch.Tensor], names: Sequence[str],
+                     params: Sequence[torch.Tensor]) -> None:
+    """Raises RuntimeError, before anything is converted, when `fn` (what nn.Module.to(),
+    .double(), .half(), .cuda(), ... apply to each tensor) would change the dtype or device
+    of a parameter the reducer holds.
+
+    Changing a parameter's dtype or device (``param.data = ...``, which is what those do)
+    drops its gradient accumulator, and with it the reducer's hook: the next backward makes
+    a new accumulator and the parameter's gradients are silently no longer averaged (torch
+    DDP does just that). `fn` is tried on an empty tensor of each dtype and device.
+    """
+    seen: set[tuple[torch.dtype, torch.device]] = set()
+    for name, p in zip(names, params):
+        if (p.dtype, p.device) in seen:
+            continue
+        seen.add((p.dtype, p.device))
+        out = fn(torch.empty(0, dtype=p.dtype, device=p.device))
+        if out.dtype != p.dtype or out.device != p.device:
+            raise RuntimeError(
+                f"fastddp: this conversion would make parameter {name!r} {out.dtype} on "
+                f"{out.device} (it is {p.dtype} on {p.device}) after DistributedDataParallel "
+                "was built, and its gradients would then no longer be averaged. Nothing was "
+                "converted. Convert or move the module before wrapping it: module.to(...), "
+                "then DistributedDataParallel(module)."
+            )

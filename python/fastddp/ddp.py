@@ -16,11 +16,12 @@ from fastddp import _hook_state, _powersgd_state
 from fastddp import hooks as fastddp_hooks
 from fastddp._construction import (_check_module, _expect_sparse_gradients, _move_inputs,
                                    _not_yet, _params_for_reducer, _reject_unsupported,
-                                   _resolve_device_ids, _resolve_group)
+                                   _resolve_device_ids, _resolve_group, check_conversion)
 from fastddp._ddp_logger import DdpLogger
 from fastddp._introspection import bucket_sizes, comm_stats, logging_data
 from fastddp._join import _JoinHook, announce_backward_sync, sync_buffers
-from fastddp._module_sync import broadcast_tensors, verify_param_shapes
+from fastddp._module_sync import (broadcast_tensors, verify_bucket_layout,
+                                  verify_param_shapes)
 from fastddp._options import world1_reducer_requested
 from fastddp._reducer_proxy import ReducerProxy
 
@@ -159,6 +160,13 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.logger = DdpLogger()
         self._bucket_limits = (initial_limits, rebuild_limits)
         plan = self._initial_plan()
+        if init_sync and world > 1:
+            # Sizes in millionths of a MiB: shown as given (0.001, not 0.000999451).
+            verify_bucket_layout(self.process_group, names, plan, {
+                "bucket_cap_mb": [] if bucket_cap_mb is None else [round(bucket_cap_mb * 1e6)],
+                "bucket_cap_mb_list": [round(mb * 1e6) for mb in bucket_cap_mb_list or ()],
+                "find_unused_parameters": [int(find_unused_parameters)],
+            }, self.device)
         self._initial_bucket_sizes = bucket_sizes(params, plan)
         # At world size 1 there is nothing to average: unless a comm hook is
         # registered (torch runs it there too), FASTDDP_WORLD1_REDUCER=1 asks
@@ -251,6 +259,14 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         for i, tensor in zip(slots, passed):
             leaves[i] = tensor
         return tree_unflatten(leaves, spec)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "DistributedDataParallel":
+        """nn.Module's conversion (to, double, half, cuda, ...), refused when it would change
+        a reduced parameter's dtype or device (see check_conversion). Conversions of the
+        inner module itself (model.module.double()) do not pass here."""
+        if getattr(self, "_reducer", None) is not None:
+            check_conversion(fn, self._reducer_param_names, self._reducer_params)
+        return super()._apply(fn, recurse)
 
     def _will_sync_buffers(self) -> bool:
         return bool(self.require_forward_param_sync and self.forward_sync_buffers
