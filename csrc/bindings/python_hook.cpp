@@ -1,5 +1,6 @@
 #include "python_hook.h"
 
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
 #include <algorithm>
@@ -39,13 +40,29 @@ c10::intrusive_ptr<c10::ivalue::Future> PythonCommHook::run(Bucket& bucket, size
                                std::move(offsets), std::move(lengths), std::move(sizes),
                                std::move(params), std::move(sparse_indices));
   // Takes the GIL, calls hook(state, bucket), unwraps the torch.futures.Future.
-  return hook_->runHook(grad_bucket);
+  // torch's refusal of a hook that returns no Future names neither the hook
+  // nor the bucket; a Python exception from the hook keeps its type.
+  try {
+    return hook_->runHook(grad_bucket);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "fastddp: comm hook '", name_, "' (bucket ", index,
+                "): ", e.what_without_backtrace());
+  }
 }
 
 at::Tensor PythonCommHook::result_tensor(const c10::IValue& result) {
   // A future chained in Python holds a Python object (converted under the
   // GIL by torch); a collective's own future holds tensors.
-  return result.isPyObject() ? hook_->parseHookResult(result) : hook_result_tensor(result, name_);
+  if (!result.isPyObject()) return hook_result_tensor(result, name_);
+  py::gil_scoped_acquire gil;
+  PyObject* obj = result.toPyObject();
+  if (THPVariable_Check(obj)) return THPVariable_Unpack(obj);
+  // torch answers "Unable to cast 3.0 to Tensor" or takes None for an empty
+  // tensor; name the hook and what it gave instead.
+  const std::string type = obj == Py_None ? "None" : Py_TYPE(obj)->tp_name;
+  TORCH_CHECK(false, "fastddp: comm hook '", name_, "' completed its future with ", type,
+              "; it must hold the bucket's reduced tensor (a torch.Tensor of the bucket's size, "
+              "as bucket.buffer())");
 }
 
 void PythonCommHook::write_back(Bucket& bucket, const c10::IValue& result,
@@ -54,6 +71,11 @@ void PythonCommHook::write_back(Bucket& bucket, const c10::IValue& result,
   TORCH_CHECK(flat.numel() == bucket.flat.numel(), "fastddp: comm hook ", name_,
               " returned a tensor of ", flat.numel(), " elements for a bucket of ",
               bucket.flat.numel(), "; the future must hold the bucket's reduced flat buffer");
+  // An integer result would be cast into the gradients, truncated.
+  TORCH_CHECK(at::isFloatingType(flat.scalar_type()) || at::isComplexType(flat.scalar_type()),
+              "fastddp: comm hook '", name_, "' returned a tensor of ", flat.scalar_type(),
+              " for a bucket of ", bucket.flat.scalar_type(), "; it must be floating point");
+  if (flat.dim() != 1) flat = flat.reshape({-1});  // torch takes [1, N] too
   if (flat.scalar_type() != bucket.flat.scalar_type() || flat.device() != bucket.flat.device()) {
     flat = flat.to(bucket.flat.options());  // e.g. torch's compress wrappers return 16-bit
   }

@@ -37,8 +37,9 @@ void AllreduceHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad)
   }
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> AllreduceHook::run(Bucket& bucket, size_t, bool) {
+c10::intrusive_ptr<c10::ivalue::Future> AllreduceHook::run(Bucket& bucket, size_t index, bool) {
   std::vector<at::Tensor> tensors{bucket.sparse ? bucket.sparse_grad : bucket.flat};
+  note_launch(index, "allreduce of the bucket");
   return group_->allreduce(tensors)->getFuture();
 }
 

@@ -4,6 +4,9 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <stdexcept>
+#include <string>
+
 #include "../reducer/profile_range.h"
 #include "half_ops.h"
 #include "side_stream.h"
@@ -115,7 +118,6 @@ struct HalfCompressHook::HalfStage : Stage {
 std::shared_ptr<PipelinedHook::Stage> HalfCompressHook::start(
     Bucket& bucket, size_t index, bool is_last, c10::intrusive_ptr<c10::ivalue::Future>& done) {
   FASTDDP_PROFILE_RANGE("fastddp launch (half)");
-  (void)index;
   (void)is_last;
   state_for(bucket);
   std::shared_ptr<BucketState> state = states_[bucket.flat.unsafeGetTensorImpl()];
@@ -123,6 +125,7 @@ std::shared_ptr<PipelinedHook::Stage> HalfCompressHook::start(
     std::vector<at::Tensor> tensors{state->wire};
     try {
       done = group_->allreduce(tensors)->getFuture();
+      note_launch(index, "allreduce of the 16-bit bucket");
       return nullptr;
     } catch (const c10::Error& e) {
       // A backend without 16-bit sums (old gloo) refuses at enqueue, on every
@@ -152,13 +155,20 @@ void HalfCompressHook::finish(Stage& base) {
   BucketState& s = *stage.state;
   // Off the compute stream (Note [hook streams]): the wait is a stream wait.
   const SideStreamScope side(s.wire.device());
-  stage.alltoall->wait();
+  try {
+    stage.alltoall->wait();
+  } catch (const std::exception& e) {
+    const auto* error = dynamic_cast<const c10::Error*>(&e);
+    throw std::runtime_error(std::string("alltoall of the 16-bit shards failed: ") +
+                             (error ? error->what_without_backtrace() : e.what()));
+  }
   stage.alltoall.reset();
   half_sum_shards_into(options_.kind, s.recv, world_size_, s.shard_sum);
   record_current_stream({s.wire, s.recv, s.shard_sum});
   c10::intrusive_ptr<c10d::Work> work = group_->_allgather_base(s.wire, s.shard_sum);
   at::Tensor wire = s.wire;
-  complete_after(work->getFuture(), stage.result, [wire]() { return c10::IValue(wire); });
+  complete_after(work->getFuture(), stage.result, "allgather of the summed 16-bit shards",
+                 [wire]() { return c10::IValue(wire); });
 }
 
 void HalfCompressHook::write_back(Bucket& bucket, const c10::IValue& result,

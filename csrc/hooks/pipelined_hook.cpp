@@ -21,6 +21,7 @@ c10::intrusive_ptr<c10::ivalue::Future> PipelinedHook::run(Bucket& bucket, size_
   if (stage) {
     stage->index = index;
     done = stage->result;
+    note_launch(index, nullptr);  // the stage's errors name their collective
   }
   TORCH_INTERNAL_ASSERT(done, "comm hook '", name(), "' started bucket ", index, " without a future");
   if (pending_) {
@@ -66,12 +67,13 @@ c10::intrusive_ptr<c10::ivalue::Future> PipelinedHook::make_result(const at::Ten
 
 void PipelinedHook::complete_after(const c10::intrusive_ptr<c10::ivalue::Future>& collective,
                                    const c10::intrusive_ptr<c10::ivalue::Future>& result,
-                                   std::function<c10::IValue()> local_work) {
+                                   std::string what, std::function<c10::IValue()> local_work) {
   // The callback runs on the collective's streams (CUDA), so its work is
   // ordered after the collective and `result` records events after it.
-  collective->addCallback([result, work = std::move(local_work)](c10::ivalue::Future& fut) {
+  collective->addCallback([result, what = std::move(what),
+                           work = std::move(local_work)](c10::ivalue::Future& fut) {
     if (fut.hasError()) {
-      result->setErrorIfNeeded(fut.exception_ptr());
+      result->setErrorIfNeeded(collective_error(what, fut));
       return;
     }
     try {

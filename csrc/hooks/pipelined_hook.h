@@ -65,11 +65,12 @@ class PipelinedHook : public CommHook {
   // A future for run() to return, on the bucket's device.
   static c10::intrusive_ptr<c10::ivalue::Future> make_result(const at::Tensor& like);
   // Completes `result` with local_work()'s value once `collective` is done
-  // (with its error, or local_work's exception, if any). local_work runs in
-  // the completion callback: it must not issue collectives.
+  // (with its error as collective_error(what, ...), or local_work's
+  // exception, if any). local_work runs in the completion callback: it must
+  // not issue collectives.
   static void complete_after(const c10::intrusive_ptr<c10::ivalue::Future>& collective,
                              const c10::intrusive_ptr<c10::ivalue::Future>& result,
-                             std::function<c10::IValue()> local_work);
+                             std::string what, std::function<c10::IValue()> local_work);
 
  private:
   void finish_or_fail(Stage& stage);

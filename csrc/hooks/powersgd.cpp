@@ -41,7 +41,10 @@ int64_t PowerSGDHook::wire_bytes(const Bucket& bucket) const {
 std::shared_ptr<PipelinedHook::Stage> PowerSGDHook::start(
     Bucket& bucket, size_t index, bool is_last, c10::intrusive_ptr<c10::ivalue::Future>& done) {
   done = maybe_vanilla(bucket, is_last);
-  if (done) return nullptr;
+  if (done) {
+    note_launch(index, "allreduce of the bucket (before start_powerSGD_iter)");
+    return nullptr;
+  }
   FASTDDP_PROFILE_RANGE("fastddp launch (powersgd P)");
   auto stage = std::make_shared<PowerSGDStage>();
   stage->input = bucket.flat;
@@ -119,7 +122,7 @@ void PowerSGDHook::finish(Stage& base) {
                          state.q_memory});
   for (const PowerSGDBatch& b : work.batches) record_current_stream({b.matrices, b.out});
   auto q_reduced = allreduce(state.q_memory);
-  complete_after(q_reduced, stage.result,
+  complete_after(q_reduced, stage.result, "allreduce of Q",
                  [this, state = stage.state, batches = std::move(work.batches),
                   uncompressed = stage.plan.uncompressed, input = stage.input,
                   input_copy = stage.input_copy]() mutable {

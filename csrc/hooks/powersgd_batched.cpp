@@ -54,7 +54,10 @@ int64_t BatchedPowerSGDHook::wire_bytes(const Bucket& bucket) const {
 std::shared_ptr<PipelinedHook::Stage> BatchedPowerSGDHook::start(
     Bucket& bucket, size_t index, bool is_last, c10::intrusive_ptr<c10::ivalue::Future>& done) {
   done = maybe_vanilla(bucket, is_last);
-  if (done) return nullptr;
+  if (done) {
+    note_launch(index, "allreduce of the bucket (before start_powerSGD_iter)");
+    return nullptr;
+  }
   FASTDDP_PROFILE_RANGE("fastddp launch (powersgd_batched P)");
   auto stage = std::make_shared<BatchedStage>();
   stage->flat = bucket.flat;
@@ -107,7 +110,7 @@ void BatchedPowerSGDHook::finish(Stage& base) {
   lowrank_back_project(matrix.unsqueeze(0), state.p.unsqueeze(0), q3);
   record_current_stream({state.padded, state.p, state.q});
   auto q_reduced = allreduce(state.q);
-  complete_after(q_reduced, stage.result,
+  complete_after(q_reduced, stage.result, "allreduce of Q",
                  [this, state = stage.state, flat = stage.flat,
                   input_copy = stage.input_copy]() mutable {
                    FASTDDP_PROFILE_RANGE("fastddp decompress (powersgd_batched)");

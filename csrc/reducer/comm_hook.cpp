@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 
 #include <atomic>
+#include <stdexcept>
 
 #include "../kernels/nonfinite.h"
 #include "nonfinite_guard.h"
@@ -101,6 +102,11 @@ void CommHook::check_grad(const Bucket& bucket, size_t slot, const at::Tensor& g
 void CommHook::write_back(Bucket& bucket, const c10::IValue& result,
                           std::vector<at::Tensor>& dsts) {
   copy_flat_to_grads(bucket, hook_result_tensor(result, name()), dsts);
+}
+
+std::exception_ptr collective_error(const std::string& what, c10::ivalue::Future& failed) {
+  return std::make_exception_ptr(
+      std::runtime_error(what + " failed: " + failed.tryRetrieveErrorMessage()));
 }
 
 at::Tensor CommHook::result_tensor(const c10::IValue& result) {

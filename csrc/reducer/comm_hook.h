@@ -27,6 +27,7 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -99,7 +100,21 @@ class CommHook {
   // by the reducer; nullptr: no check). See Note [non-finite guard].
   void set_nonfinite_guard(NonFiniteGuard* guard) { guard_ = guard; }
 
+  // The collective run() issued for bucket `index` this step, when the future
+  // it returned is that collective's own ("allreduce of the bucket"): the
+  // reducer names it when the future fails, because a backend's own text
+  // (gloo: "Connection closed by peer") names none. nullptr when the hook's
+  // errors name their collective themselves (see collective_error) or when
+  // it is not known (Python hooks). Costs a pointer store per bucket.
+  const char* launched_collective(size_t index) const {
+    return index < launched_.size() ? launched_[index] : nullptr;
+  }
+
  protected:
+  void note_launch(size_t index, const char* what) {
+    if (launched_.size() <= index) launched_.resize(index + 1, nullptr);
+    launched_[index] = what;
+  }
   // grad -> bucket.views[slot], times `scale` (1: a copy); in place when grad
   // already is the view (gradient_as_bucket_view). With a guard, the check
   // rides on the same pass where it can (dense float32/float64 on the CPU).
@@ -108,6 +123,9 @@ class CommHook {
   void check_grad(const Bucket& bucket, size_t slot, const at::Tensor& grad);
 
   NonFiniteGuard* guard_ = nullptr;
+
+ private:
+  std::vector<const char*> launched_;  // string literals
 };
 
 // The flat tensor in a hook future's value: the tensor itself or the first
@@ -117,6 +135,10 @@ at::Tensor hook_result_tensor(const c10::IValue& result, const std::string& hook
 // A sparse bucket's gradient for copy_in: `grad`, or a sparse zero tensor of
 // the parameter's shape when it got none.
 at::Tensor sparse_grad_or_zeros(const Bucket& bucket, const at::Tensor& grad);
+
+// "<what> failed: <the future's error>", for a hook that completes its own
+// future after a collective (`what` names it: "allreduce of Q").
+std::exception_ptr collective_error(const std::string& what, c10::ivalue::Future& failed);
 
 // Copies a flat result into the parameters' gradients, slot by slot (one
 // multi-tensor launch on CUDA). Shared by the default write_back and hooks

@@ -107,6 +107,7 @@ bool Reducer::should_rebuild() const {
 bool Reducer::before_forward(bool sync) {
   std::lock_guard<std::mutex> lock(mutex_);
   ensure_prior_reduction_finished();
+  check_parameters_unchanged();
   if (sync) ++num_iterations_;
   if (should_rebuild() && ready_order_.size() == params_.size()) {
     rebuild_buckets();
@@ -244,7 +245,16 @@ void Reducer::launch_ready_buckets() {
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
     FASTDDP_PROFILE_RANGE("fastddp launch");
     Bucket& bucket = buckets_[next_bucket_];
-    bucket.future = hook_->run(bucket, next_bucket_, next_bucket_ + 1 == buckets_.size());
+    try {
+      bucket.future = hook_->run(bucket, next_bucket_, next_bucket_ + 1 == buckets_.size());
+    } catch (const c10::Error& e) {
+      // A collective refused at enqueue (a peer already gone): name the bucket.
+      TORCH_CHECK(false, "fastddp: the reduction of bucket ", next_bucket_, " (comm hook '",
+                  hook_->name(), "') failed on rank ", rank_, ": ", e.what_without_backtrace());
+    } catch (const std::runtime_error& e) {
+      TORCH_CHECK(false, "fastddp: the reduction of bucket ", next_bucket_, " (comm hook '",
+                  hook_->name(), "') failed on rank ", rank_, ": ", e.what());
+    }
     TORCH_CHECK(bucket.future, "fastddp: comm hook '", hook_->name(), "' returned no future");
     stats_.timings[next_bucket_].launched_us = elapsed_us();
     timeline_->mark(next_bucket_, DeviceTimeline::kLaunched);
@@ -265,7 +275,9 @@ void Reducer::queue_finalize() {
   torch::autograd::Engine::get_default_engine().queue_callback([weak] {
     if (auto self = weak.lock()) {
       std::lock_guard<std::mutex> lock(self->mutex_);
-      self->finalize_backward();
+      // Not if the step failed meanwhile (fail_iteration: a hook changed
+      // inside this backward).
+      if (self->phase_ == Phase::kExpecting) self->finalize_backward();
     }
   });
 }
@@ -307,8 +319,10 @@ void Reducer::finalize_backward() {
         bucket.future->wait();
       }
       if (bucket.future->hasError()) {
+        const char* what = hook_->launched_collective(b);
         TORCH_CHECK(false, "fastddp: the reduction of bucket ", b, " (comm hook '", hook_->name(),
-                    "') failed on rank ", rank_, ": ", bucket.future->tryRetrieveErrorMessage());
+                    "') failed on rank ", rank_, ": ", what ? what : "",
+                    what ? " failed: " : "", bucket.future->tryRetrieveErrorMessage());
       }
       {
         FASTDDP_PROFILE_RANGE("fastddp write-back");
@@ -437,13 +451,39 @@ double Reducer::elapsed_us() const {
 void Reducer::set_comm_hook(std::shared_ptr<CommHook> hook) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(hook, "fastddp: set_comm_hook needs a hook");
-  TORCH_CHECK(phase_ != Phase::kExpecting || num_ready_ == 0,
-              "fastddp: a comm hook cannot be changed while a backward is reducing");
+  if (phase_ == Phase::kExpecting && num_ready_ > 0) {
+    // The backward in flight cannot finish reducing (this call comes from
+    // inside it): fail it, so that the next forward starts afresh.
+    try {
+      TORCH_CHECK(false, "fastddp: a comm hook cannot be changed while a backward is reducing");
+    } catch (...) {
+      fail_iteration(std::current_exception());
+      throw;
+    }
+  }
   check_hook_supports(*hook);
   hook_->set_nonfinite_guard(nullptr);
   hook_ = std::move(hook);
   hook_->set_nonfinite_guard(nonfinite_.get());
   hook_->on_new_buckets(buckets_);
+}
+
+void Reducer::check_parameters_unchanged() const {
+  // A parameter converted after wrapping (module.double(), .to(device) on the
+  // inner module) keeps its name but loses the gradient hook the reducer
+  // relies on: its gradients would silently stop being averaged.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto [b, slot] = locator_[i];
+    const at::Tensor& view = buckets_[b].views[slot];
+    const at::Tensor& p = params_[i];
+    TORCH_CHECK(p.scalar_type() == view.scalar_type() && p.device() == view.device() &&
+                    p.sizes() == view.sizes(),
+                "fastddp: parameter '", names_[i], "' is now ", p.scalar_type(), " on ",
+                p.device(), " of shape ", p.sizes(), ", but DistributedDataParallel was built for ",
+                "it ", view.scalar_type(), " on ", view.device(), " of shape ", view.sizes(),
+                " (rank ", rank_, "): after wrapping, its gradients would no longer be averaged. "
+                "Convert or move the module before wrapping it.");
+  }
 }
 
 void Reducer::check_hook_supports(const CommHook& hook) const {

@@ -196,6 +196,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void reset_bucket_views();
 
   void ensure_prior_reduction_finished() const;
+  // Raises if a parameter changed dtype, device or shape since wrapping.
+  void check_parameters_unchanged() const;
   void check_hook_supports(const CommHook& hook) const;  // sparse buckets
   void check_not_ready(size_t index) const;
   std::string unready_params() const;

@@ -41,7 +41,15 @@ std::vector<std::vector<size_t>> Reducer::broadcast_plan(
   std::vector<at::Tensor> tensors{packed.to(params_.front().device())};
   c10d::BroadcastOptions opts;
   opts.rootRank = 0;
-  group_->broadcast(tensors, opts)->wait();
+  try {
+    group_->broadcast(tensors, opts)->wait();
+  } catch (const std::exception& e) {
+    // A dead or stuck peer: say which collective of the forward failed.
+    const auto* error = dynamic_cast<const c10::Error*>(&e);
+    TORCH_CHECK(false, "fastddp: the broadcast of rank 0's bucket plan (comm hook '",
+                hook_->name(), "') failed on rank ", rank_, ": ",
+                error ? error->what_without_backtrace() : e.what());
+  }
   packed = tensors[0].cpu();  // once per run: the rebuild is not on the step path
   p = packed.data_ptr<int64_t>();
 

@@ -207,26 +207,23 @@ def convert_wrapper(how: str) -> str:
 
 def convert_module(how: str) -> list[str]:
     """The inner module converted behind the wrapper ("module.double": ddp.module.double();
-    "param.data": each param.data replaced by a float64 copy; "module.meta":
-    ddp.module.to("meta")) after one step. Returns the outcomes of the next two steps; a step
-    that runs but does not leave the ranks' average in .grad is reported as such."""
+    "param.data": each param.data replaced by a float64 copy) after one step. Returns the
+    outcomes of the next two steps; a step that runs but does not leave the ranks' average
+    in .grad is reported as such. (ddp.module.to("meta") replaces the Parameter objects
+    themselves, which the reducer cannot see: not covered, see the README.)"""
     torch.manual_seed(0)
     model = fastddp.DistributedDataParallel(mlp())
     _step(model, 0)
     if how == "module.double":
         model.module.double()
-    elif how == "param.data":
+    else:
         for p in model.module.parameters():
             p.data = p.data.double()
-    else:
-        model.module.to("meta")
-    device = "meta" if how == "module.meta" else "cpu"
-    dtype = torch.float32 if how == "module.meta" else torch.float64
     outcomes = []
     for step in (1, 2):
-        expected = _averaged(model.module, step) if device == "cpu" else None
-        outcome = _outcome(lambda: _step(model, step, dtype, device))
-        if outcome == "ok" and (expected is None or not _is_average(model.module, expected)):
+        expected = _averaged(model.module, step)
+        outcome = _outcome(lambda: _step(model, step, torch.float64, "cpu"))
+        if outcome == "ok" and not _is_average(model.module, expected):
             outcome = "ok, but .grad is not the ranks' average (the gradients were not reduced)"
         outcomes.append(outcome)
     return outcomes
