@@ -87,8 +87,16 @@ class Link:
         return self.seconds(kind, nbytes, n) * 1e3
 
     def __str__(self) -> str:
-        text = f"{self.bus_gbs:g}GB/s"
-        return text + (f",{self.latency_us:g}us" if self.latency_us else "")
+        """The spec :func:`parse_link` reads back: ``3GB/s,20us``, ``500MB/s``."""
+        scale, unit = next(((scale, unit) for scale, unit in (
+            (1e9, "GB/s"), (1e6, "MB/s"), (1e3, "KB/s")) if self.bytes_per_s >= scale),
+            (1.0, "B/s"))
+        bandwidth = f"{self.bytes_per_s / scale:g}{unit}"
+        if not self.latency_us:
+            return bandwidth
+        latency = (f"{self.latency_us / 1e3:g}ms" if self.latency_us >= 1e3
+                   else f"{self.latency_us:g}us")
+        return f"{bandwidth},{latency}"
 
 
 def parse_link(text: str) -> Link:
