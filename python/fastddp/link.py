@@ -91,11 +91,11 @@ class Link:
         scale, unit = next(((scale, unit) for scale, unit in (
             (1e9, "GB/s"), (1e6, "MB/s"), (1e3, "KB/s")) if self.bytes_per_s >= scale),
             (1.0, "B/s"))
-        bandwidth = f"{self.bytes_per_s / scale:g}{unit}"
+        bandwidth = f"{self.bytes_per_s / scale:.12g}{unit}"
         if not self.latency_us:
             return bandwidth
-        latency = (f"{self.latency_us / 1e3:g}ms" if self.latency_us >= 1e3
-                   else f"{self.latency_us:g}us")
+        latency = (f"{self.latency_us / 1e3:.12g}ms" if self.latency_us >= 1e3
+                   else f"{self.latency_us:.12g}us")
         return f"{bandwidth},{latency}"
 
 

@@ -27,13 +27,14 @@ task that waits on a Python "done" future and returns the output tensors, which 
 ``Future[List[Tensor]]`` that completes when "done" does, without holding a thread or the GIL.
 """
 
+import atexit
 import heapq
 import itertools
 import sys
 import threading
 import time
 import warnings
-from collections import Counter
+from collections import Counter, deque
 from typing import Any
 
 import torch
@@ -41,8 +42,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOptions,
                                         AllreduceOptions, AllToAllOptions, BarrierOptions,
                                         BroadcastOptions, GatherOptions, ReduceOptions,
-                                        ReduceScatterOptions, ScatterOptions,
-                                        _create_work_from_future)
+                                        ReduceScatterOptions, ScatterOptions)
 
 from fastddp.link import Link, parse_link
 
@@ -67,6 +67,27 @@ def _typed_future_when(done: torch.jit.Future[int], failed: torch.Tensor,
 
 _scripted: Any = None
 _script_lock = threading.Lock()
+# Note [exit with forked tasks]: a forked task (Note [typed futures]) holds its "done"
+# future, whose value is a Python object, until it returns, which is just after it completes
+# the typed future. Were the task's reference the last one and the interpreter already
+# finalizing, freeing that value would take the GIL of a dead interpreter: std::terminate
+# (seen in 5 of 30 runs of a script that exits right after a wait()). So Python keeps the
+# recent "done" futures (not the typed ones, which hold the output tensors), and at exit
+# waits for them to complete and for their tasks to return before it lets them go.
+_recent: deque = deque(maxlen=4096)
+_EXIT_WAIT_S = 10.0
+_TASK_UNWIND_S = 0.05
+
+
+@atexit.register
+def _wait_for_forked_tasks() -> None:
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    pending = list(_recent)
+    for done in pending:
+        while not done.done() and time.monotonic() < deadline:
+            time.sleep(0.001)
+    if pending:
+        time.sleep(_TASK_UNWIND_S)  # the tasks return right after completing their futures
 
 
 def _typed_future_maker() -> Any:
@@ -79,11 +100,12 @@ def _typed_future_maker() -> Any:
                 # a typed Future from Python (Note [typed futures]).
                 warnings.simplefilter("ignore", FutureWarning)
                 scripted = torch.jit.script(_typed_future_when)
-                # TorchScript's executor profiles and optimizes the first calls (~60 ms);
-                # done here so that no collective pays for it.
-                for _ in range(4):
+                # TorchScript's executor profiles and optimizes the first calls (~60 ms),
+                # and again for an empty list; done here so that no collective pays for it.
+                for outputs in 3 * [[torch.zeros(1)], [], [torch.zeros(1), torch.zeros(2)]]:
                     done = torch.futures.Future()
-                    typed = scripted(done, torch.zeros((), dtype=torch.bool), [])
+                    typed = scripted(done, torch.zeros((), dtype=torch.bool), outputs)
+                    _recent.append(done)  # Note [exit with forked tasks]
                     done.set_result(0)
                     typed.wait()
                 _scripted = scripted
@@ -171,6 +193,26 @@ def _wait_real(work: Any, device: torch.device) -> None:
         stream.synchronize()
 
 
+class _EmulatedWork(dist._Work):
+    """The Work of one emulated collective: its future is the typed one (Note [typed
+    futures]), and wait() raises when the collective failed, as a real group's Work does
+    (torch's _create_work_from_future makes a Work whose wait() does not)."""
+
+    def __init__(self, future: torch.futures.Future):
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout: object = None) -> bool:
+        self._future.wait()  # releases the GIL while it waits; raises if the collective failed
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
 class EmulatedLinkGroup(dist.ProcessGroup):
     """A ProcessGroup over ``group`` whose collectives take at least the time the bytes would
     take on ``link`` (Note [emulated link timing]); results are ``group``'s, bit for bit.
@@ -256,8 +298,9 @@ class EmulatedLinkGroup(dist.ProcessGroup):
         device = outputs[0].device if outputs else torch.device("cpu")
         pending = _Pending(end, seq, work, kind, device)
         typed = self._typed_future(pending.done, pending.failed, outputs)
+        _recent.append(pending.done)  # Note [exit with forked tasks]
         self._completer.submit(pending)
-        return _create_work_from_future(typed)
+        return _EmulatedWork(typed)
 
     # Collectives: the names the C++ trampoline (torch/csrc/distributed/c10d/py/
     # PyProcessGroup.hpp) and torch.distributed call, old and new. Bytes follow Note
