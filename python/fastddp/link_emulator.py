@@ -25,6 +25,10 @@ of Tensors (csrc/reducer/comm_hook.cpp: hook_result_tensor), but a Future made i
 holds a PyObject. So the Work's future is made by TorchScript: a scripted function forks a
 task that waits on a Python "done" future and returns the output tensors, which gives a
 ``Future[List[Tensor]]`` that completes when "done" does, without holding a thread or the GIL.
+Callbacks on it run on TorchScript's inter-op threads (on a real group: its worker threads).
+Were hook_result_tensor to accept PyObject results, as torch's parseCppCommHookResult does,
+a plain Python Future would do. On CUDA the Work completes once the collective has finished
+on the device (the completer synchronizes a side stream), so users need no stream waits.
 """
 
 import atexit
