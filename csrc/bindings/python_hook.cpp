@@ -39,15 +39,9 @@ c10::intrusive_ptr<c10::ivalue::Future> PythonCommHook::run(Bucket& bucket, size
                                bucket.sparse ? bucket.sparse_grad : bucket.flat,
                                std::move(offsets), std::move(lengths), std::move(sizes),
                                std::move(params), std::move(sparse_indices));
-  // Takes the GIL, calls hook(state, bucket), unwraps the torch.futures.Future.
-  // torch's refusal of a hook that returns no Future names neither the hook
-  // nor the bucket; a Python exception from the hook keeps its type.
-  try {
-    return hook_->runHook(grad_bucket);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "fastddp: comm hook '", name_, "' (bucket ", index,
-                "): ", e.what_without_backtrace());
-  }
+  // Takes the GIL, calls hook(state, bucket), unwraps the torch.futures.Future
+  // (the reducer names the bucket and hook if that fails).
+  return hook_->runHook(grad_bucket);
 }
 
 at::Tensor PythonCommHook::result_tensor(const c10::IValue& result) {

@@ -1,7 +1,7 @@
 """``python -m fastddp``: run an unmodified DDP training script with fastddp.
 
     torchrun --nproc_per_node=N -m fastddp [--hook NAME] [--bucket-cap-mb X] [--report]
-             [--] train.py [script args ...]
+             [--emulate-link BANDWIDTH[,LATENCY]] [--] train.py [script args ...]
 
 Launcher options come before the script path; everything after it belongs to the script.
 """
@@ -12,6 +12,7 @@ import runpy
 import socket
 import sys
 
+from fastddp.link import parse_link
 from fastddp.patch import HookUnavailableError, parse_hook_spec, patch
 
 _DESCRIPTION = """\
@@ -31,6 +32,13 @@ hooks (--hook):
 The launcher's hook is registered on every model the script wraps and replaces any hook the
 script registers itself (rank 0 says so once). Without --hook, the script's hooks are used.
 
+emulated link (--emulate-link):
+  Every model's collectives complete no earlier than they would on a link of this bus
+  bandwidth (nccl-tests busbw) and per-collective latency: allreduce 2(n-1)/n*S/B,
+  alltoall and allgather (n-1)/n*S/B, plus the latency, queued one after another. Results
+  are unchanged. Units: B/s KB/s MB/s GB/s (1e9 bytes) GiB/s, bits: Mb/s Gb/s; latency: s
+  ms us ns. E.g. 3GB/s (PCIe box at 8 GPUs), 100Gb/s,5us.
+
 environment:
   FASTDDP_DISABLE=1   leave torch's DDP in place (stock torch DDP). Launcher options still
                       apply, through torch's built-in hooks (powersgd:R -> PowerSGDState
@@ -39,10 +47,11 @@ environment:
 examples:
   torchrun --nproc_per_node=8 -m fastddp --hook bf16 --bucket-cap-mb 100 train.py --epochs 1
   FASTDDP_DISABLE=1 torchrun --nproc_per_node=8 -m fastddp --hook bf16 train.py
+  torchrun --nproc_per_node=4 -m fastddp --emulate-link 3GB/s,20us --report train.py
   python -m fastddp --report -- train.py --lr 0.1"""
 
 # Launcher options that consume the next token; needed to find where the script path is.
-_VALUE_OPTIONS = ("--hook", "--bucket-cap-mb")
+_VALUE_OPTIONS = ("--hook", "--bucket-cap-mb", "--emulate-link")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="raise, on every rank, when a gradient holds NaN or Inf, naming "
                              "the parameter, the rank and the step (costs one small "
                              "allreduce per step)")
+    parser.add_argument("--emulate-link", metavar="BANDWIDTH[,LATENCY]", type=_link_spec,
+                        help="delay every model's collectives to the time they take on a link "
+                             "of this bus bandwidth and latency, e.g. 3GB/s or 100Gb/s,5us")
     parser.add_argument("--report", action="store_true",
                         help="print a table of model.comm_stats() on rank 0 at exit")
     return parser
@@ -103,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         handle = patch(hook=hook, bucket_cap_mb=options.bucket_cap_mb,
                        report=options.report, _option="--hook",
+                       emulate_link=options.emulate_link,
                        check_for_nan_in_grad=options.check_for_nan_in_grad)
     except (HookUnavailableError, ValueError, NotImplementedError) as e:
         print(f"python -m fastddp: error: {e}", file=sys.stderr)
@@ -132,6 +145,13 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be positive")
     return value
+
+
+def _link_spec(text: str):  # -> fastddp.link.Link
+    try:
+        return parse_link(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _default_to_world_of_one() -> bool:

@@ -25,7 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastddp._emulate_link import LinkEmulation
 from fastddp.ddp import DistributedDataParallel as FastDDP
+from fastddp.link import Link
 from fastddp.report import format_comm_stats
 
 HOOK_NAMES = ("allreduce", "fp16", "bf16", "bf16-fp32acc", "powersgd")
@@ -142,8 +144,10 @@ class Patch:
     """What ``patch()`` did. Undo it with ``unpatch()`` or by leaving its ``with`` block."""
 
     def __init__(self, hook: HookSpec | None, bucket_cap_mb: float | None, report: bool,
-                 disabled: bool, option: str = "--hook", check_for_nan_in_grad: bool = False):
+                 disabled: bool, option: str = "--hook", emulate_link: Link | str | None = None,
+                 check_for_nan_in_grad: bool = False):
         self.hook = hook
+        self.emulation = None if emulate_link is None else LinkEmulation(emulate_link)
         self.bucket_cap_mb = bucket_cap_mb
         self.check_for_nan_in_grad = check_for_nan_in_grad
         self.report = report
@@ -160,7 +164,8 @@ class Patch:
             raise NotImplementedError(
                 "check_for_nan_in_grad is fastddp's: stock torch DDP (FASTDDP_DISABLE=1) has "
                 "no such check")
-        self.cls = None if disabled and hook is None and bucket_cap_mb is None else (
+        self.cls = None if (disabled and hook is None and bucket_cap_mb is None
+                            and emulate_link is None) else (
             _patched_class(self._original if disabled else FastDDP, self))
 
     @property
@@ -185,6 +190,8 @@ class Patch:
             settings.append(f"bucket_cap_mb={self.bucket_cap_mb:g} (launcher)")
         if self.check_for_nan_in_grad:
             settings.append("check_for_nan_in_grad=True (launcher)")
+        if self.emulation is not None:
+            settings.append(self.emulation.describe())
         if self.report:
             settings.append("comm report at exit")
         rest = "; other arguments as the script passes them"
@@ -200,7 +207,12 @@ class Patch:
                 f" (torch's built-in hooks){rest}")
 
     def report_text(self) -> str:
-        """The communication report of the last model, or why there is none."""
+        """The communication report of the last model, or why there is none, and with
+        ``emulate_link`` what went through the emulated link."""
+        text = self._comm_report_text()
+        return text if self.emulation is None else text + "\n" + self.emulation.report_text()
+
+    def _comm_report_text(self) -> str:
         model = self.last_model
         if self.disabled:
             return "[fastddp] comm report unavailable: FASTDDP_DISABLE=1 (stock torch DDP)"
@@ -214,6 +226,13 @@ class Patch:
             return format_comm_stats(model.comm_stats())
         except Exception as e:  # noqa: BLE001 -- a report must not fail a finished run
             return f"[fastddp] comm report unavailable: comm_stats() raised {type(e).__name__}: {e}"
+
+    def emulated_state(self, state: Any, hook: Any) -> Any:
+        """A hook's state as registered: with ``emulate_link``, the process group it names
+        replaced by its EmulatedLinkGroup (``LinkEmulation.hook_state``)."""
+        if self.emulation is None:
+            return state
+        return self.emulation.hook_state(state, hook, self.note_once)
 
     def note_once(self, text: str) -> None:
         """Prints ``text`` once per process, on rank 0 only."""
@@ -243,12 +262,15 @@ class Patch:
 
 def patch(hook: str | HookSpec | None = None, bucket_cap_mb: float | None = None,
           report: bool = False, disable: bool | None = None, _option: str = "hook=",
-          check_for_nan_in_grad: bool = False) -> Patch:
+          emulate_link: Link | str | None = None, check_for_nan_in_grad: bool = False) -> Patch:
     """Replace torch's DistributedDataParallel (both import paths) with fastddp's.
 
     ``hook`` (``"bf16"``, ``"bf16-fp32acc"``, ``"powersgd:4"``, ...) is registered on every
     wrapped model and replaces hooks the script registers itself; ``bucket_cap_mb``
-    overrides the script's value; ``check_for_nan_in_grad=True`` turns the non-finite
+    overrides the script's value. ``emulate_link`` (``"3GB/s,20us"`` or a
+    :class:`fastddp.link.Link`) puts every model's process group, and the group a built-in
+    hook's state names, behind an EmulatedLinkGroup of that link (fastddp/link_emulator.py;
+    with FASTDDP_DISABLE=1 too). ``check_for_nan_in_grad=True`` turns the non-finite
     gradient check on for every wrapped model. ``report=True`` keeps the last model alive for
     ``Patch.report_text()``. ``disable=None`` reads ``FASTDDP_DISABLE``. Returns a Patch
     (a context manager); models constructed before the patch are not affected.
@@ -261,7 +283,8 @@ def patch(hook: str | HookSpec | None = None, bucket_cap_mb: float | None = None
     if bucket_cap_mb is not None and not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb={bucket_cap_mb}: must be positive")
     disabled = fastddp_disabled() if disable is None else disable
-    result = Patch(spec, bucket_cap_mb, report, disabled, _option, check_for_nan_in_grad)
+    result = Patch(spec, bucket_cap_mb, report, disabled, _option, emulate_link,
+                   check_for_nan_in_grad)
     if result.cls is not None:
         result._rebound = imported_bindings(result._original)
         _set_ddp_names(result.cls)
@@ -318,19 +341,24 @@ def _patched_class(base: type, owner: Patch) -> type:
         __doc__ = base.__doc__
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            if owner.bucket_cap_mb is not None:
+            if owner.bucket_cap_mb is not None or owner.emulation is not None:
                 bound = signature.bind(self, *args, **kwargs)
-                if bound.arguments.get("bucket_cap_mb_list") is not None:
-                    owner.note_once("--bucket-cap-mb replaces the script's bucket_cap_mb_list")
-                    bound.arguments["bucket_cap_mb_list"] = None
-                bound.arguments["bucket_cap_mb"] = owner.bucket_cap_mb
+                if owner.bucket_cap_mb is not None:
+                    if bound.arguments.get("bucket_cap_mb_list") is not None:
+                        owner.note_once("--bucket-cap-mb replaces the script's "
+                                        "bucket_cap_mb_list")
+                        bound.arguments["bucket_cap_mb_list"] = None
+                    bound.arguments["bucket_cap_mb"] = owner.bucket_cap_mb
+                if owner.emulation is not None:
+                    bound.arguments["process_group"] = owner.emulation.model_group(
+                        bound.arguments.get("process_group"), bound.arguments.get("device_mesh"))
                 args, kwargs = bound.args[1:], bound.kwargs
             if owner.check_for_nan_in_grad:
                 kwargs = {**kwargs, "check_for_nan_in_grad": True}
             super().__init__(*args, **kwargs)
             if owner._hook_factory is not None:
                 state, hook = owner._hook_factory()
-                base.register_comm_hook(self, state, hook)
+                base.register_comm_hook(self, owner.emulated_state(state, hook), hook)
             owner.models_wrapped += 1
             # With a report the model must outlive the script's own references to it.
             owner._last_model = self if owner.report else weakref.ref(self)
@@ -341,7 +369,7 @@ def _patched_class(base: type, owner: Patch) -> type:
                 owner.note_once(f"the script's comm hook {name} was not registered: "
                                 f"--hook {owner.hook} given to the launcher takes precedence")
                 return
-            super().register_comm_hook(state, hook)
+            super().register_comm_hook(owner.emulated_state(state, hook), hook)
 
         def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
             if owner.hook is not None:

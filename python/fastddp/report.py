@@ -9,6 +9,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fastddp.link import bus_factor
+
 _MB = 1e6
 
 
@@ -69,7 +71,8 @@ def _mb(x: Any) -> str:
     return f"{x / _MB:.2f}" if _is_num(x) else "-"
 
 
-# The projection: Note [ring allreduce cost]. A ring allreduce of S bytes over n ranks
+# The projection: Note [ring allreduce cost] (one case of Note [collective cost] in link.py,
+# whose bus factors this uses). A ring allreduce of S bytes over n ranks
 # moves 2(n-1)/n * S bytes through every rank's link, so with a bus bandwidth B (the
 # nccl-tests "busbw") it takes 2(n-1)/n * S / B. Latency terms are left out: at the
 # article's sizes (hundreds of MB) they are far below a millisecond per bucket.
@@ -77,7 +80,7 @@ def ring_allreduce_ms(nbytes: float, n: int, bus_gbs: float) -> float:
     """Time of a ring allreduce of ``nbytes`` over ``n`` ranks at ``bus_gbs`` GB/s."""
     if n < 1 or bus_gbs <= 0:
         raise ValueError(f"ring_allreduce_ms: need n >= 1 and bus_gbs > 0, got {n}, {bus_gbs}")
-    return 2.0 * (n - 1) / n * nbytes / (bus_gbs * 1e9) * 1e3
+    return bus_factor("allreduce", n) * nbytes / (bus_gbs * 1e9) * 1e3
 
 
 def projected_step_ms(compute_ms: float, kernel_ms: float, wire_bytes: float, n: int,

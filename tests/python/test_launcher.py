@@ -6,6 +6,7 @@ plus fastddp.patch(), the command-line split and the comm report formatting in-p
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -143,12 +144,14 @@ def test_help_usage_and_bad_options() -> None:
     helped = _run_cli("--help")
     assert helped.returncode == 0
     for word in ("--hook", "--bucket-cap-mb", "--report", "FASTDDP_DISABLE", "powersgd",
-                 "bf16-fp32acc", "torchrun"):
+                 "bf16-fp32acc", "torchrun", "--emulate-link"):
         assert word in helped.stdout, word
     bare = _run_cli()
     assert bare.returncode == 2 and "usage:" in bare.stderr and "no training script" in bare.stderr
     bad = _run_cli("--hook", "fp8", str(SCRIPT))
     assert bad.returncode == 2 and "unknown hook 'fp8'" in bad.stderr
+    bad_link = _run_cli("--emulate-link", "3GB", str(SCRIPT))
+    assert bad_link.returncode == 2 and "--emulate-link: link spec '3GB'" in bad_link.stderr
     if not _has_hooks():
         missing = _run_cli("--hook", "bf16", str(SCRIPT), "--out", "unused.json")
         assert missing.returncode == 2 and "--hook bf16" in missing.stderr
@@ -226,3 +229,34 @@ def test_each_launcher_hook_trains(tmp_path: Path, hook: str, fast_run) -> None:
     assert f"hook={hook} (launcher" in out, out
     assert out.count("[fastddp] communication report:") == 1, out
     assert max_param_diff(fast, fast_run[0]) > 0
+
+
+def _emulated_link_line(out: str) -> str:
+    lines = [ln for ln in out.splitlines() if ln.startswith("[fastddp] emulated link ")]
+    assert len(lines) == 1, out
+    return lines[0]
+
+
+def test_emulate_link_puts_every_model_on_the_link(tmp_path: Path, stock_run) -> None:
+    """--emulate-link: the script's model reduces through an EmulatedLinkGroup (its
+    collectives counted in the report) and trains as without it."""
+    fast, out = launch(tmp_path, "emulated", ["--emulate-link", "20MB/s,2ms", "--report"])
+    assert FASTDDP_CLASS in fast["classes"]
+    assert_params_close(fast, stock_run[0])
+    assert "emulated link 20MB/s,2ms (launcher)" in out, out
+    line = _emulated_link_line(out)
+    assert "over a group of 2" in line and "allreduce 4 x" in line, line  # 4 steps, 1 bucket
+
+
+@needs_hooks
+def test_emulate_link_with_stock_torch_and_its_hook(tmp_path: Path) -> None:
+    """FASTDDP_DISABLE=1: torch's DDP and torch's PowerSGD hook (whose state names no
+    group, i.e. WORLD) reduce through the emulated link too."""
+    stock, out = launch(tmp_path, "emulated_stock", ["--emulate-link", "1GB/s", "--hook",
+                                                     "powersgd:1", "--report"], disable=True)
+    assert FASTDDP_CLASS not in stock["classes"]
+    line = _emulated_link_line(out)
+    # 2 plain steps, then 2 compressed ones, each with a P and a Q allreduce (and one for
+    # the tensors left uncompressed): more allreduces than steps.
+    found = re.search(r"allreduce (\d+) x", line)
+    assert found and int(found.group(1)) > 4, line

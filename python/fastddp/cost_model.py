@@ -1,0 +1,202 @@
+"""Predicted step time of each gradient-communication candidate, from one measured backward.
+
+Inputs: per bucket, in the order the buckets become ready, the time from backward start to
+the bucket being ready (``ready_ms``) and its fp32 gradient bytes (or its tensors' shapes);
+the time backward compute ends (``backward_ms``); the link (bus bandwidth B, latency L:
+fastddp.link.Link) and the world size n; per candidate, the collectives it issues per
+bucket (wire bytes) and its kernel costs.
+
+The model, per candidate:
+
+1. Compression runs on the compute path, when each bucket is copied in (fastddp fuses it
+   into the copy-in hook), so it delays the rest of backward: bucket i is ready at
+   ``r_i' = r_i + sum_{j<=i} pre_j`` and backward ends at ``E = backward_ms + sum_j pre_j``,
+   where ``pre_j = compress_ms_per_mb * S_j / 1e6`` and S_j is bucket j's fp32 bytes.
+2. Each bucket issues its collectives in a chain: the first at r_i', each next one when
+   the previous ends plus ``between_ms_per_mb * S_i / 1e6`` (kernels between them, off the
+   compute path: PowerSGD's matmuls and orthogonalization, the fp32 sum of bf16 shards).
+3. The link serves collectives one at a time, in the order they are issued:
+   ``start = max(issue, end of the previous collective)``, ``end = start + T(c)`` with
+   ``T(c) = L + f(n) * bytes(c) / B`` (Note [collective cost] in fastddp/link.py:
+   f = 2(n-1)/n for allreduce, (n-1)/n for alltoall and allgather).
+4. ``step_ms = fixed_ms + max(E, end of the last collective) + sum_i post_i``, where
+   ``post_i = writeback_ms_per_mb * S_i / 1e6`` (decompression and write-back into the
+   grads, after the last collective; fastddp does it in one pass at the end of backward) and
+   ``fixed_ms`` is the rest of the step (forward, optimizer), taken as measured.
+   ``exposed_ms = step_ms - fixed_ms - E``: the time the step waits on communication.
+
+Wire bytes per bucket of S fp32 bytes (numel = S/4):
+
+- ``allreduce_fp32``: one allreduce of S.
+- ``bf16``: one allreduce of S/2.
+- ``bf16_fp32_accumulate``: an alltoall of the 16-bit buffer padded to a multiple of n
+  elements (W = 2 * n * ceil(numel/n)), then an allgather of the summed shards (W again).
+- ``powersgd(r)``: the bucket's tensors seen as matrices (shape[0] x the rest), each of
+  rank ``k = min(r, rows, cols)``; one is compressed when ``(rows + cols) * k *
+  min_compression_rate < rows * cols`` (torch's PowerSGD rule; 1-D tensors never are).
+  Uncompressed tensors U (4 bytes per element), P = 4 * sum(rows * k), Q = 4 * sum(cols * k)
+  of the compressed ones. fastddp sends U and P in one allreduce, then Q: two allreduces
+  (U + P, Q); torch's hook sends three (U, P, Q): ``separate_uncompressed=True``. Steady
+  state: the first ``start_powerSGD_iter`` plain steps are not modelled.
+
+Pure arithmetic on plain numbers, tested with hand-computed cases; ``report.py``'s
+``projected_step_ms`` is the one-bucket case (see tests/python/test_cost_model.py).
+"""
+
+import heapq
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from fastddp.link import Link
+
+_MB = 1e6
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One bucket as measured: ``ready_ms`` after backward start, its fp32 gradient bytes,
+    and (for PowerSGD) the shapes of its tensors, which then also give its bytes."""
+
+    ready_ms: float
+    nbytes: float | None = None
+    shapes: tuple[tuple[int, ...], ...] | None = None
+
+    @property
+    def fp32_bytes(self) -> float:
+        if self.nbytes is not None:
+            return float(self.nbytes)
+        if self.shapes is None:
+            raise ValueError("Bucket: give nbytes or shapes")
+        return 4.0 * sum(math.prod(s) for s in self.shapes)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A way to communicate a bucket: ``collectives(bucket, n)`` gives its chain of
+    (collective kind, wire bytes); kernel costs are in ms per MB (1e6 bytes) of the bucket's
+    fp32 gradient (model steps 1, 2 and 4)."""
+
+    name: str
+    collectives: Callable[[Bucket, int], list[tuple[str, float]]]
+    compress_ms_per_mb: float = 0.0
+    between_ms_per_mb: float = 0.0
+    writeback_ms_per_mb: float = 0.0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """``step_ms`` (model step 4), ``backward_end_ms`` (E), ``comm_end_ms`` (the last
+    collective's end, from backward start), ``exposed_ms``, and per collective in issue
+    order (bucket index, kind, bytes, start_ms, end_ms)."""
+
+    name: str
+    step_ms: float
+    backward_end_ms: float
+    comm_end_ms: float
+    exposed_ms: float
+    timeline: list[tuple[int, str, float, float, float]] = field(default_factory=list)
+
+
+def allreduce_fp32(**costs: float) -> Candidate:
+    """fp32 gradients, one allreduce per bucket."""
+    return Candidate("allreduce_fp32", lambda b, n: [("allreduce", b.fp32_bytes)], **costs)
+
+
+def bf16(**costs: float) -> Candidate:
+    """bf16 on the wire and in the sum: one allreduce of half the bytes."""
+    return Candidate("bf16", lambda b, n: [("allreduce", b.fp32_bytes / 2)], **costs)
+
+
+def bf16_fp32_accumulate(**costs: float) -> Candidate:
+    """bf16 on the wire, summed in fp32: alltoall of 16-bit shards, allgather of the sums."""
+    def chain(bucket: Bucket, n: int) -> list[tuple[str, float]]:
+        numel = math.ceil(bucket.fp32_bytes / 4)
+        wire = 2.0 * n * math.ceil(numel / n)
+        return [("alltoall", wire), ("allgather", wire)]
+    return Candidate("bf16_fp32_accumulate", chain, **costs)
+
+
+def powersgd(rank: int, min_compression_rate: float = 2.0, separate_uncompressed: bool = False,
+             **costs: float) -> Candidate:
+    """PowerSGD of ``rank``: per bucket, allreduces of U + P then Q (fastddp), or of U, P
+    and Q with ``separate_uncompressed`` (torch's hook)."""
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"powersgd: rank must be a positive int, got {rank!r}")
+
+    def chain(bucket: Bucket, n: int) -> list[tuple[str, float]]:
+        if bucket.shapes is None:
+            raise ValueError(f"powersgd({rank}): a Bucket needs its tensors' shapes")
+        plain = p = q = 0
+        for shape in bucket.shapes:
+            numel = math.prod(shape)
+            rows = shape[0] if len(shape) > 1 else 0
+            cols = numel // rows if rows else 0
+            k = min(rank, rows, cols)
+            if rows and (rows + cols) * k * min_compression_rate < rows * cols:
+                p, q = p + rows * k, q + cols * k
+            else:
+                plain += numel
+        if not p:
+            return [("allreduce", 4.0 * plain)] if plain else []
+        if separate_uncompressed:
+            head = [("allreduce", 4.0 * plain)] if plain else []
+            return head + [("allreduce", 4.0 * p), ("allreduce", 4.0 * q)]
+        return [("allreduce", 4.0 * (plain + p)), ("allreduce", 4.0 * q)]
+    return Candidate(f"powersgd_r{rank}", chain, **costs)
+
+
+def predict(buckets: Sequence[Bucket], backward_ms: float, link: Link, world: int,
+            candidate: Candidate, fixed_ms: float = 0.0) -> Prediction:
+    """The step time of ``candidate`` (the model in this module's docstring)."""
+    _check(buckets, backward_ms, world)
+    pre = [candidate.compress_ms_per_mb * b.fp32_bytes / _MB for b in buckets]
+    between = [candidate.between_ms_per_mb * b.fp32_bytes / _MB for b in buckets]
+    post = sum(candidate.writeback_ms_per_mb * b.fp32_bytes / _MB for b in buckets)
+    chains = [candidate.collectives(b, world) for b in buckets]
+    # (issue time, sequence, bucket, position in its chain); popped in issue order.
+    issued: list[tuple[float, int, int, int]] = []
+    delay, seq = 0.0, 0
+    for i, bucket in enumerate(buckets):
+        delay += pre[i]
+        if chains[i]:
+            issued.append((bucket.ready_ms + delay, seq, i, 0))
+            seq += 1
+    heapq.heapify(issued)
+    backward_end = backward_ms + sum(pre)
+    link_free, timeline = 0.0, []
+    while issued:
+        at, _, i, k = heapq.heappop(issued)
+        kind, nbytes = chains[i][k]
+        start = max(at, link_free)
+        link_free = start + link.ms(kind, nbytes, world)
+        timeline.append((i, kind, nbytes, start, link_free))
+        if k + 1 < len(chains[i]):
+            heapq.heappush(issued, (link_free + between[i], seq, i, k + 1))
+            seq += 1
+    comm_end = max((end for *_, end in timeline), default=0.0)
+    done = max(backward_end, comm_end) + post
+    return Prediction(candidate.name, fixed_ms + done, backward_end, comm_end,
+                      done - backward_end, timeline)
+
+
+def predict_all(buckets: Sequence[Bucket], backward_ms: float, link: Link, world: int,
+                candidates: Sequence[Candidate], fixed_ms: float = 0.0) -> list[Prediction]:
+    """:func:`predict` for each candidate, fastest first."""
+    return sorted((predict(buckets, backward_ms, link, world, c, fixed_ms) for c in candidates),
+                  key=lambda p: p.step_ms)
+
+
+def _check(buckets: Sequence[Bucket], backward_ms: float, world: int) -> None:
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"cost model: world must be a positive int, got {world!r}")
+    if not buckets:
+        raise ValueError("cost model: no buckets")
+    previous = 0.0
+    for i, b in enumerate(buckets):
+        if not previous <= b.ready_ms <= backward_ms:
+            raise ValueError(f"cost model: bucket {i} ready at {b.ready_ms} ms; ready times "
+                             f"must be in order, from 0 to backward_ms={backward_ms}")
+        if b.fp32_bytes < 0:
+            raise ValueError(f"cost model: bucket {i} has negative bytes {b.fp32_bytes}")
+        previous = b.ready_ms
