@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "../reducer/nonfinite_guard.h"
 #include "../reducer/profile_range.h"
 #include "half_ops.h"
 #include "side_stream.h"
@@ -85,14 +86,22 @@ void HalfCompressHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& gr
     bucket.views[slot].copy_(grad);
     src = view;
   }
-  // Not fused with the compression: a separate read of the gradient.
-  check_grad(bucket, slot, src);
   if (src.scalar_type() == at::kFloat) {
     at::Tensor* residual =
         options_.error_feedback ? &residual_for(bucket.params[slot], src, numel) : nullptr;
-    half_compress_into(options_.kind, src, scale_, residual, wire);
+    if (guard_ == nullptr) {
+      half_compress_into(options_.kind, src, scale_, residual, wire);
+    } else if (src.is_cpu()) {
+      bool bad = false;
+      half_compress_into(options_.kind, src, scale_, residual, wire, &bad);
+      guard_->note(bucket.params[slot], bad);
+    } else {
+      half_compress_into(options_.kind, src, scale_, residual, wire, nullptr,
+                         guard_->device_flag(bucket.params[slot], src));
+    }
     return;
   }
+  check_grad(bucket, slot, src);  // other dtypes: a separate read
   // Other dtypes (float64, a bfloat16 model): the same arithmetic as ATen ops
   // on the bucket's slice.
   if (!src.is_same(view)) bucket.views[slot].copy_(src);

@@ -3,6 +3,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <atomic>
+
 #include "../kernels/half_cast.h"
 #include "../reducer/profile_range.h"
 
@@ -66,7 +68,8 @@ HalfKind half_kind_of(c10::ScalarType type) {
 }
 
 void half_compress_into(HalfKind kind, const at::Tensor& src, double scale,
-                        const at::Tensor* residual, const at::Tensor& dst) {
+                        const at::Tensor* residual, const at::Tensor& dst, bool* host_bad,
+                        int32_t* device_flag) {
   FASTDDP_PROFILE_RANGE("fastddp compress");
   check_float(src, "src");
   check_half(dst, kind, "dst");
@@ -86,17 +89,22 @@ void half_compress_into(HalfKind kind, const at::Tensor& src, double scale,
   if (src.is_cuda()) {
 #if defined(FASTDDP_WITH_CUDA)
     const c10::cuda::CUDAGuard guard(src.device());
-    kernels::compress_cuda(kind, s, f_scale, r, d, src.numel(), current_stream(src));
+    kernels::compress_cuda(kind, s, f_scale, r, d, src.numel(), current_stream(src),
+                           device_flag);
     return;
 #else
     no_cuda();
 #endif
   }
   TORCH_CHECK(src.is_cpu(), "fastddp half_compress: unsupported device ", src.device());
+  std::atomic<int32_t> bad{0};
   at::parallel_for(0, src.numel(), kGrain, [&](int64_t begin, int64_t end) {
+    int32_t chunk_bad = 0;
     kernels::compress_cpu(kind, s + begin, f_scale, r ? r + begin : nullptr, d + begin,
-                          end - begin);
+                          end - begin, host_bad != nullptr ? &chunk_bad : nullptr);
+    if (chunk_bad) bad = 1;
   });
+  if (host_bad != nullptr) *host_bad = bad.load() != 0;
 }
 
 void half_decompress_many(HalfKind kind, const std::vector<at::Tensor>& srcs,

@@ -19,8 +19,12 @@ HalfKind half_kind_of(c10::ScalarType type);
 // place); see kernels/half_cast.h. src and residual: float32, dense, same
 // numel and device as dst; dst: a contiguous 16-bit tensor of `kind`. Memory
 // is read in storage order (a channels_last grad stays channels_last).
+// check_for_nan_in_grad, in the same pass: *host_bad (CPU) becomes whether src
+// holds a NaN or an infinity; *device_flag (CUDA, device memory) is set to 1
+// if it does. Either may be null.
 void half_compress_into(HalfKind kind, const at::Tensor& src, double scale,
-                        const at::Tensor* residual, const at::Tensor& dst);
+                        const at::Tensor* residual, const at::Tensor& dst,
+                        bool* host_bad = nullptr, int32_t* device_flag = nullptr);
 
 // dst = float(src) element by element in storage order; pairs of (src 16-bit
 // contiguous, dst float32 dense). On CUDA all pairs go in one launch.

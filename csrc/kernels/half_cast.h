@@ -17,8 +17,10 @@ namespace fastddp::kernels {
 // dst[i] = half(src[i] * scale). With residual (error feedback):
 //   v = src[i] * scale + residual[i];  dst[i] = half(v);  residual[i] = v - float(dst[i])
 // (each operation rounded on its own, as the same torch ops would be).
+// With `nonfinite` (check_for_nan_in_grad), *nonfinite is set to 1 when some
+// src[i] is NaN or infinite, in the same pass (it is never cleared).
 void compress_cpu(HalfKind kind, const float* src, float scale, float* residual, uint16_t* dst,
-                  int64_t n);
+                  int64_t n, int32_t* nonfinite = nullptr);
 
 // dst[i] = float(src[i]) (exact).
 void decompress_cpu(HalfKind kind, const uint16_t* src, float* dst, int64_t n);
@@ -31,8 +33,9 @@ void sum_shards_cpu(HalfKind kind, const uint16_t* shards, int64_t stride, int64
 // --- CUDA (built only with CUDA; `stream` is a cudaStream_t) ----------------------
 
 // One grad into its slice of the wire buffer (the copy-in of one parameter).
+// `nonfinite`: device memory, as for compress_cpu.
 void compress_cuda(HalfKind kind, const float* src, float scale, float* residual, uint16_t* dst,
-                   int64_t n, void* stream);
+                   int64_t n, void* stream, int32_t* nonfinite = nullptr);
 
 // A bucket's worth of decompression in one launch: many (src, dst, n) ranges.
 struct DecompressRange {

@@ -13,22 +13,38 @@ namespace fastddp::kernels {
 
 namespace {
 
-template <HalfKind K>
-FASTDDP_VECTOR_CLONES void compress_plain(const float* __restrict src, float scale,
-                                          uint16_t* __restrict dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = half_bits_from_float<K>(mul_rn(src[i], scale));
+// kCheck: also an integer OR of (x - x) != 0 (see kernels/nonfinite.h); a
+// separate instantiation so that the unchecked loops stay as they were.
+template <HalfKind K, bool kCheck>
+FASTDDP_VECTOR_CLONES int compress_plain(const float* __restrict src, float scale,
+                                         uint16_t* __restrict dst, int64_t n) {
+  int bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if constexpr (kCheck) bad |= static_cast<int>((src[i] - src[i]) != 0.0f);
+    dst[i] = half_bits_from_float<K>(mul_rn(src[i], scale));
+  }
+  return bad;
 }
 
-template <HalfKind K>
-FASTDDP_VECTOR_CLONES void compress_feedback(const float* __restrict src, float scale,
-                                             float* __restrict residual,
-                                             uint16_t* __restrict dst, int64_t n) {
+template <HalfKind K, bool kCheck>
+FASTDDP_VECTOR_CLONES int compress_feedback(const float* __restrict src, float scale,
+                                            float* __restrict residual,
+                                            uint16_t* __restrict dst, int64_t n) {
+  int bad = 0;
   for (int64_t i = 0; i < n; ++i) {
+    if constexpr (kCheck) bad |= static_cast<int>((src[i] - src[i]) != 0.0f);
     const float v = add_rn(mul_rn(src[i], scale), residual[i]);
     const uint16_t h = half_bits_from_float<K>(v);
     dst[i] = h;
     residual[i] = v - float_from_half_bits<K>(h);
   }
+  return bad;
+}
+
+template <HalfKind K, bool kCheck>
+int compress_one_kind(const float* src, float scale, float* residual, uint16_t* dst, int64_t n) {
+  return residual ? compress_feedback<K, kCheck>(src, scale, residual, dst, n)
+                  : compress_plain<K, kCheck>(src, scale, dst, n);
 }
 
 template <HalfKind K>
@@ -58,14 +74,16 @@ FASTDDP_VECTOR_CLONES void sum_shards(const uint16_t* __restrict shards, int64_t
 }  // namespace
 
 void compress_cpu(HalfKind kind, const float* src, float scale, float* residual, uint16_t* dst,
-                  int64_t n) {
-  if (kind == HalfKind::kBFloat16) {
-    residual ? compress_feedback<HalfKind::kBFloat16>(src, scale, residual, dst, n)
-             : compress_plain<HalfKind::kBFloat16>(src, scale, dst, n);
-  } else {
-    residual ? compress_feedback<HalfKind::kFloat16>(src, scale, residual, dst, n)
-             : compress_plain<HalfKind::kFloat16>(src, scale, dst, n);
+                  int64_t n, int32_t* nonfinite) {
+  const bool bf16 = kind == HalfKind::kBFloat16;
+  if (nonfinite == nullptr) {
+    bf16 ? compress_one_kind<HalfKind::kBFloat16, false>(src, scale, residual, dst, n)
+         : compress_one_kind<HalfKind::kFloat16, false>(src, scale, residual, dst, n);
+    return;
   }
+  const int bad = bf16 ? compress_one_kind<HalfKind::kBFloat16, true>(src, scale, residual, dst, n)
+                       : compress_one_kind<HalfKind::kFloat16, true>(src, scale, residual, dst, n);
+  if (bad) *nonfinite = 1;
 }
 
 void decompress_cpu(HalfKind kind, const uint16_t* src, float* dst, int64_t n) {

@@ -58,12 +58,33 @@ bool fused_scale_check(const at::Tensor& grad, at::Tensor& view, double scale) {
   return bad.load();
 }
 
+#if defined(FASTDDP_WITH_CUDA)
+template <typename T>
+void fused_scale_check_cuda(const at::Tensor& grad, at::Tensor& view, double scale,
+                            int32_t* flag) {
+  const c10::cuda::CUDAGuard device(grad.device());
+  kernels::scale_copy_check_cuda(grad.const_data_ptr<T>(), view.data_ptr<T>(),
+                                 static_cast<T>(scale), grad.numel(), flag,
+                                 c10::cuda::getCurrentCUDAStream(grad.device().index()).stream());
+}
+#endif
+
 }  // namespace
 
 void CommHook::scale_into_view(Bucket& bucket, size_t slot, const at::Tensor& grad,
                                double scale) {
   at::Tensor& view = bucket.views[slot];
   const bool alias = grad.is_alias_of(view);
+#if defined(FASTDDP_WITH_CUDA)
+  if (guard_ != nullptr && grad.is_cuda() && same_dense_layout(grad, view) &&
+      !(alias && scale == 1.0) &&
+      (grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kDouble)) {
+    int32_t* flag = guard_->device_flag(bucket.params[slot], grad);
+    grad.scalar_type() == at::kFloat ? fused_scale_check_cuda<float>(grad, view, scale, flag)
+                                     : fused_scale_check_cuda<double>(grad, view, scale, flag);
+    return;
+  }
+#endif
   if (guard_ != nullptr && grad.is_cpu() && same_dense_layout(grad, view) &&
       (grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kDouble)) {
     if (alias && scale == 1.0) {

@@ -58,7 +58,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   expected_hooks_.assign(params_.size(), 0);
   hooks_left_.assign(params_.size(), 0);
   if (options_.check_for_nan_in_grad) {
-    nonfinite_ = std::make_unique<NonFiniteGuard>(rank_, world_size_);
+    nonfinite_ = std::make_unique<NonFiniteGuard>(rank_, world_size_, params_.size());
     hook_->set_nonfinite_guard(nonfinite_.get());
   }
   hook_->on_new_buckets(buckets_);

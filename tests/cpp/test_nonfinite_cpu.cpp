@@ -8,6 +8,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/half_cast.h"
 #include "kernels/nonfinite.h"
 
 namespace k = fastddp::kernels;
@@ -62,4 +63,33 @@ TEST_CASE("a finite value scaled to overflow is not reported", "[nonfinite]") {
   float dst[2];
   REQUIRE_FALSE(k::scale_copy_check_cpu(src, dst, 4.0f, 2));
   REQUIRE(std::isinf(dst[0]));
+}
+
+TEST_CASE("the 16-bit compression reports non-finite values and writes what it would without",
+          "[nonfinite]") {
+  using fastddp::HalfKind;
+  for (HalfKind kind : {HalfKind::kBFloat16, HalfKind::kFloat16}) {
+    for (bool feedback : {false, true}) {
+      const size_t n = 37;
+      std::vector<float> src = finite_values<float>(n);
+      for (float& x : src) x = x / 1e30f;  // in range for float16
+      for (int bad_at : {-1, 0, 17, 36}) {
+        std::vector<float> s = src;
+        if (bad_at >= 0) s[static_cast<size_t>(bad_at)] = std::numeric_limits<float>::infinity();
+        std::vector<float> r1(n, 0.25f), r2(n, 0.25f);
+        std::vector<uint16_t> plain(n), checked(n);
+        int32_t flag = 0;
+        k::compress_cpu(kind, s.data(), 0.5f, feedback ? r1.data() : nullptr, plain.data(),
+                        static_cast<int64_t>(n));
+        k::compress_cpu(kind, s.data(), 0.5f, feedback ? r2.data() : nullptr, checked.data(),
+                        static_cast<int64_t>(n), &flag);
+        INFO("kind=" << static_cast<int>(kind) << " feedback=" << feedback << " bad_at=" << bad_at);
+        REQUIRE(flag == (bad_at >= 0 ? 1 : 0));
+        REQUIRE(plain == checked);
+        for (size_t i = 0; i < n; ++i) {
+          REQUIRE((r1[i] == r2[i] || (std::isnan(r1[i]) && std::isnan(r2[i]))));
+        }
+      }
+    }
+  }
 }

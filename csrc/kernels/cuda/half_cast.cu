@@ -42,18 +42,24 @@ __device__ __forceinline__ uint16_t compress_one(float g, float scale, float* re
   return h;
 }
 
+__device__ __forceinline__ int nonfinite(float x) { return (x - x) != 0.0f; }
+
+// nonfinite_flag (check_for_nan_in_grad): set to 1 by any thread that saw a
+// NaN or an infinity; every writer stores the same value, so no atomics.
 template <HalfKind K, bool kFeedback, bool kVector>
 __global__ void compress_kernel(const float* __restrict__ src, float scale,
                                 float* __restrict__ residual, uint16_t* __restrict__ dst,
-                                int64_t n) {
+                                int64_t n, int32_t* nonfinite_flag) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   int64_t scalar_begin = 0;
+  int bad = 0;
   if constexpr (kVector) {
     // Residual is read element by element: it needs no alignment.
     const int64_t n4 = n / 4;
     for (int64_t q = tid; q < n4; q += stride) {
       const float4 g = reinterpret_cast<const float4*>(src)[q];
+      bad |= nonfinite(g.x) | nonfinite(g.y) | nonfinite(g.z) | nonfinite(g.w);
       const int64_t i = 4 * q;
       ushort4 h;
       h.x = compress_one<K, kFeedback>(g.x, scale, residual, i);
@@ -65,19 +71,23 @@ __global__ void compress_kernel(const float* __restrict__ src, float scale,
     scalar_begin = 4 * n4;
   }
   for (int64_t i = scalar_begin + tid; i < n; i += stride) {
+    bad |= nonfinite(src[i]);
     dst[i] = compress_one<K, kFeedback>(src[i], scale, residual, i);
   }
+  if (bad && nonfinite_flag != nullptr) *nonfinite_flag = 1;
 }
 
 template <HalfKind K, bool kFeedback>
 void launch_compress(const float* src, float scale, float* residual, uint16_t* dst, int64_t n,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, int32_t* flag) {
   const bool vector = aligned(src, 16) && aligned(dst, 8);
   const int grid = grid_for(vector ? n / 4 : n);
   if (vector) {
-    compress_kernel<K, kFeedback, true><<<grid, kThreads, 0, stream>>>(src, scale, residual, dst, n);
+    compress_kernel<K, kFeedback, true>
+        <<<grid, kThreads, 0, stream>>>(src, scale, residual, dst, n, flag);
   } else {
-    compress_kernel<K, kFeedback, false><<<grid, kThreads, 0, stream>>>(src, scale, residual, dst, n);
+    compress_kernel<K, kFeedback, false>
+        <<<grid, kThreads, 0, stream>>>(src, scale, residual, dst, n, flag);
   }
   check(cudaGetLastError(), "compress_cuda launch");
 }
@@ -172,15 +182,19 @@ __global__ void sum_shards_kernel(const uint16_t* __restrict__ shards, int64_t s
 }  // namespace
 
 void compress_cuda(HalfKind kind, const float* src, float scale, float* residual, uint16_t* dst,
-                   int64_t n, void* stream_ptr) {
+                   int64_t n, void* stream_ptr, int32_t* nonfinite) {
   if (n == 0) return;
   auto stream = static_cast<cudaStream_t>(stream_ptr);
   if (kind == HalfKind::kBFloat16) {
-    residual ? launch_compress<HalfKind::kBFloat16, true>(src, scale, residual, dst, n, stream)
-             : launch_compress<HalfKind::kBFloat16, false>(src, scale, residual, dst, n, stream);
+    residual
+        ? launch_compress<HalfKind::kBFloat16, true>(src, scale, residual, dst, n, stream, nonfinite)
+        : launch_compress<HalfKind::kBFloat16, false>(src, scale, residual, dst, n, stream,
+                                                      nonfinite);
   } else {
-    residual ? launch_compress<HalfKind::kFloat16, true>(src, scale, residual, dst, n, stream)
-             : launch_compress<HalfKind::kFloat16, false>(src, scale, residual, dst, n, stream);
+    residual
+        ? launch_compress<HalfKind::kFloat16, true>(src, scale, residual, dst, n, stream, nonfinite)
+        : launch_compress<HalfKind::kFloat16, false>(src, scale, residual, dst, n, stream,
+                                                     nonfinite);
   }
 }
 
