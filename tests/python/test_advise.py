@@ -16,6 +16,7 @@ import pytest
 
 import fastddp
 from fastddp import advise
+from fastddp.launcher import _advised_command, split_command_line
 from fastddp.launcher import main as launcher_main
 from fastddp.link import Link
 
@@ -156,3 +157,16 @@ def test_advise_by_hand() -> None:
     estimated = advise.advise(samples, None, None, costs)
     assert estimated["link"] == str(Link(bus_gbs=4e6 / 3.0 / 1e6))
     assert all(r["measured_step_ms"] is None for r in estimated["candidates"])
+
+
+def test_command_line_split_and_advised_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    own, script, rest = split_command_line(["--advise", "--advise-out", "d", "--hook", "bf16",
+                                            "t.py", "--advise"])
+    assert (own, script, rest) == (["--advise", "--advise-out", "d", "--hook", "bf16"], "t.py",
+                                   ["--advise"])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    command = _advised_command([*own, "--emulate-link", "3GB/s"], script, rest)
+    # The script's own --advise stays; the launcher's --advise, --advise-out, --hook go.
+    assert command.format(hook="--hook powersgd:2 ") == (
+        "torchrun --nproc_per_node=4 -m fastddp --emulate-link 3GB/s --hook powersgd:2 t.py "
+        "--advise")
