@@ -242,23 +242,29 @@ class Patch:
 
         if self.advisor is None:
             return "[fastddp] advice unavailable: patch(advise=True) was not given"
-        records = [r for r in self.advisor.records if r["samples"]]
+        errors = [r["error"] for r in self.advisor.records if "error" in r]
+        records = [r for r in self.advisor.records if r["samples"] and "error" not in r]
         if not records:
-            return ("[fastddp] advice unavailable: no wrapped model ran "
-                    f"{self.advisor.warmup + 2} synchronized steps at world size > 1")
+            why = (f"reading comm_stats() failed: {errors[0]}" if errors else
+                   f"no wrapped model ran {self.advisor.warmup + 2} synchronized steps at "
+                   "world size > 1")
+            return f"[fastddp] advice unavailable: {why}"
         link = None if self.emulation is None else self.emulation.link
         advices, texts = [], []
-        for record in records:
-            samples = record["samples"]
-            shapes = [s for bucket in samples[-1]["shapes"] for s in bucket]
-            costs = advise.kernel_costs(shapes, record["device"])
-            current = advise.current_candidate(self.hook, samples[-1]["stats"]["hook"])
-            result = advise.advise(samples, link, current, costs)
-            spec = result["best_hook"]
-            advices.append(result)
-            texts.append(advise.format_markdown(result, None if command is None else
-                                                command.format(hook=f"--hook {spec} " if spec
-                                                               else "")))
+        try:
+            for record in records:
+                samples = record["samples"]
+                shapes = [s for bucket in samples[-1]["shapes"] for s in bucket]
+                costs = advise.kernel_costs(shapes, record["device"])
+                current = advise.current_candidate(self.hook, samples[-1]["stats"]["hook"])
+                result = advise.advise(samples, link, current, costs)
+                spec = result["best_hook"]
+                advices.append(result)
+                texts.append(advise.format_markdown(result, None if command is None else
+                                                    command.format(hook=f"--hook {spec} " if spec
+                                                                   else "")))
+        except Exception as e:  # noqa: BLE001 -- advice must not fail a finished run
+            return f"[fastddp] advice unavailable: {type(e).__name__}: {e}"
         text = "\n\n".join(texts)
         paths = advise.write_advice(advices, text, out_dir)
         return text + f"\n[fastddp] advice written to {', '.join(paths)}"

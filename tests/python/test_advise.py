@@ -153,9 +153,12 @@ def test_advise_by_hand() -> None:
     assert math.isclose(rows["allreduce_fp32"]["compute_to_comm"], 7.0 / 4.0)
     assert result["best"] == "powersgd_r1" and result["best_hook"] == "powersgd:1"
     assert result["link_source"] == "--emulate-link"
-    # Without a link, the one estimated from the samples: 4e6 bytes in 3 ms.
+    # Without a link, the one estimated from the samples: 4e6 bytes in 3 ms, 3 digits.
     estimated = advise.advise(samples, None, None, costs)
-    assert estimated["link"] == str(Link(bus_gbs=4e6 / 3.0 / 1e6))
+    assert estimated["link"] == "1.33GB/s"
+    # Bytes each rank sends: at n=2 an allreduce sends its payload once.
+    assert rows["allreduce_fp32"]["wire_bytes_per_step"] == 4e6
+    assert rows["bf16_fp32_accumulate"]["wire_bytes_per_step"] == 2e6
     assert all(r["measured_step_ms"] is None for r in estimated["candidates"])
 
 
@@ -170,3 +173,21 @@ def test_command_line_split_and_advised_command(monkeypatch: pytest.MonkeyPatch)
     assert command.format(hook="--hook powersgd:2 ") == (
         "torchrun --nproc_per_node=4 -m fastddp --emulate-link 3GB/s --hook powersgd:2 t.py "
         "--advise")
+
+
+def test_a_failing_comm_stats_never_fails_the_run(tmp_path: Path) -> None:
+    """The observer swallows its own errors (the run goes on) and the advice names them."""
+    import torch
+
+    class Broken(torch.nn.Linear):
+        def comm_stats(self) -> dict:
+            raise RuntimeError("boom")
+
+    handle = fastddp.patch(advise=True)
+    handle.unpatch()
+    model = Broken(2, 2)
+    for _ in range(handle.advisor.warmup + 3):
+        handle.advisor.before_forward(model)
+    text = handle.advice_text(str(tmp_path))
+    assert text == "[fastddp] advice unavailable: reading comm_stats() failed: RuntimeError: boom"
+    assert not (tmp_path / "fastddp_advice.json").exists()
