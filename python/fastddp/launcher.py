@@ -1,7 +1,8 @@
 """``python -m fastddp``: run an unmodified DDP training script with fastddp.
 
     torchrun --nproc_per_node=N -m fastddp [--hook NAME] [--bucket-cap-mb X] [--report]
-             [--emulate-link BANDWIDTH[,LATENCY]] [--] train.py [script args ...]
+             [--emulate-link BANDWIDTH[,LATENCY]] [--advise [--advise-out DIR]]
+             [--] train.py [script args ...]
 
 Launcher options come before the script path; everything after it belongs to the script.
 """
@@ -39,6 +40,13 @@ emulated link (--emulate-link):
   are unchanged. Units: B/s KB/s MB/s GB/s (1e9 bytes) GiB/s, bits: Mb/s Gb/s; latency: s
   ms us ns. E.g. 3GB/s (PCIe box at 8 GPUs), 100Gb/s,5us.
 
+advice (--advise):
+  Changes nothing in the run: rank 0 reads model.comm_stats() in a few steps (after 3),
+  and at exit prints the cost model's predicted step time of allreduce, bf16,
+  bf16-fp32acc and powersgd:1/2/4/8 on this run's link (the --emulate-link one, else
+  estimated from the run's own collectives), with the --hook to use; also written to
+  DIR/fastddp_advice.md and .json (DIR: --advise-out, default the current directory).
+
 environment:
   FASTDDP_DISABLE=1   leave torch's DDP in place (stock torch DDP). Launcher options still
                       apply, through torch's built-in hooks (powersgd:R -> PowerSGDState
@@ -48,10 +56,11 @@ examples:
   torchrun --nproc_per_node=8 -m fastddp --hook bf16 --bucket-cap-mb 100 train.py --epochs 1
   FASTDDP_DISABLE=1 torchrun --nproc_per_node=8 -m fastddp --hook bf16 train.py
   torchrun --nproc_per_node=4 -m fastddp --emulate-link 3GB/s,20us --report train.py
-  python -m fastddp --report -- train.py --lr 0.1"""
+  python -m fastddp --report -- train.py --lr 0.1
+  torchrun --nproc_per_node=4 -m fastddp --advise --advise-out runs/ train.py"""
 
 # Launcher options that consume the next token; needed to find where the script path is.
-_VALUE_OPTIONS = ("--hook", "--bucket-cap-mb", "--emulate-link")
+_VALUE_OPTIONS = ("--hook", "--bucket-cap-mb", "--emulate-link", "--advise-out")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "of this bus bandwidth and latency, e.g. 3GB/s or 100Gb/s,5us")
     parser.add_argument("--report", action="store_true",
                         help="print a table of model.comm_stats() on rank 0 at exit")
+    parser.add_argument("--advise", action="store_true",
+                        help="change nothing; at exit print (rank 0) which --hook the cost "
+                             "model predicts fastest on this run's link, and save it")
+    parser.add_argument("--advise-out", metavar="DIR", default=None,
+                        help="folder for fastddp_advice.md and .json (default: the current "
+                             "directory); needs --advise")
     return parser
 
 
@@ -104,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         hook = None if options.hook is None else parse_hook_spec(options.hook)
     except ValueError as e:
         parser.error(str(e))
+    if options.advise_out is not None and not options.advise:
+        parser.error("--advise-out needs --advise")
     if script is None:
         parser.print_usage(sys.stderr)
         print("python -m fastddp: error: no training script given", file=sys.stderr)
@@ -116,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         handle = patch(hook=hook, bucket_cap_mb=options.bucket_cap_mb,
                        report=options.report, _option="--hook",
                        emulate_link=options.emulate_link,
-                       check_for_nan_in_grad=options.check_for_nan_in_grad)
+                       check_for_nan_in_grad=options.check_for_nan_in_grad,
+                       advise=options.advise)
     except (HookUnavailableError, ValueError, NotImplementedError) as e:
         print(f"python -m fastddp: error: {e}", file=sys.stderr)
         return 2
@@ -134,7 +152,27 @@ def main(argv: list[str] | None = None) -> int:
         # Also after sys.exit() in the script; rank 0 only, like the one-line summary.
         if options.report and rank == 0:
             print(handle.report_text(), flush=True)
+        if options.advise and rank == 0:
+            print(handle.advice_text(options.advise_out or ".",
+                                     _advised_command(own, script, script_args)), flush=True)
     return 0
+
+
+def _advised_command(own: list[str], script: str, script_args: list[str]) -> str:
+    """This run's command line without --advise/--advise-out/--hook, with ``{hook}`` where
+    the advised ``--hook X `` goes (str.format)."""
+    kept, i = [], 0
+    while i < len(own):
+        token = own[i]
+        name = token.split("=", 1)[0]
+        width = 2 if token in ("--hook", "--advise-out") else 1
+        if name not in ("--advise", "--advise-out", "--hook"):
+            kept.append(token.replace("{", "{{").replace("}", "}}"))
+        i += width
+    nproc = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
+    rest = " ".join(t.replace("{", "{{").replace("}", "}}") for t in [script, *script_args])
+    return (f"torchrun --nproc_per_node={nproc} -m fastddp "
+            f"{' '.join(kept) + ' ' if kept else ''}{{hook}}{rest}")
 
 
 def _positive_float(text: str) -> float:

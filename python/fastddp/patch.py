@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from fastddp._emulate_link import LinkEmulation
+from fastddp.advise import Advisor
 from fastddp.ddp import DistributedDataParallel as FastDDP
 from fastddp.link import Link
 from fastddp.report import format_comm_stats
@@ -145,8 +146,9 @@ class Patch:
 
     def __init__(self, hook: HookSpec | None, bucket_cap_mb: float | None, report: bool,
                  disabled: bool, option: str = "--hook", emulate_link: Link | str | None = None,
-                 check_for_nan_in_grad: bool = False):
+                 check_for_nan_in_grad: bool = False, advise: bool = False):
         self.hook = hook
+        self.advisor = Advisor() if advise else None
         self.emulation = None if emulate_link is None else LinkEmulation(emulate_link)
         self.bucket_cap_mb = bucket_cap_mb
         self.check_for_nan_in_grad = check_for_nan_in_grad
@@ -159,6 +161,10 @@ class Patch:
         self._notes: set[str] = set()
         # (module, attribute) pairs outside torch that held torch's class; see imported_bindings.
         self._rebound: list[tuple[ModuleType, str]] = []
+        if disabled and advise:
+            raise NotImplementedError(
+                "advise reads fastddp's comm_stats(): stock torch DDP (FASTDDP_DISABLE=1) has "
+                "none; run --advise without FASTDDP_DISABLE")
         # Stock torch without overrides: nothing to change, the script runs exactly as is.
         if disabled and check_for_nan_in_grad:
             raise NotImplementedError(
@@ -194,6 +200,8 @@ class Patch:
             settings.append(self.emulation.describe())
         if self.report:
             settings.append("comm report at exit")
+        if self.advisor is not None:
+            settings.append("hook advice at exit (observes only)")
         rest = "; other arguments as the script passes them"
         if self._rebound:
             rest += ("; also replaced where already-imported modules bound it: "
@@ -226,6 +234,40 @@ class Patch:
             return format_comm_stats(model.comm_stats())
         except Exception as e:  # noqa: BLE001 -- a report must not fail a finished run
             return f"[fastddp] comm report unavailable: comm_stats() raised {type(e).__name__}: {e}"
+
+    def advice_text(self, out_dir: str = ".", command: str | None = None) -> str:
+        """With ``advise=True``: the advice table (fastddp/advise.py), also written to
+        ``out_dir`` as fastddp_advice.md and .json; or why there is none."""
+        from fastddp import advise
+
+        if self.advisor is None:
+            return "[fastddp] advice unavailable: patch(advise=True) was not given"
+        errors = [r["error"] for r in self.advisor.records if "error" in r]
+        records = [r for r in self.advisor.records if r["samples"] and "error" not in r]
+        if not records:
+            why = (f"reading comm_stats() failed: {errors[0]}" if errors else
+                   f"no wrapped model ran {self.advisor.warmup + 2} synchronized steps at "
+                   "world size > 1")
+            return f"[fastddp] advice unavailable: {why}"
+        link = None if self.emulation is None else self.emulation.link
+        advices, texts = [], []
+        try:
+            for record in records:
+                samples = record["samples"]
+                shapes = [s for bucket in samples[-1]["shapes"] for s in bucket]
+                costs = advise.kernel_costs(shapes, record["device"])
+                current = advise.current_candidate(self.hook, samples[-1]["stats"]["hook"])
+                result = advise.advise(samples, link, current, costs)
+                spec = result["best_hook"]
+                advices.append(result)
+                texts.append(advise.format_markdown(result, None if command is None else
+                                                    command.format(hook=f"--hook {spec} " if spec
+                                                                   else "")))
+        except Exception as e:  # noqa: BLE001 -- advice must not fail a finished run
+            return f"[fastddp] advice unavailable: {type(e).__name__}: {e}"
+        text = "\n\n".join(texts)
+        paths = advise.write_advice(advices, text, out_dir)
+        return text + f"\n[fastddp] advice written to {', '.join(paths)}"
 
     def emulated_state(self, state: Any, hook: Any) -> Any:
         """A hook's state as registered: with ``emulate_link``, the process group it names
@@ -262,7 +304,8 @@ class Patch:
 
 def patch(hook: str | HookSpec | None = None, bucket_cap_mb: float | None = None,
           report: bool = False, disable: bool | None = None, _option: str = "hook=",
-          emulate_link: Link | str | None = None, check_for_nan_in_grad: bool = False) -> Patch:
+          emulate_link: Link | str | None = None, check_for_nan_in_grad: bool = False,
+          advise: bool = False) -> Patch:
     """Replace torch's DistributedDataParallel (both import paths) with fastddp's.
 
     ``hook`` (``"bf16"``, ``"bf16-fp32acc"``, ``"powersgd:4"``, ...) is registered on every
@@ -271,7 +314,9 @@ def patch(hook: str | HookSpec | None = None, bucket_cap_mb: float | None = None
     :class:`fastddp.link.Link`) puts every model's process group, and the group a built-in
     hook's state names, behind an EmulatedLinkGroup of that link (fastddp/link_emulator.py;
     with FASTDDP_DISABLE=1 too). ``check_for_nan_in_grad=True`` turns the non-finite
-    gradient check on for every wrapped model. ``report=True`` keeps the last model alive for
+    gradient check on for every wrapped model. ``advise=True`` observes the wrapped models'
+    comm_stats() on rank 0, changing nothing, for ``Patch.advice_text()`` (fastddp/advise.py).
+    ``report=True`` keeps the last model alive for
     ``Patch.report_text()``. ``disable=None`` reads ``FASTDDP_DISABLE``. Returns a Patch
     (a context manager); models constructed before the patch are not affected.
     """
@@ -284,7 +329,7 @@ def patch(hook: str | HookSpec | None = None, bucket_cap_mb: float | None = None
         raise ValueError(f"bucket_cap_mb={bucket_cap_mb}: must be positive")
     disabled = fastddp_disabled() if disable is None else disable
     result = Patch(spec, bucket_cap_mb, report, disabled, _option, emulate_link,
-                   check_for_nan_in_grad)
+                   check_for_nan_in_grad, advise)
     if result.cls is not None:
         result._rebound = imported_bindings(result._original)
         _set_ddp_names(result.cls)
@@ -362,6 +407,11 @@ def _patched_class(base: type, owner: Patch) -> type:
             owner.models_wrapped += 1
             # With a report the model must outlive the script's own references to it.
             owner._last_model = self if owner.report else weakref.ref(self)
+
+        def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+            if owner.advisor is not None and _rank() == 0:
+                owner.advisor.before_forward(self)
+            return super().forward(*inputs, **kwargs)
 
         def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
             if owner.hook is not None:
