@@ -468,24 +468,6 @@ void Reducer::set_comm_hook(std::shared_ptr<CommHook> hook) {
   hook_->on_new_buckets(buckets_);
 }
 
-void Reducer::check_parameters_unchanged() const {
-  // A parameter converted after wrapping (module.double(), .to(device) on the
-  // inner module) keeps its name but loses the gradient hook the reducer
-  // relies on: its gradients would silently stop being averaged.
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const auto [b, slot] = locator_[i];
-    const at::Tensor& view = buckets_[b].views[slot];
-    const at::Tensor& p = params_[i];
-    TORCH_CHECK(p.scalar_type() == view.scalar_type() && p.device() == view.device() &&
-                    p.sizes() == view.sizes(),
-                "fastddp: parameter '", names_[i], "' is now ", p.scalar_type(), " on ",
-                p.device(), " of shape ", p.sizes(), ", but DistributedDataParallel was built for ",
-                "it ", view.scalar_type(), " on ", view.device(), " of shape ", view.sizes(),
-                " (rank ", rank_, "): after wrapping, its gradients would no longer be averaged. "
-                "Convert or move the module before wrapping it.");
-  }
-}
-
 void Reducer::check_hook_supports(const CommHook& hook) const {
   if (hook.supports_sparse()) return;
   for (const Bucket& bucket : buckets_) {

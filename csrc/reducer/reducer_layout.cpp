@@ -1,5 +1,6 @@
 // The reducer's bucket layout: the one rebuild from the gradient-ready order,
-// agreeing on rank 0's plan, and what Python can read of the layout.
+// agreeing on rank 0's plan, what Python can read of the layout, and the
+// check that the parameters still match it.
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -120,6 +121,24 @@ CommStats Reducer::comm_stats() const {
   // between steps, never on the step path).
   stats.device_clock = timeline_->read(stats.timings, stats.exposed_us);
   return stats;
+}
+
+void Reducer::check_parameters_unchanged() const {
+  // A parameter converted after wrapping (module.double(), .to(device) on the
+  // inner module) keeps its name but loses the gradient hook the reducer
+  // relies on: its gradients would silently stop being averaged.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto [b, slot] = locator_[i];
+    const at::Tensor& view = buckets_[b].views[slot];
+    const at::Tensor& p = params_[i];
+    TORCH_CHECK(p.scalar_type() == view.scalar_type() && p.device() == view.device() &&
+                    p.sizes() == view.sizes(),
+                "fastddp: parameter '", names_[i], "' is now ", p.scalar_type(), " on ",
+                p.device(), " of shape ", p.sizes(), ", but DistributedDataParallel was built for ",
+                "it ", view.scalar_type(), " on ", view.device(), " of shape ", view.sizes(),
+                " (rank ", rank_, "): after wrapping, its gradients would no longer be averaged. "
+                "Convert or move the module before wrapping it.");
+  }
 }
 
 }  // namespace fastddp
