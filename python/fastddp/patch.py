@@ -408,10 +408,12 @@ def _patched_class(base: type, owner: Patch) -> type:
             # With a report the model must outlive the script's own references to it.
             owner._last_model = self if owner.report else weakref.ref(self)
 
-        def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-            if owner.advisor is not None and _rank() == 0:
-                owner.advisor.before_forward(self)
-            return super().forward(*inputs, **kwargs)
+        if owner.advisor is not None:  # otherwise forward stays the base's: no extra frame
+
+            def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+                if _rank() == 0:
+                    owner.advisor.before_forward(self)
+                return super().forward(*inputs, **kwargs)
 
         def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
             if owner.hook is not None:
