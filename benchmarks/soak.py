@@ -27,9 +27,7 @@ import argparse
 import gc
 import json
 import os
-import platform
 import socket
-import subprocess
 import sys
 import time
 
@@ -40,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fastddp
+import machine  # benchmarks/machine.py: scripts run from benchmarks/
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MIB = 1024 * 1024
@@ -186,18 +185,6 @@ def _table(runs: list[dict], warmup: int) -> str:
     return "\n".join(lines)
 
 
-def _machine() -> str:
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        cpu = next(ln.split(":", 1)[1].strip() for ln in lscpu.splitlines()
-                   if ln.startswith("Model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor() or "unknown CPU"
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{cpu}, {os.cpu_count()} cores, {gpu}; torch {torch.__version__}, "
-            f"Python {platform.python_version()}, gloo on 127.0.0.1, 1 thread per rank")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000, help="training steps per hook")
@@ -221,7 +208,7 @@ def main() -> None:
     start, load_before = time.perf_counter(), os.getloadavg()[0]
     runs = [run for hook in hooks for run in _run(hook, args)]
     buckets = next((r["buckets"] for r in runs if r["buckets"]), "?")
-    header = (f"Machine: {_machine()}\n\nCommand: `python {' '.join(sys.argv)}` "
+    header = (f"Machine: {machine.describe()}\n\nCommand: `python {' '.join(sys.argv)}` "
               f"({time.perf_counter() - start:.0f} s; 1-min load average {load_before:.2f} "
               f"before, {os.getloadavg()[0]:.2f} after). Model: MLP 128-256x4-10 (0.23M "
               f"parameters), batch 32, SGD; bucket_cap_mb={args.bucket_cap_mb:g} "
@@ -234,7 +221,7 @@ def main() -> None:
         with open(os.path.join(args.out, "soak.md"), "w") as f:
             f.write(header + "\n" + table + "\n")
         with open(os.path.join(args.out, "soak.json"), "w") as f:
-            json.dump({"command": sys.argv, "machine": _machine(), "runs": runs}, f, indent=1)
+            json.dump({"command": sys.argv, "machine": machine.describe(), "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":

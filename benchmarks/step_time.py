@@ -31,10 +31,8 @@ not a test.
 import argparse
 import gc
 import os
-import platform
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -46,6 +44,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import fastddp
+import machine  # benchmarks/machine.py: scripts run from benchmarks/
 
 TorchDDP = nn.parallel.DistributedDataParallel
 
@@ -300,18 +299,6 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _machine() -> str:
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        cpu = next(ln.split(":", 1)[1].strip() for ln in lscpu.splitlines()
-                   if ln.startswith("Model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor() or "unknown CPU"
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{cpu}, {os.cpu_count()} cores, {gpu}; torch {torch.__version__}, "
-            f"Python {platform.python_version()}, gloo on 127.0.0.1, 1 thread per rank")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2, help="ranks for the multi-rank part")
@@ -348,7 +335,7 @@ def main() -> None:
     rows = ((_run(args.nproc, args) if args.nproc > 1 else [])
             + ([] if args.skip_alone else _run(1, args)))
     table = _table(rows)
-    header = (f"Machine: {_machine()}\n\nCommand: `python {' '.join(sys.argv)}` "
+    header = (f"Machine: {machine.describe()}\n\nCommand: `python {' '.join(sys.argv)}` "
               f"({time.perf_counter() - start:.0f} s; 1-min load average {load_before:.2f} "
               f"before, {os.getloadavg()[0]:.2f} after; malloc: {malloc})\n")
     print(header)
