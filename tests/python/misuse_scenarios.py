@@ -22,8 +22,8 @@ import fastddp
 from hook_scenarios import EXACT, custom_hook
 from hook_scenarios import compare_grads as compare_grads_exact
 from powersgd_scenarios import serialized_powerSGD_hook
-from scenarios import (agree, compare_grads, mlp, side_by_side, torch_rebuilt_plan, train,
-                       unwrap, vector_batch)
+from scenarios import (agree, compare_grads, mlp, side_by_side, step_grads, torch_rebuilt_plan,
+                       train, unwrap, vector_batch)
 
 
 def _outcome(action: Callable[[], object]) -> str:
@@ -340,12 +340,7 @@ PSGD_DDP = {"bucket_cap_mb": 25, "find_unused_parameters": True}
 
 
 def _psgd_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> list[torch.Tensor]:
-    inputs, target = vector_batch(step)
-    opt.zero_grad()
-    F.mse_loss(model(inputs), target).backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    opt.step()
-    return grads
+    return step_grads(model, opt, vector_batch(step))
 
 
 def _psgd_pair(module: nn.Module, group: dist.ProcessGroup, ref_state: psgd.PowerSGDState,

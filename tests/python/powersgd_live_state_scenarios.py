@@ -12,13 +12,12 @@ import pickle
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
 from powersgd_scenarios import Mixed, batch, serialized_batched_powerSGD_hook
-from scenarios import agree, unwrap
+from scenarios import agree, step_grads, unwrap
 
 ARGS = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2,
         "compression_stats_logging_frequency": 3}
@@ -41,12 +40,7 @@ def _fast(module, state, batched: bool, cap: float, **ddp_args):
 
 
 def _step(model, opt, step: int) -> list[torch.Tensor]:
-    inputs, target = batch(step)
-    opt.zero_grad()
-    F.mse_loss(model(inputs), target).backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    opt.step()
-    return grads
+    return step_grads(model, opt, batch(step))
 
 
 def fields(state) -> dict:

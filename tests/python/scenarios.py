@@ -197,6 +197,17 @@ def train(ref: nn.Module, fast: nn.Module, batch: Callable[[int], Batch] = vecto
         agree(lambda: compare_state(unwrap(ref), unwrap(fast), f"after step {step}"))
 
 
+def step_grads(model: nn.Module, opt: torch.optim.Optimizer, batch: Batch) -> list[torch.Tensor]:
+    """One training step (zero_grad, MSE loss, backward, opt.step) on `batch`; returns
+    clones of the gradients the step applied."""
+    inputs, target = batch
+    opt.zero_grad()
+    F.mse_loss(model(inputs), target).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    return grads
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
 
