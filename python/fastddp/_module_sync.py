@@ -48,16 +48,7 @@ def verify_param_shapes(
     index and sizes only, and only on the rank that differs, so the other ranks wait in
     the next collective; this check raises the same named error on every rank.
     """
-    world = group.size()
-    local = torch.tensor(_describe(params), dtype=torch.int64, device=device)
-    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(lengths, torch.tensor([local.numel()], device=device), group=group)
-    longest = int(max(int(n.item()) for n in lengths))
-    padded = torch.full((longest,), -1, dtype=torch.int64, device=device)
-    padded[: local.numel()] = local
-    gathered = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded, group=group)
-    per_rank = [_decode(t.tolist()) for t in gathered]
+    per_rank = [_decode(v) for v in _gather_vectors(group, _describe(params), device)]
     reference = per_rank[0]
     for rank, layout in enumerate(per_rank[1:], start=1):
         for i in range(min(len(reference), len(layout))):

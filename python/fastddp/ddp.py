@@ -170,8 +170,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._initial_bucket_sizes = bucket_sizes(params, plan)
         # At world size 1 there is nothing to average: unless a comm hook is
         # registered (torch runs it there too), FASTDDP_WORLD1_REDUCER=1 asks
-        # for the full path or check_for_nan_in_grad for its check, no reducer, no flat buffers, and forward is the
-        # bare module's.
+        # for the full path or check_for_nan_in_grad for its check, no reducer,
+        # no flat buffers, and forward is the bare module's.
         if self._wants_reducer():
             self._build_reducer(plan)
         self.reducer = ReducerProxy(self)  # torch's ddp.reducer, for frameworks that call it
