@@ -75,27 +75,26 @@ void CommHook::scale_into_view(Bucket& bucket, size_t slot, const at::Tensor& gr
                                double scale) {
   at::Tensor& view = bucket.views[slot];
   const bool alias = grad.is_alias_of(view);
-#if defined(FASTDDP_WITH_CUDA)
-  if (guard_ != nullptr && grad.is_cuda() && same_dense_layout(grad, view) &&
-      !(alias && scale == 1.0) &&
-      (grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kDouble)) {
-    int32_t* flag = guard_->device_flag(bucket.params[slot], grad);
-    grad.scalar_type() == at::kFloat ? fused_scale_check_cuda<float>(grad, view, scale, flag)
-                                     : fused_scale_check_cuda<double>(grad, view, scale, flag);
-    return;
-  }
-#endif
-  if (guard_ != nullptr && grad.is_cpu() && same_dense_layout(grad, view) &&
-      (grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kDouble)) {
-    if (alias && scale == 1.0) {
-      check_grad(bucket, slot, grad);
-      return;
-    }
-    const bool bad = grad.scalar_type() == at::kFloat ? fused_scale_check<float>(grad, view, scale)
-                                                      : fused_scale_check<double>(grad, view, scale);
+  // The fused loops: a dense float32/float64 gradient laid out as its slot,
+  // that must be written (in place with scale 1 there is nothing to copy).
+  const bool fused = guard_ != nullptr && same_dense_layout(grad, view) &&
+                     !(alias && scale == 1.0) &&
+                     (grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kDouble);
+  const bool is_float = grad.scalar_type() == at::kFloat;
+  if (fused && grad.is_cpu()) {
+    const bool bad = is_float ? fused_scale_check<float>(grad, view, scale)
+                              : fused_scale_check<double>(grad, view, scale);
     guard_->note(bucket.params[slot], bad);
     return;
   }
+#if defined(FASTDDP_WITH_CUDA)
+  if (fused && grad.is_cuda()) {
+    int32_t* flag = guard_->device_flag(bucket.params[slot], grad);
+    is_float ? fused_scale_check_cuda<float>(grad, view, scale, flag)
+             : fused_scale_check_cuda<double>(grad, view, scale, flag);
+    return;
+  }
+#endif
   if (alias) {
     if (scale != 1.0) view.mul_(scale);
   } else if (scale == 1.0) {

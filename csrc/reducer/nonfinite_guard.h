@@ -44,7 +44,6 @@ class NonFiniteGuard {
   // Starts the allreduce of every rank's finding; `step` names this step in
   // errors. No-op if launched already this step.
   void launch(c10d::ProcessGroup& group, const at::Device& device, int64_t step);
-  bool launched() const { return static_cast<bool>(work_); }
 
   struct Finding {
     int rank;
