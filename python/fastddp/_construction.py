@@ -146,3 +146,22 @@ def check_conversion(fn: Callable[[torch.Tensor], torch.Tensor], names: Sequence
                 "converted. Convert or move the module before wrapping it: module.to(...), "
                 "then DistributedDataParallel(module)."
             )
+
+
+# Initial buckets when gradients arrive in an unknown order (torch does the same:
+# one bucket per dtype/device until the first backward shows the real order).
+_NO_LIMIT = 2**63 - 1
+
+
+def bucket_limits(caps: list[int], first: int, cap: int, rebuilt: bool
+                  ) -> tuple[list[int], list[int]]:
+    """The reducer's (initial, rebuild) bucket size limits: ``caps`` (bucket_cap_mb_list)
+    when given; else one unlimited bucket until the rebuild by ready order into [first, cap]
+    when ``rebuilt`` (static graph or no unused parameters); else torch's [first, cap]
+    layout from the start, never rebuilt (the ready order changes with the used set)."""
+    if caps:
+        return caps, caps
+    if rebuilt:
+        return [_NO_LIMIT], [first, cap]
+    initial = [first, cap] if first < cap else [cap]
+    return initial, initial

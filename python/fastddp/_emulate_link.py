@@ -54,7 +54,7 @@ class LinkEmulation:
 
         from fastddp import hooks
 
-        if isinstance(hook, hooks.CommHook):
+        if isinstance(hook, (hooks.CommHook, hooks.AutoHook)):
             # None is the model's (already emulated) group.
             return None if state is None else self.group_for(state)
         if isinstance(state, powerSGD_hook.PowerSGDState):

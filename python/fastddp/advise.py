@@ -43,6 +43,7 @@ MAX_SAMPLES = 10
 # Candidate (cost model name) -> the launcher's --hook spelling ("" = no --hook, the default).
 HOOK_SPELLING = {"allreduce_fp32": "", "bf16": "bf16", "bf16_fp32_accumulate": "bf16-fp32acc",
                  **{f"powersgd_r{r}": f"powersgd:{r}" for r in (1, 2, 4, 8)}}
+_MIB = 1024 * 1024
 _SCRATCH_NUMEL = 1 << 22  # kernels are timed on at most 16 MB of fp32
 
 
@@ -171,9 +172,21 @@ def current_candidate(hook_spec: Any, hook_name: str) -> str | None:
     return {"bf16": "bf16", "bf16-fp32acc": "bf16_fp32_accumulate"}.get(hook_spec.name)
 
 
+def cap_variant(cap_mb: float) -> str:
+    """The name of plain allreduce with buckets of ``cap_mb`` MiB."""
+    return f"allreduce_fp32@{cap_mb:g}MB"
+
+
+def variant_cap(name: str) -> float | None:
+    """The bucket cap in MiB a candidate name asks for (None: the run's own)."""
+    _, sep, cap = name.partition("@")
+    return float(cap.removesuffix("MB")) if sep else None
+
+
 def advise(samples: Sequence[dict[str, Any]], link: Link | None, current: str | None,
-           costs: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """The advice (a JSON-able dict) from one model's samples (Advisor records)."""
+           costs: dict[str, dict[str, float]], caps_mb: Sequence[float] = ()) -> dict[str, Any]:
+    """The advice (a JSON-able dict) from one model's samples (Advisor records); ``caps_mb``
+    adds plain allreduce at those bucket caps (cost_model.rebucket) to the candidates."""
     samples = [s for s in samples if s["shapes"] == samples[-1]["shapes"]]
     stats = [s["stats"] for s in samples]
     world = stats[-1]["world_size"]
@@ -196,12 +209,20 @@ def advise(samples: Sequence[dict[str, Any]], link: Link | None, current: str | 
     order = sorted(range(nb), key=lambda i: ready[i])
     buckets = [cost_model.Bucket(min(ready[i], backward_ms), shapes=tuple(map(tuple, shapes[i])))
                for i in order]
+    predictions = cost_model.predict_all(buckets, backward_ms, link, world, _candidates(costs),
+                                         fixed_ms)
+    plain = cost_model.allreduce_fp32(**costs["allreduce_fp32"])
+    for cap in caps_mb:
+        variant = cost_model.Candidate(cap_variant(cap), plain.collectives)
+        predictions.append(cost_model.predict(cost_model.rebucket(buckets, cap * _MIB),
+                                              backward_ms, link, world, variant, fixed_ms))
+    predictions.sort(key=lambda p: p.step_ms)
     rows = []
-    for p in cost_model.predict_all(buckets, backward_ms, link, world, _candidates(costs),
-                                    fixed_ms):
+    for p in predictions:
         comm_ms = sum(end - start for *_, start, end in p.timeline)
         compute_ms = fixed_ms + p.backward_end_ms
-        rows.append({"candidate": p.name, "hook": HOOK_SPELLING[p.name],
+        rows.append({"candidate": p.name, "hook": HOOK_SPELLING.get(p.name, ""),
+                     "bucket_cap_mb": variant_cap(p.name),
                      "predicted_step_ms": p.step_ms,
                      "measured_step_ms": step_ms if p.name == current else None,
                      "wire_bytes_per_step": sum(bus_factor(kind, world) * nbytes

@@ -39,6 +39,12 @@ Wire bytes per bucket of S fp32 bytes (numel = S/4):
   (U + P, Q); torch's hook sends three (U, P, Q): ``separate_uncompressed=True``. Steady
   state: the first ``start_powerSGD_iter`` plain steps are not modelled.
 
+Other bucket sizes (:func:`rebucket`): gradients are taken to arrive at a steady rate
+between two measured ready times (bucket i's bytes between r_{i-1} and r_i); a bucket of cap
+C closes when C bytes have arrived since the previous one closed (the last one at the end),
+and is ready then. Parameter boundaries are ignored: an estimate for ranking bucket sizes,
+which ``--hook auto`` then measures for real.
+
 Pure arithmetic on plain numbers, tested with hand-computed cases; ``report.py``'s
 ``projected_step_ms`` is the one-bucket case (see tests/python/test_cost_model.py).
 """
@@ -185,6 +191,28 @@ def predict_all(buckets: Sequence[Bucket], backward_ms: float, link: Link, world
     """:func:`predict` for each candidate, fastest first."""
     return sorted((predict(buckets, backward_ms, link, world, c, fixed_ms) for c in candidates),
                   key=lambda p: p.step_ms)
+
+
+def rebucket(buckets: Sequence[Bucket], cap_bytes: float) -> list[Bucket]:
+    """The measured ``buckets`` re-cut into buckets of ``cap_bytes`` (module docstring);
+    shapes are dropped, so only candidates that need bytes alone can use the result."""
+    if not cap_bytes > 0:
+        raise ValueError(f"rebucket: cap_bytes must be positive, got {cap_bytes!r}")
+    # The arrival curve: (time, cumulative bytes) at each measured ready time.
+    points, total = [(0.0, 0.0)], 0.0
+    for b in buckets:
+        total += b.fp32_bytes
+        points.append((b.ready_ms, total))
+    out, closed, k = [], 0.0, 1
+    while closed < total:
+        target = min(closed + cap_bytes, total)
+        while points[k][1] < target:
+            k += 1
+        (t0, c0), (t1, c1) = points[k - 1], points[k]
+        at = t1 if target >= c1 else min(t1, t0 + (t1 - t0) * (target - c0) / (c1 - c0))
+        out.append(Bucket(at, nbytes=target - closed))
+        closed = target
+    return out
 
 
 def _check(buckets: Sequence[Bucket], backward_ms: float, world: int) -> None:

@@ -16,7 +16,8 @@ from fastddp import _hook_state, _powersgd_state
 from fastddp import hooks as fastddp_hooks
 from fastddp._construction import (_check_module, _expect_sparse_gradients, _move_inputs,
                                    _not_yet, _params_for_reducer, _reject_unsupported,
-                                   _resolve_device_ids, _resolve_group, check_conversion)
+                                   _resolve_device_ids, _resolve_group, bucket_limits,
+                                   check_conversion)
 from fastddp._ddp_logger import DdpLogger
 from fastddp._introspection import bucket_sizes, comm_stats, logging_data
 from fastddp._join import _JoinHook, announce_backward_sync, sync_buffers
@@ -24,13 +25,11 @@ from fastddp._module_sync import (broadcast_tensors, verify_bucket_layout,
                                   verify_param_shapes)
 from fastddp._options import world1_reducer_requested
 from fastddp._reducer_proxy import ReducerProxy
+from fastddp.auto import AutoHook, AutoTuner
 
 _MIB = 1024 * 1024
 _DEFAULT_BUCKET_CAP_MB = 25
 _DEFAULT_FIRST_BUCKET_BYTES = 1 * _MIB
-# Initial buckets when gradients arrive in an unknown order (torch does the same:
-# one bucket per dtype/device until the first backward shows the real order).
-_NO_LIMIT = 2**63 - 1
 
 
 class DistributedDataParallel(nn.parallel.DistributedDataParallel):
@@ -133,16 +132,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             bucket_cap_mb if bucket_cap_mb is not None else _DEFAULT_BUCKET_CAP_MB)
         self.bucket_bytes_cap = int(cap_mb * _MIB)
         first = _DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else self.bucket_bytes_cap
-        if caps:
-            initial_limits, rebuild_limits = caps, caps
-        elif static_graph or not find_unused_parameters:
-            initial_limits, rebuild_limits = [_NO_LIMIT], [first, self.bucket_bytes_cap]
-        else:
-            # Never rebuilt (the ready order changes with the used set): the
-            # initial buckets are torch's [first bucket, cap] layout.
-            initial_limits = [first, self.bucket_bytes_cap] if first < self.bucket_bytes_cap else [
-                self.bucket_bytes_cap]
-            rebuild_limits = initial_limits
+        initial_limits, rebuild_limits = bucket_limits(
+            caps, first, self.bucket_bytes_cap, static_graph or not find_unused_parameters)
 
         world = self.process_group.size()
         if init_sync and world > 1:
@@ -156,6 +147,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._reducer = None
         self._comm_hooks: list[tuple[Any, object]] = []
         self._native_hook = None  # the registered C++ hook (None: the default allreduce)
+        self._auto = None  # fastddp.hooks.auto()'s tuner, once registered
         self._ddp_sink_clone = True
         self.logger = DdpLogger()
         self._bucket_limits = (initial_limits, rebuild_limits)
@@ -216,6 +208,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.device_ids:
             inputs, kwargs = _move_inputs(inputs, kwargs, self.device_type, self.device_ids[0])
+        if self._auto is not None and torch.is_grad_enabled() and self.require_backward_grad_sync:
+            self._auto.before_forward()  # may change the hook or rebuild the reducer
         reducer = self._reducer
         if reducer is None:
             return self.module(*inputs, **kwargs)
@@ -307,6 +301,12 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._comm_hooks.append((hook, state))
 
     def _install_hook(self, state: object, hook: Any) -> None:
+        if isinstance(hook, AutoHook):
+            if state is not None and state is not self.process_group:
+                raise ValueError(f"{hook!r}: state must be None (the model's process group), "
+                                 f"got {type(state).__name__}")
+            state, self._auto = None, AutoTuner(self, hook, self._auto_install)
+            hook = self._auto.initial_hook()
         native = fastddp_hooks.resolve(state, hook, self.process_group, self._reducer_params)
         # torch's PowerSGDState: its training state goes into the native hook (raises, before
         # anything changes, for a state it cannot take), and is read from it from now on.
@@ -317,6 +317,24 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._reducer.set_comm_hook(native)
         if live:
             _powersgd_state.link(state, self, native)
+
+    def _auto_install(self, native: Any, cap_bytes: int) -> None:
+        """fastddp.hooks.auto()'s switch, between two steps: the C++ hook ``native`` with
+        buckets of ``cap_bytes`` (a new reducer when the cap changes, as unpickling builds
+        one)."""
+        if cap_bytes != self.bucket_bytes_cap:
+            self.bucket_bytes_cap = cap_bytes
+            self._bucket_limits = bucket_limits(
+                [], cap_bytes, cap_bytes, self.static_graph or not self.find_unused_parameters)
+            self._reducer = None  # the old one unhooks itself from autograd as it goes
+            self._build_reducer()
+        self._native_hook = native
+        self._reducer.set_comm_hook(native)
+
+    def auto_choice(self) -> dict | None:
+        """With fastddp.hooks.auto() registered: the policy, the choice (None while still
+        tuning), the step it took effect at, and the measured and predicted step times."""
+        return None if self._auto is None else self._auto.summary()
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
         """torch's built-in hook types (ALLREDUCE, FP16_COMPRESS) as fastddp built-ins."""
@@ -365,7 +383,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         by __setstate__ (torch.save(model), copy.deepcopy, pickle)."""
         self._check_default_group()
         attrs = copy.copy(self.__dict__)
-        for native in ("process_group", "_reducer", "_native_hook", "reducer"):
+        for native in ("process_group", "_reducer", "_native_hook", "reducer", "_auto"):
             attrs.pop(native, None)
         return attrs
 
@@ -374,6 +392,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         nn.Module.__setstate__(self, state)  # not torch DDP's: it builds torch's reducer
         self._reducer = None
         self._native_hook = None
+        self._auto = None
         self.reducer = ReducerProxy(self)
         self.require_forward_param_sync = True
         self.require_backward_grad_sync = True

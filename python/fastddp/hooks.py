@@ -32,8 +32,9 @@ import torch.distributed as dist
 
 from fastddp import _C
 from fastddp._powersgd_args import options_from_state, powersgd_options
+from fastddp.auto import AutoHook
 
-__all__ = ["CommHook", "allreduce", "batched_powersgd", "bf16", "fp16", "from_registry",
+__all__ = ["AutoHook", "CommHook", "allreduce", "auto", "batched_powersgd", "bf16", "fp16", "from_registry",
            "native_torch_hooks", "powersgd"]
 
 _WRAPPERS = {
@@ -198,6 +199,15 @@ def batched_powersgd(matrix_approximation_rank: int = 1, start_powerSGD_iter: in
         random_seed, batch_tensors_with_same_shape, compression_stats_logging_frequency))
 
 
+def auto(policy: str = "any", **settings: Any) -> AutoHook:
+    """fastddp picks the hook and bucket size itself in the first steps (Note [auto tuning]
+    in fastddp/auto.py). ``policy``: ``lossless`` (plain allreduce, bucket sizes only),
+    ``bf16`` (also 16-bit wires) or ``any`` (also PowerSGD). ``settings``: AutoHook's
+    ``warmup``, ``samples``, ``trials``, ``lossy_margin``, ``verbose``. Register it with
+    state None; ``model.auto_choice()`` tells what was chosen."""
+    return AutoHook(policy, **settings)
+
+
 def _from_powersgd_state(state: Any, name: str) -> tuple[dist.ProcessGroup | None, CommHook]:
     """torch's PowerSGDState as the native hook `name`: its settings, iteration and generator."""
     return state.process_group, CommHook(name, **options_from_state(state))
@@ -259,7 +269,7 @@ def check_comm_hook(hook: Any) -> None:
     """torch DDP's checks of a hook's signature, with torch's exceptions and messages.
     (torch's extra "BF16 ... required CUDA 11+ and NCCL 2.10+" check does not apply:
     fastddp runs bf16 hooks on gloo too.)"""
-    if isinstance(hook, CommHook):
+    if isinstance(hook, (CommHook, AutoHook)):
         return
     if not callable(hook):
         raise TypeError("Communication hook must be callable.")
@@ -276,6 +286,8 @@ def check_comm_hook(hook: Any) -> None:
 def resolve(state: object, hook: Any, process_group: dist.ProcessGroup,
             params: list[torch.Tensor]) -> "_C.CommHook":
     """The C++ hook that runs `hook(state, ...)` for a model over `process_group`."""
+    if isinstance(hook, AutoHook):
+        raise TypeError(f"{hook!r} is resolved by the model it is registered on")
     if isinstance(hook, CommHook):
         if state is not None and not isinstance(state, dist.ProcessGroup):
             raise ValueError(f"{hook!r}: state must be None (the model's process group) or a "

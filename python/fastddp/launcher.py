@@ -30,6 +30,10 @@ hooks (--hook):
   fp16, bf16      compress gradients to fp16 / bf16 for the allreduce
   bf16-fp32acc    bf16 on the wire, accumulated in fp32
   powersgd[:R]    PowerSGD low-rank compression of rank R (default: the hook's default)
+  auto[:POLICY]   fastddp measures the first ~30-45 steps, tries the configurations its cost
+                  model ranks best, keeps the fastest and says so (rank 0, one line).
+                  POLICY: lossless (allreduce, bucket sizes), bf16 (also 16-bit wires) or
+                  any (also PowerSGD; the default)
 The launcher's hook is registered on every model the script wraps and replaces any hook the
 script registers itself (rank 0 says so once). Without --hook, the script's hooks are used.
 
@@ -57,7 +61,8 @@ examples:
   FASTDDP_DISABLE=1 torchrun --nproc_per_node=8 -m fastddp --hook bf16 train.py
   torchrun --nproc_per_node=4 -m fastddp --emulate-link 3GB/s,20us --report train.py
   python -m fastddp --report -- train.py --lr 0.1
-  torchrun --nproc_per_node=4 -m fastddp --advise --advise-out runs/ train.py"""
+  torchrun --nproc_per_node=4 -m fastddp --advise --advise-out runs/ train.py
+  torchrun --nproc_per_node=8 -m fastddp --hook auto:bf16 train.py"""
 
 # Launcher options that consume the next token; needed to find where the script path is.
 _VALUE_OPTIONS = ("--hook", "--bucket-cap-mb", "--emulate-link", "--advise-out")

@@ -31,7 +31,7 @@ from fastddp.ddp import DistributedDataParallel as FastDDP
 from fastddp.link import Link
 from fastddp.report import format_comm_stats
 
-HOOK_NAMES = ("allreduce", "fp16", "bf16", "bf16-fp32acc", "powersgd")
+HOOK_NAMES = ("allreduce", "fp16", "bf16", "bf16-fp32acc", "powersgd", "auto")
 _PATCHED_NAMES = (
     "torch.nn.parallel.DistributedDataParallel",
     "torch.nn.parallel.distributed.DistributedDataParallel",
@@ -53,8 +53,11 @@ class HookSpec:
 
     name: str
     rank: int | None = None  # PowerSGD's matrix approximation rank; None: the hook's default
+    policy: str | None = None  # auto's policy (fastddp/auto.py)
 
     def __str__(self) -> str:
+        if self.policy is not None:
+            return f"{self.name}:{self.policy}"
         return self.name if self.rank is None else f"{self.name}:{self.rank}"
 
 
@@ -64,6 +67,14 @@ def parse_hook_spec(text: str, option: str = "--hook") -> HookSpec:
     if name not in HOOK_NAMES:
         raise ValueError(f"{option} {text!r}: unknown hook {name!r}; choose one of "
                          f"{', '.join(HOOK_NAMES)} (powersgd takes an optional :RANK)")
+    if name == "auto":
+        from fastddp.auto import POLICIES
+
+        policy = rank_text if sep else "any"
+        if policy not in POLICIES:
+            raise ValueError(f"{option} {text!r}: auto's policy must be one of "
+                             f"{', '.join(POLICIES)} (auto:POLICY)")
+        return HookSpec(name, policy=policy)
     if not sep:
         return HookSpec(name)
     if name != "powersgd":
@@ -100,6 +111,8 @@ def _fastddp_hook_maker(spec: HookSpec, option: str) -> Callable[[], tuple[Any, 
     kwargs: dict[str, Any] = {}
     if spec.name in ("bf16", "bf16-fp32acc"):
         kwargs["accumulate"] = "fp32" if spec.name == "bf16-fp32acc" else "bf16"
+    elif spec.name == "auto":
+        kwargs["policy"] = spec.policy
     elif spec.name == "powersgd":
         # torch's PowerSGDState names; start early as the FASTDDP_DISABLE comparison does.
         kwargs["start_powerSGD_iter"] = 2
@@ -125,6 +138,10 @@ def torch_hook(spec: HookSpec, option: str = "--hook") -> tuple[Any, Any]:
         state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=spec.rank or 1, start_powerSGD_iter=2)
         return state, powerSGD_hook.powerSGD_hook
+    if spec.name == "auto":
+        raise HookUnavailableError(
+            f"{option} {spec}: stock torch DDP (FASTDDP_DISABLE=1) cannot tune its hook; run "
+            "without FASTDDP_DISABLE, or give torch a fixed --hook")
     raise HookUnavailableError(
         f"{option} {spec}: stock torch DDP has no built-in hook that accumulates bf16 "
         "gradients in fp32; use --hook bf16 to compare with torch")
@@ -161,6 +178,9 @@ class Patch:
         self._notes: set[str] = set()
         # (module, attribute) pairs outside torch that held torch's class; see imported_bindings.
         self._rebound: list[tuple[ModuleType, str]] = []
+        if advise and hook is not None and hook.name == "auto":
+            raise ValueError(f"{option} {hook} with advise: auto changes the hook while it "
+                             "measures, advise measures one fixed configuration; choose one")
         if disabled and advise:
             raise NotImplementedError(
                 "advise reads fastddp's comm_stats(): stock torch DDP (FASTDDP_DISABLE=1) has "

@@ -1,0 +1,326 @@
+"""``--hook auto[:lossless|bf16|any]`` / ``fastddp.hooks.auto(policy)``: fastddp picks the
+communication hook and bucket size itself, in the first steps of the run.
+
+Note [auto tuning]: the tuner runs at the start of each synchronized forward (a forward
+with gradients on, outside no_sync), from the model's own ``comm_stats()``. In order:
+
+1. **Baseline.** Plain allreduce at the model's bucket cap. After ``warmup`` steps (the
+   first step rebuilds the buckets), ``samples`` steps are measured: the time from one
+   synchronized forward to the next, per-bucket ready/launch/done times, bytes.
+2. **Model.** Every rank times five one-element allreduces (the link's latency, transport
+   and emulation included). Rank 0 feeds the median step, that link (its bandwidth the
+   ``--emulate-link`` one, else estimated from the baseline's own collectives) and each candidate's kernel cost (timed on
+   scratch tensors) to the cost model (fastddp/cost_model.py, as ``--advise`` does) and
+   ranks the policy's candidates: ``lossless`` plain allreduce at bucket caps x1/4, x1 and
+   x4; ``bf16`` also bf16 on the wire (summed in bf16, or in fp32); ``any`` also PowerSGD of
+   rank 1, 2, 4 and 8. The best predicted of each family (bucket sizes, 16-bit wires,
+   PowerSGD) is tried if predicted to beat the baseline by 0.5%; none on a compute-bound step.
+3. **Trials.** Each runs for real, in two blocks of 3 measured steps, ordered A B .. Z Z .. B
+   A with the baseline Z, so that load drifting over the trials biases none. A switch
+   happens between two steps; the step after it is not measured (nor a rebuild's first
+   step, nor a PowerSGD hook's plain warm-up steps). A trial's hook is kept across its two
+   blocks.
+4. **Choice.** The fastest measured median wins; a lossy candidate must beat the fastest
+   lossless one by ``lossy_margin`` (5%): compression changes the gradients, so it has to buy
+   something. The choice is installed afresh: PowerSGD's warm-up and error feedback start at
+   that step. Rank 0 logs one line: the choice, its predicted and measured step times, and
+   those of every candidate tried.
+
+All ranks run the same state machine on the same step counts; rank 0 alone measures and
+decides, and its decisions reach the others as one small broadcast on the model's process
+group (one after the model, one at the choice). No step is lost or doubled: a switch happens
+between two steps, each step is reduced by exactly one configuration. While tuning, reading
+``comm_stats()`` waits for the previous step's reduction (on a GPU, a host sync per step);
+once chosen, a forward costs one attribute check.
+"""
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fastddp import advise
+from fastddp.link import Link
+
+POLICIES = ("lossless", "bf16", "any")
+_MIB = 1024 * 1024
+_LOSSLESS = "allreduce_fp32"
+_BF16 = ("bf16", "bf16_fp32_accumulate")
+_POWERSGD = tuple(f"powersgd_r{r}" for r in (1, 2, 4, 8))
+_CAP_FACTORS = (0.25, 4.0)
+_POWERSGD_START_ITER = 2
+_MIN_PREDICTED_GAIN = 0.005
+_LATENCY_PROBES = 5
+_BLOCK_SAMPLES = 3  # measured steps per trial block; each trial runs two blocks
+_SWITCH_WARMUP = 1  # the least torch allows with error feedback
+
+
+@dataclass(frozen=True)
+class AutoHook:
+    """What ``fastddp.hooks.auto()`` returns: register it like any hook."""
+
+    policy: str = "any"
+    warmup: int = 2
+    samples: int = 5
+    trials: int = 3
+    lossy_margin: float = 0.05
+    verbose: bool = True
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"fastddp.hooks.auto: policy {self.policy!r} is not one of "
+                             f"{', '.join(POLICIES)}")
+        for name in ("warmup", "samples", "trials"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (0 if name == "warmup" else 1):
+                raise ValueError(f"fastddp.hooks.auto: {name} must be a positive int, got "
+                                 f"{value!r}")
+        if not 0 <= self.lossy_margin < 1:
+            raise ValueError(f"fastddp.hooks.auto: lossy_margin must be in [0, 1), got "
+                             f"{self.lossy_margin!r}")
+
+    @property
+    def __name__(self) -> str:  # torch's register_comm_hook and our logs read it
+        return f"fastddp_auto_{self.policy}_hook"
+
+    def __call__(self, state: object, bucket: Any) -> Any:
+        raise NotImplementedError(
+            "fastddp.hooks.auto() chooses among fastddp's native hooks while training and "
+            "runs only on fastddp.DistributedDataParallel, not under stock torch DDP")
+
+    def candidates(self, cap_mb: float) -> list[str]:
+        """The policy's candidate names, in a fixed order every rank agrees on."""
+        names = [_LOSSLESS, *(advise.cap_variant(cap_mb * f) for f in _CAP_FACTORS)]
+        if self.policy in ("bf16", "any"):
+            names += _BF16
+        if self.policy == "any":
+            names += _POWERSGD
+        return names
+
+
+def lossy(name: str) -> bool:
+    return not name.startswith(_LOSSLESS)
+
+
+def _family(name: str) -> str:
+    return "bucket size" if not lossy(name) else "bf16" if name in _BF16 else "powersgd"
+
+
+def hook_for(name: str) -> Any:
+    """The fastddp.hooks built-in a candidate name stands for."""
+    from fastddp import hooks
+
+    if not lossy(name):
+        return hooks.allreduce()
+    if name in _BF16:
+        return hooks.bf16(accumulate="fp32" if name == "bf16_fp32_accumulate" else "bf16")
+    rank = int(name.removeprefix("powersgd_r"))
+    return hooks.powersgd(matrix_approximation_rank=rank,
+                          start_powerSGD_iter=_POWERSGD_START_ITER)
+
+
+class AutoTuner:
+    """Note [auto tuning], for one model. ``before_forward`` is its one entry point."""
+
+    def __init__(self, ddp: Any, spec: AutoHook, install: Any):
+        self.ddp, self.spec, self._install = ddp, spec, install
+        self.group = ddp.process_group
+        self.cap_mb = ddp.bucket_bytes_cap / _MIB
+        self.names = spec.candidates(self.cap_mb)
+        self.rank0 = self.group.rank() == 0
+        self.queue: list[str] = []  # the trial blocks still to run, after the current one
+        self._planned = False
+        self.current = _LOSSLESS
+        self.times: dict[str, list[float]] = {}  # rank 0: measured step ms per candidate
+        self.measured: dict[str, float] = {}
+        self.predicted: dict[str, float] = {}
+        self.choice: str | None = None if self.group.size() > 1 else _LOSSLESS
+        self.chosen_at_step: int | None = None
+        # (first step, configuration, installed afresh): what replays this run's numbers.
+        self.history: list[tuple[int, str, bool]] = [(0, _LOSSLESS, True)]
+        self.step = 0  # synchronized steps seen, over all configurations
+        self._natives: dict[str, Any] = {}  # trial hooks, kept across their blocks
+        self._samples: list[dict[str, Any]] = []
+        self._wanted = spec.samples
+        self._skip = spec.warmup
+        self._last: tuple[int, int, float] | None = None  # (reducer id, its steps, time)
+        self.error: str | None = None
+
+    def initial_hook(self) -> Any:
+        return hook_for(_LOSSLESS)
+
+    def summary(self) -> dict[str, Any]:
+        """What was decided (``model.auto_choice()``)."""
+        return {"policy": self.spec.policy, "choice": self.choice,
+                "chosen_at_step": self.chosen_at_step, "current": self.current,
+                "history": list(self.history), "error": self.error,
+                "measured_step_ms": dict(self.measured),
+                "predicted_step_ms": dict(self.predicted)}
+
+    def before_forward(self) -> None:
+        if self.choice is not None:
+            return
+        now = time.perf_counter()
+        stats = self.ddp.comm_stats()
+        reducer = id(self.ddp._reducer)
+        last, self._last = self._last, (reducer, stats["steps"], now)
+        if last is None or last[:2] != (reducer, stats["steps"] - 1):
+            return  # no synchronized step completed since the last forward seen
+        self.step += 1
+        if self._skip > 0:
+            self._skip -= 1
+            return
+        step_ms = (now - last[2]) * 1e3
+        if self._planned:
+            self.times.setdefault(self.current, []).append(step_ms)
+        else:
+            self._samples.append({"step_ms": step_ms, "stats": stats, "shapes": self._shapes()})
+        self._wanted -= 1
+        if self._wanted > 0:
+            return
+        if not self._planned:
+            self._planned = True
+            self._plan_trials()
+        self._next_block()
+
+    def _next_block(self) -> None:
+        """The next trial block (the same configuration again just goes on), or the choice."""
+        self._wanted = _BLOCK_SAMPLES
+        if not self.queue:
+            self._choose()
+        elif (name := self.queue.pop(0)) != self.current:
+            self._switch(name, fresh=False)
+        # else: a second block in a row of the same configuration; measure on
+
+    def _shapes(self) -> list[list[tuple[int, ...]]]:
+        params = self.ddp._reducer_params
+        return [[tuple(params[i].shape) for i in b] for b in self.ddp._reducer.bucket_plan()]
+
+    def _plan_trials(self) -> None:
+        """Rank 0 ranks the candidates with the cost model; every rank gets the trial list.
+        Trials run in blocks ordered A B .. Z Z .. B A (Z: the baseline), so that load
+        drifting linearly over the trials biases no candidate."""
+        order = [-1] * self.spec.trials
+        latency_us = self._probe_latency_us()
+        if self.rank0:
+            self.measured[_LOSSLESS] = statistics.median(s["step_ms"] for s in self._samples)
+            try:
+                tries = self._worth_trying(self._predict(latency_us))[: self.spec.trials]
+                order[: len(tries)] = [self.names.index(n) for n in tries]
+            except Exception as e:  # noqa: BLE001 -- a failed model keeps the baseline
+                self.error = f"{type(e).__name__}: {e}"
+        tries = [self.names[i] for i in self._broadcast(order) if i >= 0]
+        self.queue = [*tries, _LOSSLESS, _LOSSLESS, *reversed(tries)] if tries else []
+
+    def _probe_latency_us(self) -> float:
+        """The time of a one-element allreduce on the model's group (every rank takes
+        part): the per-collective cost the cost model's link latency stands for, real
+        transport and emulation included."""
+        device = self.ddp._reducer_params[0].device
+        t, times = torch.zeros(1, device=device), []
+        for _ in range(_LATENCY_PROBES):
+            t0 = time.perf_counter()
+            self.group.allreduce([t]).wait()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e6
+
+    def _predict(self, latency_us: float) -> list[str]:
+        emulated = getattr(self.group, "link", None)
+        if emulated is not None:
+            bus_gbs = emulated.bus_gbs
+        else:
+            estimates = [x.bus_gbs for s in self._samples
+                         if (x := advise.estimate_link(s["stats"])) is not None]
+            if not estimates:
+                raise ValueError("no collective took measurable time; cannot estimate the link")
+            bus_gbs = statistics.median(estimates)
+        costs = advise.kernel_costs([s for b in self._samples[-1]["shapes"] for s in b],
+                                    str(self.ddp._reducer_params[0].device))
+        caps = [c for n in self.names if (c := advise.variant_cap(n)) is not None]
+        link = Link(bus_gbs, latency_us)
+        result = advise.advise(self._samples, link, _LOSSLESS, costs, caps_mb=caps)
+        rows = [r for r in result["candidates"] if r["candidate"] in self.names]
+        self.predicted = {r["candidate"]: r["predicted_step_ms"] for r in rows}
+        return [r["candidate"] for r in rows]
+
+    def _worth_trying(self, ranked: list[str]) -> list[str]:
+        """The best predicted of each family (other bucket sizes, 16-bit wires, PowerSGD
+        ranks), best first, among those predicted to beat the baseline by 0.5% at least: the
+        model ranks within a family better than across families (on CPUs the wire's bytes
+        also cost the backward CPU time, which it does not model), so every family gets a
+        real trial. On a compute-bound step none qualifies."""
+        baseline = self.predicted[_LOSSLESS]
+        families: dict[str, str] = {}
+        for name in ranked:
+            if name != _LOSSLESS and self.predicted[name] <= baseline * (1 - _MIN_PREDICTED_GAIN):
+                families.setdefault(_family(name), name)
+        return list(families.values())
+
+    def _choose(self) -> None:
+        index = -1
+        if self.rank0:
+            self.measured.update({n: statistics.median(t) for n, t in self.times.items()})
+            index = self.names.index(self._best_measured())
+        self.choice = self.names[self._broadcast([index])[0]]
+        self.chosen_at_step = self.step
+        self._switch(self.choice, fresh=True)
+        self._natives.clear()
+        if self.rank0 and self.spec.verbose:
+            print(self.log_line(), flush=True)
+
+    def _best_measured(self) -> str:
+        lossless = min((n for n in self.measured if not lossy(n)), key=self.measured.get)
+        best = min(self.measured, key=self.measured.get)
+        if lossy(best) and self.measured[best] > (1 - self.spec.lossy_margin) * self.measured[
+                lossless]:
+            return lossless
+        return best
+
+    def log_line(self) -> str:
+        def figures(name: str) -> str:
+            predicted = self.predicted.get(name)
+            return (f"{self.measured[name]:.2f} ms measured"
+                    + ("" if predicted is None else f", {predicted:.2f} predicted"))
+        others = "; ".join(f"{n} {figures(n)}" for n in sorted(self.measured, key=self.measured.get)
+                           if n != self.choice)
+        tried = (f"; also tried {others}" if others else
+                 "; no other candidate was predicted to beat it by its margin")
+        note = f" (cost model failed: {self.error})" if self.error else ""
+        return (f"[fastddp] auto:{self.spec.policy} chose {self.choice} from step "
+                f"{self.chosen_at_step}: {figures(self.choice)} a step{tried}{note}")
+
+    def _switch(self, name: str, fresh: bool) -> None:
+        """Installs ``name`` between two steps: its hook from its earlier block (PowerSGD
+        keeps its warm-up count and error feedback) unless ``fresh``. The steps right after
+        a switch (and a PowerSGD hook's plain warm-up steps) are not measured."""
+        from fastddp import hooks
+
+        cap = advise.variant_cap(name)
+        cap_bytes = int((cap if cap is not None else self.cap_mb) * _MIB)
+        rebuilt = cap_bytes != self.ddp.bucket_bytes_cap
+        native = None if fresh else self._natives.get(name)
+        first = native is None
+        if first:
+            native = hooks.resolve(None, hook_for(name), self.group, self.ddp._reducer_params)
+            self._natives[name] = native
+        self._install(native, cap_bytes)
+        self.current, self._samples = name, []
+        self.history.append((self.step, name, first))
+        self._last = (id(self.ddp._reducer), self.ddp.comm_stats()["steps"], time.perf_counter())
+        # After a rebuild, the first step runs on the not yet reordered buckets.
+        self._skip = _SWITCH_WARMUP + (1 if rebuilt else 0) + (
+            _POWERSGD_START_ITER if first and name in _POWERSGD else 0)
+
+    def _broadcast(self, values: list[int]) -> list[int]:
+        """Rank 0's ``values`` on every rank (one small broadcast on the model's group)."""
+        device = self.ddp._reducer_params[0].device
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.group.broadcast([t], opts).wait()
+        return t.tolist()
