@@ -8,8 +8,8 @@ with gradients on, outside no_sync), from the model's own ``comm_stats()``. In o
    first step rebuilds the buckets), ``samples`` steps are measured: the time from one
    synchronized forward to the next, per-bucket ready/launch/done times, bytes.
 2. **Model.** Every rank times five one-element allreduces (the link's latency, transport
-   and emulation included). Rank 0 feeds the median step, that link (its bandwidth the
-   ``--emulate-link`` one, else estimated from the baseline's own collectives) and each candidate's kernel cost (timed on
+   and emulation included). Rank 0 feeds the median step, that link (its bandwidth estimated
+   from the baseline's own collectives, emulated or not: what the candidates will get) and each candidate's kernel cost (timed on
    scratch tensors) to the cost model (fastddp/cost_model.py, as ``--advise`` does) and
    ranks the policy's candidates: ``lossless`` plain allreduce at bucket caps x1/4, x1 and
    x4; ``bf16`` also bf16 on the wire (summed in bf16, or in fp32); ``any`` also PowerSGD of
@@ -230,15 +230,13 @@ class AutoTuner:
         return statistics.median(times) * 1e6
 
     def _predict(self, latency_us: float) -> list[str]:
-        emulated = getattr(self.group, "link", None)
-        if emulated is not None:
-            bus_gbs = emulated.bus_gbs
-        else:
-            estimates = [x.bus_gbs for s in self._samples
-                         if (x := advise.estimate_link(s["stats"])) is not None]
-            if not estimates:
-                raise ValueError("no collective took measurable time; cannot estimate the link")
-            bus_gbs = statistics.median(estimates)
+        # Always the link the collectives really saw: an emulated link faster than the real
+        # transport cannot speed it up, and the real one is what the candidates will get.
+        estimates = [x.bus_gbs for s in self._samples
+                     if (x := advise.estimate_link(s["stats"], latency_us)) is not None]
+        if not estimates:
+            raise ValueError("no collective took measurable time; cannot estimate the link")
+        bus_gbs = statistics.median(estimates)
         costs = advise.kernel_costs([s for b in self._samples[-1]["shapes"] for s in b],
                                     str(self.ddp._reducer_params[0].device))
         caps = [c for n in self.names if (c := advise.variant_cap(n)) is not None]

@@ -123,3 +123,29 @@ def test_bad_measurements_are_named(buckets: list, backward: float, world: int,
                                     match: str) -> None:
     with pytest.raises(ValueError, match=match):
         cm.predict(buckets, backward, GB_PER_S, world, cm.allreduce_fp32())
+
+
+# --- rebucket: other bucket sizes from the measured arrival curve ------------------------
+
+def test_rebucket_splits_and_merges_on_the_arrival_curve() -> None:
+    # 100 bytes arrive by 1 ms, 100 more by 3 ms (hand-computed linear arrival).
+    measured = [cm.Bucket(1.0, nbytes=100), cm.Bucket(3.0, nbytes=100)]
+    split = cm.rebucket(measured, 50)
+    assert [(b.ready_ms, b.nbytes) for b in split] == [(0.5, 50), (1.0, 50), (2.0, 50),
+                                                       (3.0, 50)]
+    assert [(b.ready_ms, b.nbytes) for b in cm.rebucket(measured, 150)] == [
+        (2.0, 150), (3.0, 50)]
+    assert [(b.ready_ms, b.nbytes) for b in cm.rebucket(measured, 1000)] == [(3.0, 200)]
+
+
+def test_rebucket_never_ready_after_the_last_measured_bucket() -> None:
+    measured = [cm.Bucket(114.249966, nbytes=3e6)]
+    (bucket,) = cm.rebucket(measured, 25 * 2**20)
+    assert bucket.ready_ms == 114.249966
+    for b in cm.rebucket(measured, 0.7e6):
+        assert b.ready_ms <= 114.249966
+
+
+def test_rebucket_rejects_a_cap_of_zero() -> None:
+    with pytest.raises(ValueError, match="cap_bytes"):
+        cm.rebucket([cm.Bucket(1.0, nbytes=1)], 0)

@@ -1,0 +1,172 @@
+"""``--hook auto`` / ``fastddp.hooks.auto()`` (fastddp/auto.py).
+
+Multi-rank: gloo worlds of 2 and 4 ranks over emulated links (EmulatedLinkGroup). The
+choice is judged against an exhaustive sweep of the fixed configurations timed in the same
+world, interleaved with auto's own tuned model (benchmarks/auto_runs.py); training numbers
+against a hand replay of auto's switches and, for the lossless policy, against stock torch
+DDP. Single-process: the policy's candidates, argument errors, the decision rules on
+synthetic measurements.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fastddp
+from fastddp import auto
+from fastddp.patch import HookSpec, HookUnavailableError, parse_hook_spec, patch, torch_hook
+from harness import World
+
+SCRIPT = Path(__file__).parent / "scripts" / "train_wide.py"
+PACKAGE_DIR = Path(fastddp.__file__).resolve().parents[1]
+WITHIN_BEST = 1.10  # the issue's bound: auto's step within 10% of the best fixed one
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def world(request):
+    world = World(request.param, timeout_s=300)
+    world.start()
+    yield world
+    world.close()
+
+
+@pytest.fixture(scope="module")
+def world2():
+    world = World(2, timeout_s=300)
+    world.start()
+    yield world
+    world.close()
+
+
+# --- multi-rank ------------------------------------------------------------------------
+
+def test_slow_link_gradient_bound_picks_compression_near_the_best(world) -> None:
+    (result, *_) = world.check("auto_scenarios.auto_against_fixed", kind="wide", link="1GB/s",
+                               policy="any", rounds=10)
+    choice, medians = result["auto"]["choice"], dict(result["medians"])
+    auto_ms = medians.pop("auto")
+    best = min(medians, key=medians.get)
+    assert auto.lossy(choice), (choice, medians)
+    assert auto_ms <= WITHIN_BEST * medians[best], (
+        f"auto ({choice}) {auto_ms:.1f} ms, best fixed {best} {medians[best]:.1f} ms: {medians}")
+    assert result["tuning_steps"] <= 60
+
+
+def test_fast_link_compute_bound_keeps_plain_allreduce(world2) -> None:
+    (result, *_) = world2.check("auto_scenarios.auto_and_replay", kind="convnet",
+                                link="100GB/s", policy="any", steps=20)
+    assert result["auto"]["choice"] == "allreduce_fp32", result["auto"]
+    assert result["replay_identical"]
+
+
+def test_lossless_never_lossy_and_trains_as_torch_ddp(world2) -> None:
+    (result, *_) = world2.check("auto_scenarios.auto_and_replay", kind="wide", link="1GB/s",
+                                policy="lossless")
+    summary = result["auto"]
+    assert summary["choice"] is not None and not auto.lossy(summary["choice"]), summary
+    assert not any(auto.lossy(name) for _, name, _ in summary["history"]), summary
+    assert result["max_diff_vs_torch"] == 0.0
+    assert result["replay_identical"]
+
+
+def test_switches_keep_training_as_a_fixed_schedule(world2) -> None:
+    """Every trial and the choice, installed by hand at the same steps, give the same
+    numbers: no step lost or doubled, PowerSGD's state as auto's Note describes."""
+    (result, *_) = world2.check("auto_scenarios.auto_and_replay", kind="wide", link="1GB/s",
+                                policy="any", steps=60)
+    summary = result["auto"]
+    assert summary["choice"] is not None, summary
+    assert any(auto.lossy(name) for _, name, _ in summary["history"]), summary
+    assert summary["history"][-1][:2] == (summary["chosen_at_step"], summary["choice"])
+    assert result["replay_identical"], summary
+
+
+def test_launcher_hook_auto_logs_one_line(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(PACKAGE_DIR), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    for key in ("FASTDDP_DISABLE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "fastddp", "--emulate-link", "200MB/s", "--hook", "auto:bf16", str(SCRIPT),
+           "--out", str(tmp_path / "out.json"), "--steps", "60"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240,
+                          cwd=tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    lines = [ln for ln in output.splitlines() if ln.startswith("[fastddp] auto:bf16 chose ")]
+    assert len(lines) == 1, output
+    chosen = lines[0].split(" chose ")[1].split()[0]
+    assert chosen in auto.AutoHook("bf16").candidates(1.0), lines[0]
+    assert "ms measured" in lines[0]
+
+
+# --- single process --------------------------------------------------------------------
+
+def test_policies_name_their_candidates() -> None:
+    lossless = auto.AutoHook("lossless").candidates(4.0)
+    assert lossless == ["allreduce_fp32", "allreduce_fp32@1MB", "allreduce_fp32@16MB"]
+    assert auto.AutoHook("bf16").candidates(4.0) == lossless + ["bf16", "bf16_fp32_accumulate"]
+    anything = auto.AutoHook("any").candidates(4.0)
+    assert anything[:5] == auto.AutoHook("bf16").candidates(4.0)
+    assert anything[5:] == [f"powersgd_r{r}" for r in (1, 2, 4, 8)]
+    assert not any(auto.lossy(n) for n in lossless)
+    assert all(auto.lossy(n) for n in anything[3:])
+
+
+@pytest.mark.parametrize("kwargs, culprit", [
+    ({"policy": "fastest"}, "policy"), ({"samples": 0}, "samples"), ({"trials": 0}, "trials"),
+    ({"warmup": -1}, "warmup"), ({"lossy_margin": 1.5}, "lossy_margin"),
+])
+def test_bad_settings_name_the_culprit(kwargs: dict, culprit: str) -> None:
+    with pytest.raises(ValueError, match=culprit):
+        fastddp.hooks.auto(**kwargs)
+
+
+def test_launcher_spelling() -> None:
+    assert parse_hook_spec("auto") == HookSpec("auto", policy="any")
+    assert parse_hook_spec("auto:lossless") == HookSpec("auto", policy="lossless")
+    assert str(parse_hook_spec("auto:bf16")) == "auto:bf16"
+    with pytest.raises(ValueError, match="auto's policy"):
+        parse_hook_spec("auto:fast")
+
+
+def test_auto_is_fastddp_only() -> None:
+    with pytest.raises(HookUnavailableError, match="FASTDDP_DISABLE"):
+        torch_hook(HookSpec("auto", policy="any"))
+    with pytest.raises(NotImplementedError, match="stock torch DDP"):
+        fastddp.hooks.auto()(None, None)
+    with pytest.raises(ValueError, match="advise"):
+        patch(hook="auto", advise=True)
+
+
+def _tuner(policy: str, measured: dict, predicted: dict | None = None) -> auto.AutoTuner:
+    tuner = object.__new__(auto.AutoTuner)  # the decision rules only: no model, no group
+    tuner.spec, tuner.measured, tuner.predicted = auto.AutoHook(policy), measured, predicted
+    return tuner
+
+
+@pytest.mark.parametrize("measured, expected", [
+    ({"allreduce_fp32": 100.0, "bf16": 96.0}, "allreduce_fp32"),  # 4%: below the 5% margin
+    ({"allreduce_fp32": 100.0, "bf16": 94.0}, "bf16"),
+    ({"allreduce_fp32": 100.0, "allreduce_fp32@1MB": 99.0, "powersgd_r1": 95.0},
+     "allreduce_fp32@1MB"),  # 95 > 0.95 * 99
+    ({"allreduce_fp32": 100.0, "allreduce_fp32@16MB": 97.0}, "allreduce_fp32@16MB"),
+])
+def test_lossy_choice_must_win_by_the_margin(measured: dict, expected: str) -> None:
+    assert _tuner("any", measured)._best_measured() == expected
+
+
+def test_trials_take_the_best_predicted_of_each_family() -> None:
+    predicted = {"allreduce_fp32": 100.0, "allreduce_fp32@1MB": 90.0,
+                 "allreduce_fp32@16MB": 99.8, "bf16": 80.0, "bf16_fp32_accumulate": 85.0,
+                 "powersgd_r1": 70.0, "powersgd_r2": 60.0, "powersgd_r4": 101.0}
+    ranked = sorted(predicted, key=predicted.get)
+    assert _tuner("any", {}, predicted)._worth_trying(ranked) == [
+        "powersgd_r2", "bf16", "allreduce_fp32@1MB"]
+    # Compute-bound: nothing predicted 0.5% better, nothing tried.
+    flat = {n: 100.0 + 0.1 * i for i, n in enumerate(predicted)}
+    assert _tuner("any", {}, flat)._worth_trying(sorted(flat, key=flat.get)) == []
