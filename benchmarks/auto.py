@@ -12,7 +12,7 @@ step (zero_grad, forward, backward, SGD step) on rank 0's clock. Reported: auto'
 its median, the best and worst fixed configuration and their medians, auto over best (the
 target: at most 1.05), and the steps auto spent choosing. Models: ``vit``, one ViT-L/32
 block at full width on 16 tokens (~50 MB of gradients: communication-bound at slow links),
-and ``convnet``, a small convnet on 48x48 images (~0.2 MB: compute-bound). Writes
+and ``convnet``, three 64-channel convolutions on 48x48 images (~0.3 MB: compute-bound). Writes
 auto.md, auto.json and auto.png under --out. A benchmark, not a test.
 
 The emulated link only delays: a collective never completes faster than gloo on loopback

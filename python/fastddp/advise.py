@@ -44,7 +44,6 @@ MAX_SAMPLES = 10
 HOOK_SPELLING = {"allreduce_fp32": "", "bf16": "bf16", "bf16_fp32_accumulate": "bf16-fp32acc",
                  **{f"powersgd_r{r}": f"powersgd:{r}" for r in (1, 2, 4, 8)}}
 _MIB = 1024 * 1024
-_UNBOUNDED_GBS = 1e4  # a link whose transfer time is lost in its latency
 _SCRATCH_NUMEL = 1 << 22  # kernels are timed on at most 16 MB of fp32
 
 
@@ -85,26 +84,20 @@ class Advisor:
         state["steps"], state["at"] = stats["steps"], now
 
 
-def estimate_link(stats: dict[str, Any], latency_us: float = 0.0) -> Link | None:
-    """The bus bandwidth the buckets' collectives saw (module docstring), each bucket's
-    time less ``latency_us`` (the link's per-collective latency, when known); None if
-    unknown. Collectives that took no longer than the latency: a link of _UNBOUNDED_GBS."""
+def estimate_link(stats: dict[str, Any]) -> Link | None:
+    """The bus bandwidth the buckets' collectives saw (module docstring); None if unknown."""
     n = stats.get("world_size", 1)
     bus_bytes = served_ms = 0.0
-    previous_done, served_any = 0.0, False
+    previous_done = 0.0
     for b in sorted(stats["buckets"], key=lambda b: b["launched_ms"]):
         start = max(b["launched_ms"], previous_done)
         if b["done_ms"] > start:
-            served_any = True
-            served_ms += max(0.0, b["done_ms"] - start - latency_us * 1e-3)
+            served_ms += b["done_ms"] - start
             bus_bytes += bus_factor("allreduce", n) * b["wire_bytes"]
         previous_done = max(previous_done, b["done_ms"])
-    if not served_any or bus_bytes <= 0:
+    if served_ms <= 0 or bus_bytes <= 0:
         return None
-    if served_ms <= 0:
-        return Link(bus_gbs=_UNBOUNDED_GBS, latency_us=latency_us)
-    # bytes per ms / 1e6 = GB/s
-    return Link(bus_gbs=min(_UNBOUNDED_GBS, bus_bytes / served_ms / 1e6), latency_us=latency_us)
+    return Link(bus_gbs=bus_bytes / served_ms / 1e6)  # bytes per ms / 1e6 = GB/s
 
 
 def _time_ms(fn: Any, device: torch.device, repeats: int = 7) -> float:

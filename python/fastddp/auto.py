@@ -7,15 +7,17 @@ with gradients on, outside no_sync), from the model's own ``comm_stats()``. In o
 1. **Baseline.** Plain allreduce at the model's bucket cap. After ``warmup`` steps (the
    first step rebuilds the buckets), ``samples`` steps are measured: the time from one
    synchronized forward to the next, per-bucket ready/launch/done times, bytes.
-2. **Model.** Every rank times five one-element allreduces (the link's latency, transport
-   and emulation included). Rank 0 feeds the median step, that link (its bandwidth estimated
-   from the baseline's own collectives, emulated or not: what the candidates will get) and each candidate's kernel cost (timed on
-   scratch tensors) to the cost model (fastddp/cost_model.py, as ``--advise`` does) and
-   ranks the policy's candidates: ``lossless`` plain allreduce at bucket caps x1/4, x1 and
+2. **Model.** Every rank times allreduces of one element and of the largest bucket's bytes
+   (at most 16 MB): the link's latency and bus bandwidth, real transport and emulation
+   included, without the rank skew that a training step's collectives also wait for. Rank 0
+   feeds the median step, that link and each candidate's kernel cost (timed on scratch
+   tensors) to the cost model (fastddp/cost_model.py, as ``--advise`` does) and ranks the
+   policy's candidates: ``lossless`` plain allreduce at bucket caps x1/4, x1 and
    x4; ``bf16`` also bf16 on the wire (summed in bf16, or in fp32); ``any`` also PowerSGD of
    rank 1, 2, 4 and 8. The best predicted of each family (bucket sizes, 16-bit wires,
-   PowerSGD) is tried if predicted to beat the baseline by 0.5%; none on a compute-bound step.
-3. **Trials.** Each runs for real, in two blocks of 3 measured steps, ordered A B .. Z Z .. B
+   PowerSGD) is tried if predicted to beat the baseline by what it would have to win by
+   (below; 2% for another bucket size); none on a compute-bound step.
+3. **Trials.** Each runs for real, in two blocks of 4 measured steps, ordered A B .. Z Z .. B
    A with the baseline Z, so that load drifting over the trials biases none. A switch
    happens between two steps; the step after it is not measured (nor a rebuild's first
    step, nor a PowerSGD hook's plain warm-up steps). A trial's hook is kept across its two
@@ -28,7 +30,7 @@ with gradients on, outside no_sync), from the model's own ``comm_stats()``. In o
 
 All ranks run the same state machine on the same step counts; rank 0 alone measures and
 decides, and its decisions reach the others as one small broadcast on the model's process
-group (one after the model, one at the choice). No step is lost or doubled: a switch happens
+group (the trial list, then the choice). No step is lost or doubled: a switch happens
 between two steps, each step is reduced by exactly one configuration. While tuning, reading
 ``comm_stats()`` waits for the previous step's reduction (on a GPU, a host sync per step);
 once chosen, a forward costs one attribute check.
@@ -43,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from fastddp import advise
-from fastddp.link import Link
+from fastddp.link import Link, bus_factor
 
 POLICIES = ("lossless", "bf16", "any")
 _MIB = 1024 * 1024
@@ -51,11 +53,14 @@ _LOSSLESS = "allreduce_fp32"
 _BF16 = ("bf16", "bf16_fp32_accumulate")
 _POWERSGD = tuple(f"powersgd_r{r}" for r in (1, 2, 4, 8))
 _CAP_FACTORS = (0.25, 4.0)
-_POWERSGD_START_ITER = 2
-_MIN_PREDICTED_GAIN = 0.005
+_POWERSGD_START_ITER = 2  # the least torch allows with error feedback
+_MIN_LOSSLESS_GAIN = 0.02
 _LATENCY_PROBES = 5
-_BLOCK_SAMPLES = 3  # measured steps per trial block; each trial runs two blocks
-_SWITCH_WARMUP = 1  # the least torch allows with error feedback
+_BANDWIDTH_PROBES = 3
+_PROBE_MAX_NUMEL = 4 * 1024 * 1024  # 16 MB of fp32
+_UNBOUNDED_GBS = 1e4  # a link whose transfer time is lost in its latency
+_BLOCK_SAMPLES = 4  # measured steps per trial block; each trial runs two blocks
+_SWITCH_WARMUP = 1
 
 
 @dataclass(frozen=True)
@@ -148,6 +153,7 @@ class AutoTuner:
         self._skip = spec.warmup
         self._last: tuple[int, int, float] | None = None  # (reducer id, its steps, time)
         self.error: str | None = None
+        self.link: str | None = None  # rank 0: the link the model used
 
     def initial_hook(self) -> Any:
         return hook_for(_LOSSLESS)
@@ -156,7 +162,7 @@ class AutoTuner:
         """What was decided (``model.auto_choice()``)."""
         return {"policy": self.spec.policy, "choice": self.choice,
                 "chosen_at_step": self.chosen_at_step, "current": self.current,
-                "history": list(self.history), "error": self.error,
+                "history": list(self.history), "error": self.error, "link": self.link,
                 "measured_step_ms": dict(self.measured),
                 "predicted_step_ms": dict(self.predicted)}
 
@@ -204,58 +210,65 @@ class AutoTuner:
         Trials run in blocks ordered A B .. Z Z .. B A (Z: the baseline), so that load
         drifting linearly over the trials biases no candidate."""
         order = [-1] * self.spec.trials
-        latency_us = self._probe_latency_us()
+        link = self._probe_link()
         if self.rank0:
             self.measured[_LOSSLESS] = statistics.median(s["step_ms"] for s in self._samples)
             try:
-                tries = self._worth_trying(self._predict(latency_us))[: self.spec.trials]
+                tries = self._worth_trying(self._predict(link))[: self.spec.trials]
                 order[: len(tries)] = [self.names.index(n) for n in tries]
             except Exception as e:  # noqa: BLE001 -- a failed model keeps the baseline
                 self.error = f"{type(e).__name__}: {e}"
         tries = [self.names[i] for i in self._broadcast(order) if i >= 0]
         self.queue = [*tries, _LOSSLESS, _LOSSLESS, *reversed(tries)] if tries else []
 
-    def _probe_latency_us(self) -> float:
-        """The time of a one-element allreduce on the model's group (every rank takes
-        part): the per-collective cost the cost model's link latency stands for, real
-        transport and emulation included."""
-        device = self.ddp._reducer_params[0].device
-        t, times = torch.zeros(1, device=device), []
-        for _ in range(_LATENCY_PROBES):
-            t0 = time.perf_counter()
-            self.group.allreduce([t]).wait()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e6
+    def _probe_link(self) -> Link:
+        """The link as the model's group serves it (every rank takes part, aligned by the
+        first probe, so rank skew does not count as transfer time): the latency is the
+        median time of a one-element allreduce, the bus bandwidth that of an allreduce of
+        the largest bucket's bytes (at most 16 MB) less the latency. Emulation and the real
+        transport are both in it: the candidates will get exactly this link."""
+        params = self.ddp._reducer_params
+        device = params[0].device
+        largest = max(sum(params[i].numel() for i in b) for b in self.ddp._reducer.bucket_plan())
+        tiny = torch.zeros(1, device=device)
+        big = torch.zeros(min(largest, _PROBE_MAX_NUMEL), device=device)
+        latency_s = statistics.median(self._time_allreduce(tiny) for _ in range(_LATENCY_PROBES))
+        big_s = statistics.median(self._time_allreduce(big) for _ in range(_BANDWIDTH_PROBES))
+        bus_bytes = bus_factor("allreduce", self.group.size()) * big.numel() * 4
+        transfer_s = big_s - latency_s
+        bus_gbs = _UNBOUNDED_GBS if transfer_s <= 0 else min(
+            _UNBOUNDED_GBS, bus_bytes / transfer_s / 1e9)
+        return Link(bus_gbs, latency_s * 1e6)
 
-    def _predict(self, latency_us: float) -> list[str]:
-        # Always the link the collectives really saw: an emulated link faster than the real
-        # transport cannot speed it up, and the real one is what the candidates will get.
-        estimates = [x.bus_gbs for s in self._samples
-                     if (x := advise.estimate_link(s["stats"], latency_us)) is not None]
-        if not estimates:
-            raise ValueError("no collective took measurable time; cannot estimate the link")
-        bus_gbs = statistics.median(estimates)
+    def _time_allreduce(self, t: torch.Tensor) -> float:
+        t0 = time.perf_counter()
+        self.group.allreduce([t]).wait()
+        if t.device.type == "cuda":
+            torch.cuda.synchronize(t.device)
+        return time.perf_counter() - t0
+
+    def _predict(self, link: Link) -> list[str]:
         costs = advise.kernel_costs([s for b in self._samples[-1]["shapes"] for s in b],
                                     str(self.ddp._reducer_params[0].device))
         caps = [c for n in self.names if (c := advise.variant_cap(n)) is not None]
-        link = Link(bus_gbs, latency_us)
         result = advise.advise(self._samples, link, _LOSSLESS, costs, caps_mb=caps)
         rows = [r for r in result["candidates"] if r["candidate"] in self.names]
         self.predicted = {r["candidate"]: r["predicted_step_ms"] for r in rows}
+        self.link = str(link)
         return [r["candidate"] for r in rows]
 
     def _worth_trying(self, ranked: list[str]) -> list[str]:
         """The best predicted of each family (other bucket sizes, 16-bit wires, PowerSGD
-        ranks), best first, among those predicted to beat the baseline by 0.5% at least: the
-        model ranks within a family better than across families (on CPUs the wire's bytes
-        also cost the backward CPU time, which it does not model), so every family gets a
-        real trial. On a compute-bound step none qualifies."""
+        ranks), best first, among those predicted to beat the baseline by what they would
+        have to win by when measured (lossy ones: ``lossy_margin``; other bucket sizes: 2%).
+        The model ranks within a family better than across families (on CPUs the wire's
+        bytes also cost the backward CPU time, which it does not see), so each family that
+        qualifies gets a real trial. On a compute-bound step none qualifies."""
         baseline = self.predicted[_LOSSLESS]
         families: dict[str, str] = {}
         for name in ranked:
-            if name != _LOSSLESS and self.predicted[name] <= baseline * (1 - _MIN_PREDICTED_GAIN):
+            margin = self.spec.lossy_margin if lossy(name) else _MIN_LOSSLESS_GAIN
+            if name != _LOSSLESS and self.predicted[name] <= baseline * (1 - margin):
                 families.setdefault(_family(name), name)
         return list(families.values())
 

@@ -71,3 +71,4 @@ def auto_and_replay(kind: str, link: str, policy: str, steps: int = 45) -> dict:
         out["max_diff_vs_torch"] = max((a - b).abs().max().item() for a, b in zip(
             params, _train(reference, kind, steps)))
     return out
+
