@@ -72,3 +72,16 @@ def auto_and_replay(kind: str, link: str, policy: str, steps: int = 45) -> dict:
             params, _train(reference, kind, steps)))
     return out
 
+
+
+def bucket_switches_vs_torch(kind: str, steps: int = 12) -> float:
+    """Bucket caps switched the way auto switches them (a new reducer each time, the old
+    one unhooked), against torch DDP at one cap: the largest parameter difference."""
+    group = dist.group.WORLD
+    schedule = [(2, "allreduce_fp32@1MB", True), (5, "allreduce_fp32@16MB", True),
+                (7, "allreduce_fp32", True), (9, "allreduce_fp32@1MB", False)]
+    params = _train(_wrap(kind, group), kind, steps, schedule)
+    reference = nn.parallel.DistributedDataParallel(auto_runs.model(kind),
+                                                    bucket_cap_mb=auto_runs.CAP_MB)
+    return max((a - b).abs().max().item()
+               for a, b in zip(params, _train(reference, kind, steps)))

@@ -72,6 +72,12 @@ def test_lossless_never_lossy_and_trains_as_torch_ddp(world2) -> None:
     assert result["replay_identical"]
 
 
+def test_bucket_cap_switches_rebuild_the_reducer_cleanly(world2) -> None:
+    """Three reducers replaced between steps: were an old one still hooked on the
+    gradients, its collectives would hang or double the sums."""
+    assert world2.check("auto_scenarios.bucket_switches_vs_torch", kind="wide") == [0.0, 0.0]
+
+
 def test_switches_keep_training_as_a_fixed_schedule(world2) -> None:
     """Every trial and the choice, installed by hand at the same steps, give the same
     numbers: no step lost or doubled, PowerSGD's state as auto's Note describes."""
