@@ -1,0 +1,114 @@
+"""torch.compile support for fastddp.DistributedDataParallel.
+
+Dynamo treats a model as DDP when the code it compiles runs inside
+``torch.nn.parallel.DistributedDataParallel._inside_ddp_forward()``: that context sets the
+class attribute ``_active_ddp_module``, and dynamo's DDPOptimizer then splits the compiled
+graph at ``bucket_bytes_cap`` boundaries, so that each bucket's gradients are ready (and
+reduced) while the rest of backward runs. fastddp subclasses torch's DDP, so the same
+context, run on fastddp's module, gives the same split. The forward that calls the C++
+reducer is kept out of the compiled region (see ddp.py), as torch's own pre/post forward
+are: dynamo cannot trace the reducer, and would otherwise break the graph at each call.
+
+Compiled autograd cannot work with fastddp's reducer: its gradient hooks are C++ post
+hooks on the grad accumulators without ``compiled_args``, so compiled autograd cannot trace
+them (torch's C++ reducer has the same limit; torch routes DDP through its Python reducer,
+``optimize_ddp="python_reducer"``, instead). fastddp refuses every setting it can see from
+Python with NotImplementedError naming it (check_compiled_autograd); compiled autograd
+entered only around ``loss.backward()`` is seen first by torch, which raises its own
+NotImplementedError ("compiled_args nyi ... LambdaPostHook") at that backward: the
+collective is never skipped silently.
+"""
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+# torch._dynamo.config.optimize_ddp modes that replace DDP's C++ reducer by torch's Python
+# reducer so that compiled autograd can trace the collectives.
+PYTHON_REDUCER_MODES = ("python_reducer", "python_reducer_without_compiled_forward")
+
+_ADVICE = ("fastddp's reducer hooks are C++ autograd hooks that compiled autograd cannot "
+           "trace; use torch.compile on the model (torch.compile(fastddp_model) or "
+           "fastddp.DistributedDataParallel(torch.compile(model))) with the default eager "
+           "backward, or torch's DistributedDataParallel for compiled autograd")
+
+
+def nonrecursive_disable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` runs eagerly under torch.compile while the functions it calls are still compiled
+    (torch.compiler.disable(recursive=False)). torch._dynamo is imported at the first call,
+    not when fastddp is (it takes seconds)."""
+    return torch._disable_dynamo(fn, recursive=False)
+
+
+def run_module(ddp: nn.parallel.DistributedDataParallel, inputs: tuple, kwargs: dict) -> Any:
+    """Calls ddp.module as torch's DDP does (_run_ddp_forward): with `ddp` the active DDP
+    module, so that dynamo splits what it compiles in there at ddp.bucket_bytes_cap."""
+    with ddp._inside_ddp_forward():
+        return ddp.module(*inputs, **kwargs)
+
+
+def check_python_reducer_mode() -> None:
+    """Raises NotImplementedError under torch._dynamo.config.optimize_ddp="python_reducer"
+    (or its _without_compiled_forward variant): that mode replaces DDP's C++ reducer by
+    torch's traceable Python one, which fastddp has no counterpart of."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:  # never imported: nobody set the mode
+        return
+    mode = dynamo.config.optimize_ddp
+    if isinstance(mode, str) and mode in PYTHON_REDUCER_MODES:
+        raise NotImplementedError(
+            f"fastddp.DistributedDataParallel: torch._dynamo.config.optimize_ddp={mode!r} is "
+            f"not supported: {_ADVICE}.")
+
+
+def _compiled_autograd_on() -> bool:
+    # torch._dynamo.config.compiled_autograd=True turns it on only while a compiled function
+    # runs; compiled_autograd._enable() while its block runs. Both set this flag.
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return module is not None and module.compiled_autograd_enabled
+
+
+_BACKWARD_MESSAGE = (
+    "fastddp.DistributedDataParallel: backward under compiled autograd "
+    "(torch._dynamo.config.compiled_autograd=True around a compiled training step, or "
+    f"torch._dynamo.compiled_autograd._enable) is not supported: {_ADVICE}.")
+
+
+class _CompiledAutogradGuard(torch.autograd.Function):
+    """Identity on the DDP outputs. Compiled autograd asks every node of the backward graph
+    for its key before it runs any; this node answers with fastddp's error, before compiled
+    autograd reaches the reducer's hooks on the parameters (they sit behind the outputs)
+    and raises torch's generic "compiled_args nyi". Eager backward passes through it."""
+
+    @staticmethod
+    def forward(ctx: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return grads
+
+    @staticmethod
+    def _compiled_autograd_key(ctx: Any) -> tuple:
+        raise NotImplementedError(_BACKWARD_MESSAGE)
+
+
+def guard_outputs(output: Any) -> Any:
+    """`output`, its tensors passed through _CompiledAutogradGuard when compiled autograd is
+    on now (a compiled training step with torch._dynamo.config.compiled_autograd=True): a
+    backward under it raises NotImplementedError at once. Otherwise `output` itself, at the
+    cost of one flag read."""
+    if not _compiled_autograd_on():
+        return output
+    leaves, spec = tree_flatten(output)
+    slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.grad_fn]
+    if not slots:
+        return output
+    guarded = _CompiledAutogradGuard.apply(*(leaves[i] for i in slots))
+    for i, tensor in zip(slots, guarded):
+        leaves[i] = tensor
+    return tree_unflatten(leaves, spec)
