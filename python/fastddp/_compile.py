@@ -44,6 +44,12 @@ def nonrecursive_disable(fn: Callable[..., Any]) -> Callable[..., Any]:
     return torch._disable_dynamo(fn, recursive=False)
 
 
+def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` and everything it calls run eagerly, never traced (torch.compiler.disable): the
+    reducer calls, which dynamo cannot trace, and fastddp's bookkeeping around them."""
+    return torch._disable_dynamo(fn)
+
+
 def run_module(ddp: nn.parallel.DistributedDataParallel, inputs: tuple, kwargs: dict) -> Any:
     """Calls ddp.module as torch's DDP does (_run_ddp_forward): with `ddp` the active DDP
     module, so that dynamo splits what it compiles in there at ddp.bucket_bytes_cap."""

@@ -214,15 +214,23 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     def broadcast_buffers(self, value: bool) -> None:
         self.forward_sync_buffers = value
 
-    # Runs eagerly under torch.compile (dynamo cannot trace the reducer); the inner module
-    # still compiles, split at the buckets as under torch DDP (see _compile.py).
+    # Under torch.compile only the module call is left to dynamo (see _compile.py): the
+    # reducer calls around it run eagerly, as torch DDP's _pre_forward/_post_forward do, and
+    # the module compiles split at the buckets as under torch DDP.
     @_compile.nonrecursive_disable
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        inputs, kwargs, state = self._before_module(inputs, kwargs)
+        output = _compile.run_module(self, inputs, kwargs)
+        return self._after_module(output, state)
+
+    @_compile.eager
+    def _before_module(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict, tuple]:
+        """forward up to the module call: inputs, kwargs, and what _after_module needs."""
         if self.device_ids:
             inputs, kwargs = _move_inputs(inputs, kwargs, self.device_type, self.device_ids[0])
         reducer = self._reducer
         if reducer is None:
-            return _compile.run_module(self, inputs, kwargs)
+            return inputs, kwargs, ()
         if self._native_hook is not None and hasattr(self._native_hook, "take_stats_reports"):
             _hook_state.log_stats(self._native_hook)
         grad_enabled = torch.is_grad_enabled()
@@ -244,8 +252,15 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             sync_buffers(self)
         if self._join_config.enable:
             announce_backward_sync(self, joined=False)
-        started = self.logger.now()
-        output = _compile.run_module(self, inputs, kwargs)
+        return inputs, kwargs, (grad_enabled, self.logger.now())
+
+    @_compile.eager
+    def _after_module(self, output: Any, state: tuple) -> Any:
+        """forward after the module call: tells the reducer the forward is done."""
+        if not state:  # no reducer
+            return output
+        grad_enabled, started = state
+        reducer = self._reducer
         self.logger.forward_done(started)
         # Read again, as torch's _post_forward does: Lightning's manual optimization runs its
         # own backward inside the module's forward and turns sync off before returning.
