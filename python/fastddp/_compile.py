@@ -1,22 +1,26 @@
 """torch.compile support for fastddp.DistributedDataParallel.
 
-Dynamo treats a model as DDP when the code it compiles runs inside
-``torch.nn.parallel.DistributedDataParallel._inside_ddp_forward()``: that context sets the
-class attribute ``_active_ddp_module``, and dynamo's DDPOptimizer then splits the compiled
-graph at ``bucket_bytes_cap`` boundaries, so that each bucket's gradients are ready (and
-reduced) while the rest of backward runs. fastddp subclasses torch's DDP, so the same
-context, run on fastddp's module, gives the same split. The forward that calls the C++
-reducer is kept out of the compiled region (see ddp.py), as torch's own pre/post forward
-are: dynamo cannot trace the reducer, and would otherwise break the graph at each call.
+Dynamo treats a model as DDP when the code it compiles runs while
+``torch.nn.parallel.DistributedDataParallel._active_ddp_module`` is set (torch's forward
+sets it around the module call, in ``_inside_ddp_forward``): dynamo's DDPOptimizer then
+splits the compiled graph at the active module's ``bucket_bytes_cap``, so that each
+bucket's gradients are ready (and reduced) while the rest of backward runs. fastddp's
+forward sets it the same way around its module call (ddp.py), so the split is torch's.
+The rest of that forward, which calls the C++ reducer, never reaches dynamo: the forward
+itself is skipped (nonrecursive_disable: the module it calls is still compiled) and its
+reducer parts run under `eager`. Dynamo cannot trace the reducer, and would otherwise
+break the graph at each call.
 
 Compiled autograd cannot work with fastddp's reducer: its gradient hooks are C++ post
 hooks on the grad accumulators without ``compiled_args``, so compiled autograd cannot trace
 them (torch's C++ reducer has the same limit; torch routes DDP through its Python reducer,
-``optimize_ddp="python_reducer"``, instead). fastddp refuses every setting it can see from
-Python with NotImplementedError naming it (check_compiled_autograd); compiled autograd
-entered only around ``loss.backward()`` is seen first by torch, which raises its own
-NotImplementedError ("compiled_args nyi ... LambdaPostHook") at that backward: the
-collective is never skipped silently.
+``optimize_ddp="python_reducer"``, instead). So fastddp raises NotImplementedError naming
+the setting: at construction (and forward) under the Python-reducer modes, and at the
+first backward of a compiled training step with ``torch._dynamo.config.compiled_autograd
+= True`` (guard_outputs). Compiled autograd entered only around ``loss.backward()`` is
+invisible at forward time: torch then raises its own NotImplementedError ("compiled_args
+nyi ... LambdaPostHook") at that backward. Either way the collective is never skipped
+silently.
 """
 
 import sys
@@ -24,7 +28,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 # torch._dynamo.config.optimize_ddp modes that replace DDP's C++ reducer by torch's Python
@@ -48,13 +51,6 @@ def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` and everything it calls run eagerly, never traced (torch.compiler.disable): the
     reducer calls, which dynamo cannot trace, and fastddp's bookkeeping around them."""
     return torch._disable_dynamo(fn)
-
-
-def run_module(ddp: nn.parallel.DistributedDataParallel, inputs: tuple, kwargs: dict) -> Any:
-    """Calls ddp.module as torch's DDP does (_run_ddp_forward): with `ddp` the active DDP
-    module, so that dynamo splits what it compiles in there at ddp.bucket_bytes_cap."""
-    with ddp._inside_ddp_forward():
-        return ddp.module(*inputs, **kwargs)
 
 
 def check_python_reducer_mode() -> None:

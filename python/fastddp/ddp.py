@@ -220,7 +220,16 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     @_compile.nonrecursive_disable
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         inputs, kwargs, state = self._before_module(inputs, kwargs)
-        output = _compile.run_module(self, inputs, kwargs)
+        # As torch's _run_ddp_forward: this model is the active DDP module while its module
+        # runs, so dynamo splits what it compiles in there at self.bucket_bytes_cap. Set on
+        # torch's class (named through the base: fastddp.patch() rebinds module globals that
+        # name it), which torch._dynamo reads it from.
+        torch_ddp = DistributedDataParallel.__base__
+        previous, torch_ddp._active_ddp_module = torch_ddp._active_ddp_module, self
+        try:
+            output = self.module(*inputs, **kwargs)
+        finally:
+            torch_ddp._active_ddp_module = previous
         return self._after_module(output, state)
 
     @_compile.eager

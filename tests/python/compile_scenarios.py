@@ -234,3 +234,16 @@ def python_reducer_mode(mode: str) -> None:
     """Construction under torch's optimize_ddp Python-reducer modes."""
     with torch._dynamo.config.patch(optimize_ddp=mode):
         fastddp.DistributedDataParallel(Net(), bucket_cap_mb=1)
+
+
+def patched(backend: str = "aot_eager", steps: int = 2) -> dict:
+    """Under fastddp.patch(), a script's torch.compile(nn.parallel.DistributedDataParallel(m))
+    builds fastddp's model: torch DDP's grads and graph count (torch._dynamo keeps torch's
+    class under its own name; fastddp marks the active module on that class)."""
+    ref = run(TorchDDP, "outer", backend, steps, bucket_cap_mb=1)
+    with fastddp.patch(disable=False):
+        cls = nn.parallel.DistributedDataParallel
+        assert issubclass(cls, fastddp.DistributedDataParallel), cls
+        fast = run(cls, "outer", backend, steps, bucket_cap_mb=1)
+    agree(lambda: _compare(ref, fast))
+    return {"torch": ref["graphs"], "fastddp": fast["graphs"]}

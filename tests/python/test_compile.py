@@ -107,3 +107,10 @@ def test_compiled_autograd_flag_with_eager_backward(world2):
 def test_python_reducer_mode_raises(world2, mode):
     world2.expect_error(s.python_reducer_mode, NotImplementedError,
                         match=f"optimize_ddp={mode!r}", mode=mode)
+
+
+def test_patched_script_splits_as_torch(world2):
+    """fastddp.patch() (python -m fastddp): a script compiling torch's DDP name gets
+    fastddp, split as torch's would be."""
+    counts = world2.check(s.patched)[0]
+    assert counts["fastddp"] == counts["torch"] > 1, counts
