@@ -219,7 +219,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     # the module compiles split at the buckets as under torch DDP.
     @_compile.nonrecursive_disable
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        inputs, kwargs, state = self._before_module(inputs, kwargs)
+        state = ()  # stays empty without a reducer (world size 1): nothing to do around the call
+        if self._reducer is not None or self.device_ids:
+            inputs, kwargs, state = self._before_module(inputs, kwargs)
         # As torch's _run_ddp_forward: this model is the active DDP module while its module
         # runs, so dynamo splits what it compiles in there at self.bucket_bytes_cap. Set on
         # torch's class (named through the base: fastddp.patch() rebinds module globals that
@@ -230,7 +232,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             output = self.module(*inputs, **kwargs)
         finally:
             torch_ddp._active_ddp_module = previous
-        return self._after_module(output, state)
+        return self._after_module(output, state) if state else output
 
     @_compile.eager
     def _before_module(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict, tuple]:
@@ -266,8 +268,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     @_compile.eager
     def _after_module(self, output: Any, state: tuple) -> Any:
         """forward after the module call: tells the reducer the forward is done."""
-        if not state:  # no reducer
-            return output
         grad_enabled, started = state
         reducer = self._reducer
         self.logger.forward_done(started)
