@@ -219,6 +219,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     # the module compiles split at the buckets as under torch DDP.
     @_compile.nonrecursive_disable
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        _compile.skip_this_frame_from_now_on()
         state = ()  # stays empty without a reducer (world size 1): nothing to do around the call
         if self._reducer is not None or self.device_ids:
             inputs, kwargs, state = self._before_module(inputs, kwargs)

@@ -420,6 +420,7 @@ def _patched_class(base: type, owner: Patch) -> type:
             # Kept from dynamo as the base's forward is (see fastddp/_compile.py).
             @_compile.nonrecursive_disable
             def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+                _compile.skip_this_frame_from_now_on()
                 _advise_before_forward(owner.advisor, self)
                 return super().forward(*inputs, **kwargs)
 
