@@ -95,17 +95,23 @@ def run(cls: type, mode: str, backend: str, steps: int, unused: bool = False,
         model, ddp, box = wrap(cls, Net(unused), mode, backend, hook, **ddp_kwargs)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         grads = []
+        frames = torch._dynamo.utils.counters["frames"]
         for step in range(steps):
+            if step == steps - 1:
+                converted = frames["total"]
             inputs, target = batch(step)
             opt.zero_grad(set_to_none=step % 2 == 0)
             F.mse_loss(model(inputs), target).backward()
             grads.append(_grads(ddp))
             opt.step()
+        # Frames dynamo's Python side looked at in the last step (compiled ones are cached).
+        converted = frames["total"] - converted
     except Exception as e:  # compared with the other implementation's outcome
         return {"error": type(e).__name__, "message": str(e)}
     state = ddp._comm_hooks[0][1] if hook is not None else None
     return {"grads": grads, "params": [p.detach().clone() for p in unwrap(ddp).parameters()],
-            "graphs": box["graphs"], "calls": state["calls"] if isinstance(state, dict) else None}
+            "graphs": box["graphs"], "calls": state["calls"] if isinstance(state, dict) else None,
+            "converted": converted}
 
 
 def _compare(ref: dict, fast: dict) -> None:
@@ -135,7 +141,8 @@ def same_as_torch(mode: str, backend: str = "inductor", steps: int = 3, unused: 
     agree(lambda: _compare(ref, fast))
     if "error" in ref:
         return {"error": ref["error"], "torch": ref["message"], "fastddp": fast["message"]}
-    return {"torch": ref["graphs"], "fastddp": fast["graphs"]}
+    return {"torch": ref["graphs"], "fastddp": fast["graphs"],
+            "converted": {"torch": ref["converted"], "fastddp": fast["converted"]}}
 
 
 def hook_compiled_vs_eager(hook: str, mode: str, backend: str = "aot_eager",
