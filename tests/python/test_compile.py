@@ -94,9 +94,11 @@ def test_compiled_autograd_training_step_raises(world2):
 
 
 def test_compiled_autograd_around_backward_raises(world2):
-    """compiled_autograd._enable() around backward only: torch's NotImplementedError for a
-    hook without compiled_args, at that backward; the allreduce is not silently skipped."""
-    world2.expect_error(s.compiled_autograd, NotImplementedError, match="compiled_args",
+    """compiled_autograd._enable() around backward only: NotImplementedError at that
+    backward, no gradient written; the allreduce is not silently skipped. (Today torch's
+    "compiled_args nyi" for a C++ hook without compiled_args; "compiled" matches it and the
+    clearer message a compiled_args on the reducer's hook would give.)"""
+    world2.expect_error(s.compiled_autograd, NotImplementedError, match="compiled",
                         how="backward")
 
 
