@@ -12,7 +12,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fastddp import _C
-from fastddp import _hook_state, _powersgd_state
+from fastddp import _compile, _hook_state, _powersgd_state
 from fastddp import hooks as fastddp_hooks
 from fastddp._construction import (_check_module, _expect_sparse_gradients, _move_inputs,
                                    _not_yet, _params_for_reducer, _reject_unsupported,
@@ -72,6 +72,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         # Joinable parts of the base classes are wanted.
         nn.Module.__init__(self)
         Joinable.__init__(self)
+        _compile.check_python_reducer_mode()
         _reject_unsupported(
             delay_all_reduce_named_params=delay_all_reduce_named_params,
             param_to_hook_all_reduce=param_to_hook_all_reduce,
@@ -205,18 +206,43 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     def broadcast_buffers(self, value: bool) -> None:
         self.forward_sync_buffers = value
 
+    # Under torch.compile only the module call is left to dynamo (see _compile.py): the
+    # reducer calls around it run eagerly, as torch DDP's _pre_forward/_post_forward do, and
+    # the module compiles split at the buckets as under torch DDP.
+    @_compile.nonrecursive_disable
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        _compile.skip_this_frame_from_now_on()
+        state = ()  # stays empty without a reducer (world size 1): nothing to do around the call
+        if self._reducer is not None or self.device_ids:
+            inputs, kwargs, state = self._before_module(inputs, kwargs)
+        # As torch's _run_ddp_forward: this model is the active DDP module while its module
+        # runs, so dynamo splits what it compiles in there at self.bucket_bytes_cap. Set on
+        # torch's class (named through the base: fastddp.patch() rebinds module globals that
+        # name it), which torch._dynamo reads it from.
+        torch_ddp = DistributedDataParallel.__base__
+        previous, torch_ddp._active_ddp_module = torch_ddp._active_ddp_module, self
+        try:
+            output = self.module(*inputs, **kwargs)
+        finally:
+            torch_ddp._active_ddp_module = previous
+        return self._after_module(output, state) if state else output
+
+    @_compile.eager
+    def _before_module(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict, tuple]:
+        """forward up to the module call: inputs, kwargs, and what _after_module needs."""
         if self.device_ids:
             inputs, kwargs = _move_inputs(inputs, kwargs, self.device_type, self.device_ids[0])
         if self._auto is not None and torch.is_grad_enabled() and self.require_backward_grad_sync:
             self._auto.before_forward()  # may change the hook or rebuild the reducer
         reducer = self._reducer
         if reducer is None:
-            return self.module(*inputs, **kwargs)
+            return inputs, kwargs, ()
         if self._native_hook is not None and hasattr(self._native_hook, "take_stats_reports"):
             _hook_state.log_stats(self._native_hook)
         grad_enabled = torch.is_grad_enabled()
         sync = grad_enabled and self.require_backward_grad_sync
+        if grad_enabled:
+            _compile.check_python_reducer_mode()  # may be set after construction
         # Collective order must match _join.py's main_hook on joined ranks.
         work = Join.notify_join_context(self)
         if work is not None and not self._divide_by_initial_world_size:
@@ -232,8 +258,13 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             sync_buffers(self)
         if self._join_config.enable:
             announce_backward_sync(self, joined=False)
-        started = self.logger.now()
-        output = self.module(*inputs, **kwargs)
+        return inputs, kwargs, (grad_enabled, self.logger.now())
+
+    @_compile.eager
+    def _after_module(self, output: Any, state: tuple) -> Any:
+        """forward after the module call: tells the reducer the forward is done."""
+        grad_enabled, started = state
+        reducer = self._reducer
         self.logger.forward_done(started)
         # Read again, as torch's _post_forward does: Lightning's manual optimization runs its
         # own backward inside the module's forward and turns sync off before returning.
@@ -242,17 +273,18 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self.require_forward_param_sync = False
             if grad_enabled:
                 reducer.after_forward(False, [])
+                output = _compile.guard_outputs(output)  # the hooks run without sync too
             return output
         self.require_forward_param_sync = True
         if not reducer.needs_outputs:
             reducer.after_forward(True, [])
-            return output
+            return _compile.guard_outputs(output)
         leaves, spec = tree_flatten(output)
         slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.grad_fn]
         passed = reducer.after_forward(True, [leaves[i] for i in slots])
         for i, tensor in zip(slots, passed):
             leaves[i] = tensor
-        return tree_unflatten(leaves, spec)
+        return _compile.guard_outputs(tree_unflatten(leaves, spec))
 
     def _apply(self, fn: Any, recurse: bool = True) -> "DistributedDataParallel":
         """nn.Module's conversion (to, double, half, cuda, ...), refused when it would change

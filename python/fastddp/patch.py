@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastddp import _compile
 from fastddp._emulate_link import LinkEmulation
 from fastddp.advise import Advisor
 from fastddp.ddp import DistributedDataParallel as FastDDP
@@ -399,6 +400,12 @@ def _hook_factory(spec: HookSpec | None, disabled: bool,
     return _fastddp_hook_maker(spec, option)
 
 
+@_compile.eager
+def _advise_before_forward(advisor: Advisor, model: nn.Module) -> None:
+    if _rank() == 0:
+        advisor.before_forward(model)
+
+
 def _patched_class(base: type, owner: Patch) -> type:
     signature = inspect.signature(base.__init__)
 
@@ -430,9 +437,11 @@ def _patched_class(base: type, owner: Patch) -> type:
 
         if owner.advisor is not None:  # otherwise forward stays the base's: no extra frame
 
+            # Kept from dynamo as the base's forward is (see fastddp/_compile.py).
+            @_compile.nonrecursive_disable
             def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-                if _rank() == 0:
-                    owner.advisor.before_forward(self)
+                _compile.skip_this_frame_from_now_on()
+                _advise_before_forward(owner.advisor, self)
                 return super().forward(*inputs, **kwargs)
 
         def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
