@@ -9,8 +9,9 @@ with gradients on, outside no_sync), from the model's own ``comm_stats()``. In o
    synchronized forward to the next, per-bucket ready/launch/done times, bytes.
 2. **Model.** Every rank times allreduces of one element and of the largest bucket's bytes
    (at most 16 MB): the link's latency and bus bandwidth, real transport and emulation
-   included, without the rank skew that a training step's collectives also wait for. Rank 0
-   feeds the median step, that link and each candidate's kernel cost (timed on scratch
+   included, without the rank skew that a training step's collectives also wait for; the
+   bandwidth is lowered to what the baseline's large buckets saw, if less (a CPU transport
+   shares the cores with the backward). Rank 0 feeds the median step, that link and each candidate's kernel cost (timed on scratch
    tensors) to the cost model (fastddp/cost_model.py, as ``--advise`` does) and ranks the
    policy's candidates: ``lossless`` plain allreduce at bucket caps x1/4, x1 and
    x4; ``bf16`` also bf16 on the wire (summed in bf16, or in fp32); ``any`` also PowerSGD of
@@ -247,7 +248,30 @@ class AutoTuner:
             torch.cuda.synchronize(t.device)
         return time.perf_counter() - t0
 
-    def _predict(self, link: Link) -> list[str]:
+    def _training_link(self, probed: Link) -> Link:
+        """The probed link, slowed to what the baseline's large collectives saw in training
+        where that was slower: on a shared CPU the transport competes with the backward for
+        the cores, which is what compression would then save. Only buckets whose transfer
+        takes at least twice the latency at the probed bandwidth count (in a small one,
+        rank skew and latency dominate, and no compression shortens those)."""
+        n = self.group.size()
+        bus_bytes = served_ms = 0.0
+        for sample in self._samples:
+            previous_done = 0.0
+            for b in sorted(sample["stats"]["buckets"], key=lambda b: b["launched_ms"]):
+                start = max(b["launched_ms"], previous_done)
+                previous_done = max(previous_done, b["done_ms"])
+                nbytes = bus_factor("allreduce", n) * b["wire_bytes"]
+                if probed.ms("allreduce", b["wire_bytes"], n) < 3 * probed.latency_us * 1e-3:
+                    continue
+                bus_bytes += nbytes
+                served_ms += max(0.0, b["done_ms"] - start - probed.latency_us * 1e-3)
+        if bus_bytes <= 0 or served_ms <= 0:
+            return probed
+        return Link(min(probed.bus_gbs, bus_bytes / served_ms / 1e6), probed.latency_us)
+
+    def _predict(self, probed: Link) -> list[str]:
+        link = self._training_link(probed)
         costs = advise.kernel_costs([s for b in self._samples[-1]["shapes"] for s in b],
                                     str(self.ddp._reducer_params[0].device))
         caps = [c for n in self.names if (c := advise.variant_cap(n)) is not None]
