@@ -77,13 +77,24 @@ void Reducer::install_hooks() {
     // `auto`: the pointer type changed in torch 2.13 (see GradAccumulatorPtr).
     auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
     TORCH_CHECK(accumulator, "fastddp: parameter '", names_[i], "' has no grad accumulator");
-    // Plain C++ called by the autograd engine: no GIL, no Python object.
+    // Plain C++ called by the autograd engine: no GIL, no Python object. Compiled
+    // autograd cannot trace it: it asks for compiled_args first, which raises a
+    // message naming the setting rather than torch's generic "compiled_args nyi"
+    // (torch's own C++ reducer does the same; fastddp/_compile.py says why).
     hook_keys_.push_back(
         accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
             [this, i](const torch::autograd::variable_list& outputs,
                       const torch::autograd::variable_list&) {
               on_grad_ready(i);
               return outputs;
+            },
+            [](auto&) {
+              TORCH_CHECK_NOT_IMPLEMENTED(
+                  false,
+                  "fastddp.DistributedDataParallel: backward under compiled autograd is not "
+                  "supported: fastddp's reducer hooks are C++ autograd hooks that compiled "
+                  "autograd cannot trace; compile the model (torch.compile) with the default "
+                  "eager backward, or use torch's DistributedDataParallel for compiled autograd");
             })));
     // The engine holds accumulators weakly; keeping them alive keeps our hooks.
     grad_accumulators_.push_back(std::move(accumulator));

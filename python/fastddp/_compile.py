@@ -18,9 +18,9 @@ them (torch's C++ reducer has the same limit; torch routes DDP through its Pytho
 the setting: at construction (and forward) under the Python-reducer modes, and at the
 first backward of a compiled training step with ``torch._dynamo.config.compiled_autograd
 = True`` (guard_outputs). Compiled autograd entered only around ``loss.backward()`` is
-invisible at forward time: torch then raises its own NotImplementedError ("compiled_args
-nyi ... LambdaPostHook") at that backward. Either way the collective is never skipped
-silently.
+invisible at forward time: the reducer's hooks then raise NotImplementedError naming
+compiled autograd at that backward (their compiled_args, csrc/reducer/reducer.cpp). Either
+way the collective is never skipped silently.
 """
 
 import sys
@@ -96,9 +96,10 @@ _BACKWARD_MESSAGE = (
 
 class _CompiledAutogradGuard(torch.autograd.Function):
     """Identity on the DDP outputs. Compiled autograd asks every node of the backward graph
-    for its key before it runs any; this node answers with fastddp's error, before compiled
-    autograd reaches the reducer's hooks on the parameters (they sit behind the outputs)
-    and raises torch's generic "compiled_args nyi". Eager backward passes through it."""
+    for its key before it runs any; this node answers with fastddp's error naming the
+    setting, before compiled autograd reaches the reducer's hooks on the parameters (they
+    sit behind the outputs, and can only say that compiled autograd is on). Eager backward
+    passes through it."""
 
     @staticmethod
     def forward(ctx: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

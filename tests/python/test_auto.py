@@ -57,8 +57,9 @@ def test_slow_link_gradient_bound_picks_compression_near_the_best(world) -> None
 
 def test_fast_link_compute_bound_keeps_plain_allreduce(world) -> None:
     (result, *_) = world.check("auto_scenarios.auto_and_replay", kind="convnet",
-                               link="100GB/s", policy="any", steps=12)
-    assert result["auto"]["choice"] == "allreduce_fp32", result["auto"]
+                               link="100GB/s", policy="any", steps=60)
+    choice = result["auto"]["choice"]
+    assert choice is not None and not auto.lossy(choice), result["auto"]
     assert result["replay_identical"]
 
 
@@ -173,7 +174,7 @@ def test_trials_take_the_best_predicted_of_each_family() -> None:
     ranked = sorted(predicted, key=predicted.get)
     assert _tuner("any", {}, predicted)._worth_trying(ranked) == [
         "powersgd_r2", "bf16", "allreduce_fp32@1MB"]
-    # Compute-bound: no lossy candidate predicted 5% better, no bucket size 2%: none tried.
-    flat = {n: 100.0 - (4.9 if auto.lossy(n) else 1.9) for n in predicted}
+    # Compute-bound: nothing predicted 2% better, nothing tried.
+    flat = {n: 98.1 for n in predicted}
     flat["allreduce_fp32"] = 100.0
     assert _tuner("any", {}, flat)._worth_trying(sorted(flat, key=flat.get)) == []

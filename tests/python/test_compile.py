@@ -95,10 +95,10 @@ def test_compiled_autograd_training_step_raises(world2):
 
 def test_compiled_autograd_around_backward_raises(world2):
     """compiled_autograd._enable() around backward only: NotImplementedError at that
-    backward, no gradient written; the allreduce is not silently skipped. (Today torch's
-    "compiled_args nyi" for a C++ hook without compiled_args; "compiled" matches it and the
-    clearer message a compiled_args on the reducer's hook would give.)"""
-    world2.expect_error(s.compiled_autograd, NotImplementedError, match="compiled",
+    backward from the reducer's hooks (their compiled_args), naming compiled autograd; no
+    gradient written, the allreduce is not silently skipped."""
+    world2.expect_error(s.compiled_autograd, NotImplementedError,
+                        match="backward under compiled autograd is not supported",
                         how="backward")
 
 
