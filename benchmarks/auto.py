@@ -23,9 +23,7 @@ import argparse
 import gc
 import json
 import os
-import socket
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -51,12 +49,6 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
         queue.put(None)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _row(result: dict) -> dict:
@@ -124,16 +116,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8, help="interleaved timing rounds")
     parser.add_argument("--out", default="auto_results")
     args = parser.parse_args()
-    start, load_before = time.perf_counter(), os.getloadavg()[0]
+    run = machine.Run()
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_worker, args=(args.nproc, _free_port(), args, queue), nprocs=args.nproc,
+    mp.spawn(_worker, args=(args.nproc, machine.free_port(), args, queue), nprocs=args.nproc,
              join=True)
     results = list(iter(queue.get, None))
     rows = [_row(r) for r in results]
-    header = (f"Machine: {machine.describe()}\n\nCommand: `python {' '.join(sys.argv)}` "
-              f"({time.perf_counter() - start:.0f} s; 1-min load average {load_before:.2f} "
-              f"before, {os.getloadavg()[0]:.2f} after); {args.nproc} ranks, policy "
-              f"{args.policy}, {args.rounds} interleaved rounds.\n")
+    header = run.header(f"); {args.nproc} ranks, policy {args.policy}, {args.rounds} "
+                        "interleaved rounds.")
     text = header + "\n" + table(rows)
     print(text)
     out = Path(args.out)

@@ -19,8 +19,6 @@ import argparse
 import copy
 import gc
 import os
-import sys
-import time
 from collections.abc import Callable
 
 import torch
@@ -128,14 +126,12 @@ def main() -> None:
     # As step_time.py: history-free allocator thresholds, inherited by the ranks.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 * 1024 * 1024))
     os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(2**32))
-    start, load_before = time.perf_counter(), os.getloadavg()[0]
+    bench = machine.Run()
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_worker, args=(args.nproc, step_time._free_port(), args, queue),
+    mp.spawn(_worker, args=(args.nproc, machine.free_port(), args, queue),
              nprocs=args.nproc, join=True)
     table = _table(queue.get())
-    header = (f"Machine: {machine.describe()}\n\nCommand: `python {' '.join(sys.argv)}` "
-              f"({time.perf_counter() - start:.0f} s; 1-min load average {load_before:.2f} "
-              f"before, {os.getloadavg()[0]:.2f} after)\n")
+    header = bench.header(")")
     print(header)
     print(table)
     if args.out:

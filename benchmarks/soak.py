@@ -27,7 +27,6 @@ import argparse
 import gc
 import json
 import os
-import socket
 import sys
 import time
 
@@ -132,15 +131,9 @@ def _worker(rank: int, world: int, port: int, hook: str, args: argparse.Namespac
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(hook: str, args: argparse.Namespace) -> list[dict]:
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_worker, args=(args.nproc, _free_port(), hook, args, queue), nprocs=args.nproc,
+    mp.spawn(_worker, args=(args.nproc, machine.free_port(), hook, args, queue), nprocs=args.nproc,
              join=True)
     return sorted((queue.get() for _ in range(args.nproc)), key=lambda r: r["rank"])
 
@@ -205,14 +198,12 @@ def main() -> None:
     if not 0 < args.warmup < args.steps:
         parser.error("--warmup must be between 0 and --steps")
 
-    start, load_before = time.perf_counter(), os.getloadavg()[0]
+    bench = machine.Run()
     runs = [run for hook in hooks for run in _run(hook, args)]
     buckets = next((r["buckets"] for r in runs if r["buckets"]), "?")
-    header = (f"Machine: {machine.describe()}\n\nCommand: `python {' '.join(sys.argv)}` "
-              f"({time.perf_counter() - start:.0f} s; 1-min load average {load_before:.2f} "
-              f"before, {os.getloadavg()[0]:.2f} after). Model: MLP 128-256x4-10 (0.23M "
-              f"parameters), batch 32, SGD; bucket_cap_mb={args.bucket_cap_mb:g} "
-              f"({buckets} buckets under fastddp).\n")
+    header = bench.header(f"). Model: MLP 128-256x4-10 (0.23M parameters), batch 32, SGD; "
+                          f"bucket_cap_mb={args.bucket_cap_mb:g} ({buckets} buckets under "
+                          "fastddp).")
     table = _table(runs, args.warmup)
     print(header)
     print(table)

@@ -31,9 +31,7 @@ not a test.
 import argparse
 import gc
 import os
-import socket
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -248,15 +246,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(world: int, args: argparse.Namespace) -> list[dict]:
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_worker, args=(world, _free_port(), args, queue), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, machine.free_port(), args, queue), nprocs=world, join=True)
     return queue.get()
 
 
@@ -331,13 +323,11 @@ def main() -> None:
         os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(2**32))
         malloc = (f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']} "
                   f"MALLOC_TRIM_THRESHOLD_={os.environ['MALLOC_TRIM_THRESHOLD_']}")
-    start, load_before = time.perf_counter(), os.getloadavg()[0]
+    bench = machine.Run()
     rows = ((_run(args.nproc, args) if args.nproc > 1 else [])
             + ([] if args.skip_alone else _run(1, args)))
     table = _table(rows)
-    header = (f"Machine: {machine.describe()}\n\nCommand: `python {' '.join(sys.argv)}` "
-              f"({time.perf_counter() - start:.0f} s; 1-min load average {load_before:.2f} "
-              f"before, {os.getloadavg()[0]:.2f} after; malloc: {malloc})\n")
+    header = bench.header(f"; malloc: {malloc})")
     print(header)
     print(table)
     if args.out:

@@ -283,11 +283,11 @@ class AutoTuner:
     def _worth_trying(self, ranked: list[str]) -> list[str]:
         """The best predicted of each family (other bucket sizes, 16-bit wires, PowerSGD
         ranks), best first, among those predicted to beat the baseline by 2%. The model ranks
-        within a family better than across families, and it underrates what fewer bytes
-        save on a CPU, where the transport takes the backward's cores (bf16 predicted 4%
-        faster, measured 18% faster at 1GB/s in benchmarks/auto.py): so each family that
-        qualifies gets a real trial, and the measured lossy_margin decides. On a
-        compute-bound step none qualifies."""
+        within a family better than across families: on a CPU the transport takes the
+        backward's cores, which it does not see, and PowerSGD costs more than its bytes
+        (benchmarks/results/auto.md: PowerSGD predicted first, measured slower than bf16).
+        So each family that qualifies gets a real trial, and the measured lossy_margin
+        decides. On a compute-bound step none qualifies."""
         baseline = self.predicted[_LOSSLESS]
         families: dict[str, str] = {}
         for name in ranked:
