@@ -45,7 +45,9 @@ class Wrapped(nn.Module):
         return self.body(x)
 
 
-def _counting(backend: str) -> tuple[dict, Callable]:
+def counting_backend(backend: str) -> tuple[dict, Callable]:
+    """A dynamo backend that compiles with `backend` and counts the graphs it is handed
+    (tests/python/compile_scenarios.py counts with it too)."""
     inner = torch._dynamo.lookup_backend(backend)
     box = {"graphs": 0}
 
@@ -57,7 +59,7 @@ def _counting(backend: str) -> tuple[dict, Callable]:
 
 
 def _compiled(cls: type, body: nn.Module, mode: str, backend: str) -> tuple[nn.Module, dict]:
-    box, compile_fn = _counting(backend)
+    box, compile_fn = counting_backend(backend)
     module = Wrapped(copy.deepcopy(body))
     if mode == "inner":
         return cls(torch.compile(module, backend=compile_fn)), box
@@ -130,13 +132,7 @@ def main() -> None:
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_worker, args=(args.nproc, machine.free_port(), args, queue),
              nprocs=args.nproc, join=True)
-    table = _table(queue.get())
-    header = bench.header(")")
-    print(header)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(header + "\n" + table + "\n")
+    bench.publish(bench.header(")"), _table(queue.get()), args.out)
 
 
 if __name__ == "__main__":

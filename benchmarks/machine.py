@@ -41,3 +41,12 @@ class Run:
         return (f"Machine: {describe()}\n\nCommand: `python {' '.join(sys.argv)}` "
                 f"({time.perf_counter() - self.start:.0f} s; 1-min load average "
                 f"{self.load_before:.2f} before, {os.getloadavg()[0]:.2f} after{details}\n")
+
+    @staticmethod
+    def publish(header: str, table: str, out: str | None) -> None:
+        """Prints the header and the table, and writes both to ``out`` if given."""
+        print(header)
+        print(table)
+        if out:
+            with open(out, "w") as f:
+                f.write(header + "\n" + table + "\n")

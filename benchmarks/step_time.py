@@ -326,13 +326,7 @@ def main() -> None:
     bench = machine.Run()
     rows = ((_run(args.nproc, args) if args.nproc > 1 else [])
             + ([] if args.skip_alone else _run(1, args)))
-    table = _table(rows)
-    header = bench.header(f"; malloc: {malloc})")
-    print(header)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(header + "\n" + table + "\n")
+    bench.publish(bench.header(f"; malloc: {malloc})"), _table(rows), args.out)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ the count is the number of pieces the forward was split into.
 """
 
 import copy
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,9 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-import fastddp
-from hook_scenarios import make_hook
-from scenarios import TOL, agree, unwrap
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import fastddp  # noqa: E402
+from compile_step import counting_backend  # noqa: E402  (benchmarks/compile_step.py)
+from hook_scenarios import make_hook  # noqa: E402
+from scenarios import TOL, agree, unwrap  # noqa: E402
 
 MODES = ("outer", "inner")
 # A 512x512 float32 weight is 1 MiB: with bucket_cap_mb=1 each big layer is a bucket.
@@ -45,18 +50,6 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Eight samples, different on every rank and every step."""
     g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
     return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-
-
-def counting_backend(name: str) -> tuple[dict, Callable]:
-    """A dynamo backend that compiles with `name` and counts the graphs it is handed."""
-    inner = torch._dynamo.lookup_backend(name)
-    box = {"graphs": 0}
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        box["graphs"] += 1
-        return inner(gm, example_inputs)
-
-    return box, backend
 
 
 def _make_hook(spec: str) -> tuple[object, object]:
