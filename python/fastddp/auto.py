@@ -11,11 +11,11 @@ with gradients on, outside no_sync), from the model's own ``comm_stats()``. In o
    (at most 16 MB): the link's latency and bus bandwidth, real transport and emulation
    included, without the rank skew that a training step's collectives also wait for; the
    bandwidth is lowered to what the baseline's large buckets saw, if less (a CPU transport
-   shares the cores with the backward). Rank 0 feeds the median step, that link and each candidate's kernel cost (timed on scratch
-   tensors) to the cost model (fastddp/cost_model.py, as ``--advise`` does) and ranks the
-   policy's candidates: ``lossless`` plain allreduce at bucket caps x1/4, x1 and
-   x4; ``bf16`` also bf16 on the wire (summed in bf16, or in fp32); ``any`` also PowerSGD of
-   rank 1, 2, 4 and 8. The best predicted of each family (bucket sizes, 16-bit wires,
+   shares the cores with the backward). Rank 0 feeds the median step, that link and each
+   candidate's kernel cost (timed on scratch tensors) to the cost model
+   (fastddp/cost_model.py, as ``--advise`` does) and ranks the policy's candidates:
+   ``lossless`` plain allreduce at bucket caps x1/4, x1 and x4; ``bf16`` also bf16 on the
+   wire (summed in bf16, or in fp32); ``any`` also PowerSGD of rank 1, 2, 4 and 8. The best predicted of each family (bucket sizes, 16-bit wires,
    PowerSGD) is tried if predicted to beat the baseline by 2%; none on a compute-bound step.
 3. **Trials.** Each runs for real, in two blocks of 4 measured steps, ordered A B .. Z Z .. B
    A with the baseline Z, so that load drifting over the trials biases none. A switch

@@ -34,8 +34,8 @@ from fastddp import _C
 from fastddp._powersgd_args import options_from_state, powersgd_options
 from fastddp.auto import AutoHook
 
-__all__ = ["AutoHook", "CommHook", "allreduce", "auto", "batched_powersgd", "bf16", "fp16", "from_registry",
-           "native_torch_hooks", "powersgd"]
+__all__ = ["AutoHook", "CommHook", "allreduce", "auto", "batched_powersgd", "bf16", "fp16",
+           "from_registry", "native_torch_hooks", "powersgd"]
 
 _WRAPPERS = {
     "fp16_compress_wrapper.<locals>.fp16_compress_wrapper_hook": "fp16",

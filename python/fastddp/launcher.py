@@ -30,8 +30,8 @@ hooks (--hook):
   fp16, bf16      compress gradients to fp16 / bf16 for the allreduce
   bf16-fp32acc    bf16 on the wire, accumulated in fp32
   powersgd[:R]    PowerSGD low-rank compression of rank R (default: the hook's default)
-  auto[:POLICY]   fastddp measures the first ~30-45 steps, tries the configurations its cost
-                  model ranks best, keeps the fastest and says so (rank 0, one line).
+  auto[:POLICY]   fastddp measures the first steps (7 to about 55), tries the configurations
+                  its cost model ranks best, keeps the fastest and says so (rank 0, one line).
                   POLICY: lossless (allreduce, bucket sizes), bf16 (also 16-bit wires) or
                   any (also PowerSGD; the default)
 The launcher's hook is registered on every model the script wraps and replaces any hook the
