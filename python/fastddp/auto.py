@@ -15,8 +15,9 @@ with gradients on, outside no_sync), from the model's own ``comm_stats()``. In o
    candidate's kernel cost (timed on scratch tensors) to the cost model
    (fastddp/cost_model.py, as ``--advise`` does) and ranks the policy's candidates:
    ``lossless`` plain allreduce at bucket caps x1/4, x1 and x4; ``bf16`` also bf16 on the
-   wire (summed in bf16, or in fp32); ``any`` also PowerSGD of rank 1, 2, 4 and 8. The best predicted of each family (bucket sizes, 16-bit wires,
-   PowerSGD) is tried if predicted to beat the baseline by 2%; none on a compute-bound step.
+   wire (summed in bf16, or in fp32); ``any`` also PowerSGD of rank 1, 2, 4 and 8. The
+   best predicted of each family (bucket sizes, 16-bit wires, PowerSGD) is tried if
+   predicted to beat the baseline by 2%; none on a compute-bound step.
 3. **Trials.** Each runs for real, in two blocks of 4 measured steps, ordered A B .. Z Z .. B
    A with the baseline Z, so that load drifting over the trials biases none. A switch
    happens between two steps; the step after it is not measured (nor a rebuild's first
