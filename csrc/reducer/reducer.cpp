@@ -459,45 +459,9 @@ double Reducer::elapsed_us() const {
       .count();
 }
 
-void Reducer::set_comm_hook(std::shared_ptr<CommHook> hook) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(hook, "fastddp: set_comm_hook needs a hook");
-  if (phase_ == Phase::kExpecting && num_ready_ > 0) {
-    // The backward in flight cannot finish reducing (this call comes from
-    // inside it): fail it, so that the next forward starts afresh.
-    try {
-      TORCH_CHECK(false, "fastddp: a comm hook cannot be changed while a backward is reducing");
-    } catch (...) {
-      fail_iteration(std::current_exception());
-      throw;
-    }
-  }
-  check_hook_supports(*hook);
-  hook_->set_nonfinite_guard(nullptr);
-  hook_ = std::move(hook);
-  hook_->set_nonfinite_guard(nonfinite_.get());
-  hook_->on_new_buckets(buckets_);
-}
-
-void Reducer::check_hook_supports(const CommHook& hook) const {
-  if (hook.supports_sparse()) return;
-  for (const Bucket& bucket : buckets_) {
-    TORCH_CHECK_NOT_IMPLEMENTED(!bucket.sparse, "fastddp: the comm hook '", hook.name(),
-                                "' does not support sparse gradients, and parameter '",
-                                names_[bucket.params[0]],
-                                "' gets them (sparse=True); use the default allreduce or a "
-                                "Python hook, or construct the module with sparse=False");
-  }
-}
-
 void Reducer::set_sink_clone(bool clone) {
   std::lock_guard<std::mutex> lock(mutex_);
   sink_clone_ = clone;
-}
-
-std::string Reducer::hook_name() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return hook_->name();
 }
 
 }  // namespace fastddp
