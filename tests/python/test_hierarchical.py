@@ -1,0 +1,55 @@
+"""fastddp.hooks.hierarchical on 4 real gloo ranks as 2 nodes x 2 local ranks: against the
+exact mean and against a plain-torch reference of the same algorithm (hier_scenarios.py),
+wrong meshes and local sizes, and the launcher's --hook hier:INNER."""
+
+import pytest
+
+import hier_scenarios
+from fastddp.patch import HookSpec, parse_hook_spec
+
+
+@pytest.mark.parametrize(("inner", "source", "as_view"), [
+    ("none", "local_size", False),
+    ("none", "mesh", True),
+    ("bf16", "local_size", False),
+    ("bf16_fp32", "mesh", False),
+])
+def test_hierarchical_matches_reference(world4, inner, source, as_view):
+    names = world4.check(hier_scenarios.hier_training, inner=inner, source=source,
+                         gradient_as_bucket_view=as_view)
+    assert names[0].startswith("hierarchical("), names
+
+
+def test_wrong_configurations_raise(world4):
+    per_rank = world4.check(hier_scenarios.bad_configurations)
+    # The same error on every rank (the tiling message names each rank's own group).
+    for case in per_rank[0]:
+        kinds = {(r[case] or "").split(":")[0] for r in per_rank}
+        assert len(kinds) == 1, (case, [r[case] for r in per_rank])
+    errors = per_rank[0]
+    expected = {
+        "local_size=1": ("ValueError", "local_size=1"),
+        "inter=auto": ("TypeError", "inter must be"),
+        "inter=hier": ("TypeError", "inter must be"),
+        "local_size=3": ("ValueError", "does not divide the world size 4"),
+        "local_size=world": ("ValueError", "one node"),
+        "mesh misnamed": ("ValueError", "dims must be named"),
+        "mesh node dim 1": ("ValueError", "'node' dimension is 1"),
+        "mesh local dim 1": ("ValueError", "'local' dimension is 1"),
+        "mesh 1-D": ("ValueError", "2-D DeviceMesh"),
+        "mesh does not tile": ("ValueError", "does not tile"),
+    }
+    for case, (kind, text) in expected.items():
+        got = errors[case]
+        assert got is not None and got.startswith(kind) and text in got, (case, got)
+
+
+def test_parse_hier_spec():
+    assert parse_hook_spec("hier:bf16") == HookSpec("hier", inner=HookSpec("bf16"))
+    assert parse_hook_spec("hier") == HookSpec("hier", inner=HookSpec("bf16"))
+    assert parse_hook_spec("hier:none") == HookSpec("hier", inner=HookSpec("allreduce"))
+    assert str(parse_hook_spec("hier:powersgd:2")) == "hier:powersgd:2"
+    for bad, text in (("hier:auto", "fixed hook"), ("hier:hier", "fixed hook"),
+                      ("hier:nope", "not a hook")):
+        with pytest.raises(ValueError, match=text):
+            parse_hook_spec(bad)
