@@ -2,10 +2,17 @@
 exact mean and against a plain-torch reference of the same algorithm (hier_scenarios.py),
 wrong meshes and local sizes, and the launcher's --hook hier:INNER."""
 
+import json
+import os
+import socket
+import subprocess
+import sys
+
 import pytest
 
 import hier_scenarios
 from fastddp.patch import HookSpec, parse_hook_spec
+from test_launcher import PACKAGE_DIR, SCRIPT, TIMEOUT_S
 
 
 @pytest.mark.parametrize(("inner", "source", "as_view"), [
@@ -53,3 +60,33 @@ def test_parse_hier_spec():
                       ("hier:nope", "not a hook")):
         with pytest.raises(ValueError, match=text):
             parse_hook_spec(bad)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_launcher_two_nodes(tmp_path):
+    """The README's multi-node command line, as two torchrun agents (2 "nodes" x 2 ranks) on
+    this machine meeting at one rendezvous endpoint: --hook hier:bf16 trains the tiny script
+    (the hook's numbers are hier_scenarios' business; starting 6 processes costs ~20 s)."""
+    out = tmp_path / "hier.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(PACKAGE_DIR), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    for key in ("FASTDDP_DISABLE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    endpoint = f"127.0.0.1:{_free_port()}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=hier-test",
+           "-m", "fastddp", "--hook", "hier:bf16", str(SCRIPT), "--out", str(out)]
+    agents = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True) for _ in range(2)]
+    outputs = [a.communicate(timeout=TIMEOUT_S)[0] for a in agents]
+    for agent, text in zip(agents, outputs):
+        assert agent.returncode == 0, text
+    fast = json.loads(out.read_text())
+    assert fast["world"] == 4 and fast["losses"][-1] < fast["losses"][0], fast["losses"]
+    assert "hook=hier:bf16 (launcher" in "".join(outputs), outputs
