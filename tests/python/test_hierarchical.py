@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import hier_scenarios
+import hook_scenarios
 from fastddp.patch import HookSpec, parse_hook_spec
 from test_launcher import PACKAGE_DIR, SCRIPT, TIMEOUT_S
 
@@ -25,6 +26,13 @@ def test_hierarchical_matches_reference(world4, inner, source, as_view):
     names = world4.check(hier_scenarios.hier_training, inner=inner, source=source,
                          gradient_as_bucket_view=as_view)
     assert names[0].startswith("hierarchical("), names
+
+
+@pytest.mark.parametrize("spec", ["fastddp.hier_bf16_fp32", "fastddp.hier_allreduce"])
+def test_failed_step_is_dropped(world4, spec):
+    """A backward that fails half-way: the next steps are bit for bit those of a run without
+    it (the half-done step's later collectives are never issued, on any rank)."""
+    world4.check(hook_scenarios.abandoned_step, spec=spec)
 
 
 def test_wrong_configurations_raise(world4):
