@@ -11,7 +11,9 @@
 //                group size, the number of nodes, so the result is the mean
 //                over all ranks;
 //   reduce_scatter  inside the node, in the bucket's dtype (full precision):
-//                this rank's shard of P/local_size elements, summed over the node;
+//                this rank's shard of P/local_size elements, summed over the node
+//                (on the CPU an alltoall and a local sum in rank order: gloo's
+//                reduce_scatter is slower than an allreduce);
 //   inner hook   any registered CommHook (allreduce, bf16, int8, ...) built on
 //                `inter`, run on a one-slot Bucket whose flat buffer is the
 //                shard: copy_in(shard), run(), write_back() into the shard;
@@ -82,6 +84,7 @@ class HierarchicalHook : public CommHook {
   struct BucketState {
     at::Tensor padded;  // the bucket padded to a multiple of local*nodes; or the flat itself
     at::Tensor shard;   // this rank's shard: reduce_scatter's output, the inner's bucket
+    at::Tensor shards;  // CPU: the alltoall's output, local_size rows of a shard each
     Bucket shard_bucket;
   };
   // One bucket on its way through the three phases.
