@@ -6,7 +6,7 @@
 Spawns 4 gloo ranks on 127.0.0.1 (one intra-op thread each) as 2 nodes x 2 local ranks.
 For each inter-node link, five configurations, each its own model and optimizer, all
 timed interleaved (benchmarks/auto_runs.py: rotating rounds, median step on rank 0's clock,
-zero_grad to SGD step):
+zero_grad to SGD step), with the same model stepped without DDP as the compute floor:
 
   flat allreduce, flat bf16   the model's group is an EmulatedLinkGroup over WORLD with the
                               inter-node link: a flat ring crosses the node boundary, and a
@@ -34,6 +34,7 @@ import argparse
 import gc
 import os
 import statistics
+import sys
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,19 @@ from fastddp.link_emulator import EmulatedLinkGroup
 
 LOCAL = 2
 WORLD = 4
-CONFIGS = ("flat allreduce", "flat bf16", "hier none", "hier bf16", "hier int8")
+CONFIGS = ("no communication", "flat allreduce", "flat bf16", "hier none", "hier bf16",
+           "hier int8")
+
+
+class LocalRun(auto_runs.Run):
+    """The same model, data and optimizer without DDP: the step's compute floor."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.ddp = auto_runs.model(kind)
+        self.opt = torch.optim.SGD(self.ddp.parameters(), lr=0.01)
+        self.gen = torch.Generator().manual_seed(10 + dist.get_rank())
+        self.times = []
 
 
 def _inner(name: str) -> fastddp.hooks.CommHook | None:
@@ -65,7 +78,7 @@ def _runs(kind: str, inter_link: str, intra_link: str, groups: tuple, cap_mb: fl
           ) -> tuple[dict, dict, list[str]]:
     """The configurations' runs, the link wrappers of each (the inter-node one last), and
     skip notes."""
-    runs, links, notes = {}, {}, []
+    runs, links, notes = {"no communication": LocalRun(kind)}, {}, []
     world = EmulatedLinkGroup(dist.group.WORLD, inter_link)
     runs["flat allreduce"] = auto_runs.Run(kind, world, fastddp.hooks.allreduce(), cap_mb)
     links["flat allreduce"] = (world,)
@@ -98,6 +111,10 @@ def _busy_s(links: tuple[EmulatedLinkGroup, ...]) -> float:
 
 def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     torch.set_num_threads(1)
+    # The emulator completes collectives from Python threads, late by up to the switch
+    # interval while another thread holds the GIL (Note [emulated link timing]); the
+    # hierarchical hook waits on 3 dependent collectives per bucket, a flat hook on none.
+    sys.setswitchinterval(args.switch_interval_ms * 1e-3)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     groups = fastddp.hooks.hierarchical_groups(LOCAL)
@@ -105,6 +122,8 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
         runs, links, notes = _runs(args.model, inter_link, args.intra, groups, args.cap_mb)
         # What the initial broadcast put on the links.
         before = {n: (_bus_bytes(ls[-1]), _busy_s(ls)) for n, ls in links.items()}
+        links["no communication"] = ()
+        before["no communication"] = (0.0, 0.0)
         medians = auto_runs.interleaved(runs, args.rounds, args.warmup)
         steps = args.warmup + args.rounds
         if rank == 0:
@@ -112,7 +131,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
                        "spread": {n: statistics.quantiles(r.times[-args.rounds:], n=4)
                                   for n, r in runs.items()},
                        "inter_mb": {n: (_bus_bytes(links[n][-1]) - before[n][0]) / steps / 1e6
-                                    for n in runs},
+                                    if links[n] else 0.0 for n in runs},
                        "busy_ms": {n: (_busy_s(links[n]) - before[n][1]) / steps * 1e3
                                    for n in runs},
                        "grad_mb": sum(p.numel() * 4 for p in runs["flat bf16"].ddp.parameters())
@@ -152,6 +171,8 @@ def main() -> None:
     parser.add_argument("--cap-mb", type=float, default=auto_runs.CAP_MB)
     parser.add_argument("--rounds", type=int, default=8, help="interleaved timing rounds")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--switch-interval-ms", type=float, default=0.5,
+                        help="sys.setswitchinterval of the ranks (Python's default: 5 ms)")
     parser.add_argument("--out", default=None, help="write the header and table here (.md)")
     args = parser.parse_args()
     run = machine.Run()
@@ -162,7 +183,8 @@ def main() -> None:
     header = run.header(
         f"); {WORLD} gloo ranks as 2 nodes x {LOCAL}, model {args.model} "
         f"({results[0]['grad_mb']:.1f} MB of fp32 gradients), bucket_cap_mb {args.cap_mb:g}, "
-        f"{args.rounds} interleaved rounds after {args.warmup} warm-up."
+        f"{args.rounds} interleaved rounds after {args.warmup} warm-up, Python switch interval "
+        f"{args.switch_interval_ms:g} ms."
         + "".join(f"\n\nNote: {n}." for n in notes))
     machine.Run.publish(header, table(results, args.intra), args.out)
 

@@ -61,6 +61,9 @@ def reference(flat: torch.Tensor, inner: str, intra: dist.ProcessGroup,
 def _hook(inner: str, source: str, gradient_as_bucket_view: bool = False):
     inter = {"none": fastddp.hooks.allreduce(), "bf16": fastddp.hooks.bf16(),
              "bf16_fp32": fastddp.hooks.bf16(accumulate="fp32")}[inner]
+    if source == "groups":
+        return fastddp.hooks.hierarchical(inter=inter,
+                                          groups=fastddp.hooks.hierarchical_groups(LOCAL))
     if source == "mesh":
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -117,6 +120,13 @@ def hier_training(inner: str, source: str = "local_size", steps: int = 3,
         with torch.no_grad():
             for p, q in zip(local.parameters(), fast.parameters()):
                 p.copy_(q)
+    # comm_stats' wire bytes: the inner hook's for this rank's shard (1/LOCAL of the bucket
+    # padded to a multiple of the world size), what crosses the inter-node link.
+    world = dist.get_world_size()
+    width = 4 if inner == "none" else 2
+    for b in fast.comm_stats()["buckets"]:
+        shard = (b["numel"] + world - 1) // world * world // LOCAL
+        assert b["wire_bytes"] == shard * width, (b, shard, width)
     return fast._reducer.hook_name
 
 

@@ -20,6 +20,7 @@ from test_launcher import PACKAGE_DIR, SCRIPT, TIMEOUT_S
     ("none", "local_size", False),
     ("none", "mesh", True),
     ("bf16", "local_size", False),
+    ("bf16", "groups", True),
     ("bf16_fp32", "mesh", False),
 ])
 def test_hierarchical_matches_reference(world4, inner, source, as_view):
