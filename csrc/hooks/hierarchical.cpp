@@ -67,14 +67,20 @@ void HierarchicalHook::set_divide_factor(int64_t factor) {
 }
 
 void HierarchicalHook::on_new_buckets(const std::vector<Bucket>& buckets) {
-  (void)buckets;
   states_.clear();
-  // The inner hook's buckets are the shards, made on first use; its per-bucket
-  // state keyed by the old shards' buffers goes now. (Its per-"parameter"
-  // state, such as error-feedback residuals, is keyed by bucket index, which
-  // a rebuild reassigns: the residual of a shard whose size changed restarts
-  // from zero.)
-  inner_->on_new_buckets({});
+  // The inner hook's buckets are the shards: it sees the new layout too, so
+  // that it checks them (dtype, ...) now rather than in the first backward.
+  // Its per-"parameter" state (error-feedback residuals) is keyed by bucket
+  // index, which a rebuild reassigns: a shard whose size changed restarts
+  // from zero.
+  std::vector<Bucket> shards;
+  for (size_t i = 0; i < buckets.size(); ++i) {
+    if (buckets[i].sparse) continue;  // copy_in refuses it
+    Bucket& shard = state_for(buckets[i])->shard_bucket;
+    shard.params[0] = i;
+    shards.push_back(shard);
+  }
+  inner_->on_new_buckets(shards);
 }
 
 int64_t HierarchicalHook::padded_numel(int64_t numel) const {
@@ -82,7 +88,8 @@ int64_t HierarchicalHook::padded_numel(int64_t numel) const {
   return (numel + unit - 1) / unit * unit;
 }
 
-std::shared_ptr<HierarchicalHook::BucketState> HierarchicalHook::state_for(Bucket& bucket) {
+std::shared_ptr<HierarchicalHook::BucketState> HierarchicalHook::state_for(
+    const Bucket& bucket) {
   std::shared_ptr<BucketState>& state = states_[bucket.flat.unsafeGetTensorImpl()];
   const int64_t numel = bucket.flat.numel();
   const int64_t padded = padded_numel(numel);

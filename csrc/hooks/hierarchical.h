@@ -98,7 +98,7 @@ class HierarchicalHook : public CommHook {
   };
 
   int64_t padded_numel(int64_t numel) const;
-  std::shared_ptr<BucketState> state_for(Bucket& bucket);
+  std::shared_ptr<BucketState> state_for(const Bucket& bucket);
   // reduce_scatter done -> the inner hook's copy_in and run (is_last: its last bucket).
   void start_inner(Stage& stage, bool is_last);
   // The inner future done -> its write_back into the shard, the allgather.

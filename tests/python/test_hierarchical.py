@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+import fastddp
 import hier_scenarios
 import hook_scenarios
 from fastddp.patch import HookSpec, parse_hook_spec
@@ -27,6 +28,13 @@ def test_hierarchical_matches_reference(world4, inner, source, as_view):
     names = world4.check(hier_scenarios.hier_training, inner=inner, source=source,
                          gradient_as_bucket_view=as_view)
     assert names[0].startswith("hierarchical("), names
+
+
+def test_hierarchical_int8(world4):
+    """Any registered hook works between nodes: int8 (issue 16 item 2) where it is built."""
+    if "int8" not in fastddp._C.comm_hook_names():
+        pytest.skip("no 'int8' comm hook is registered in this build")
+    world4.check(hier_scenarios.hier_training, inner="int8")
 
 
 @pytest.mark.parametrize("spec", ["fastddp.hier_bf16_fp32", "fastddp.hier_allreduce"])
