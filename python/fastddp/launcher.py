@@ -66,8 +66,8 @@ examples:
   python -m fastddp --report -- train.py --lr 0.1
   torchrun --nproc_per_node=4 -m fastddp --advise --advise-out runs/ train.py
   torchrun --nproc_per_node=8 -m fastddp --hook auto:bf16 train.py
-  torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
-      -m fastddp --hook hier:bf16 train.py"""
+  torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+      -m fastddp --hook hier:bf16 train.py   (on each node)"""
 
 # Launcher options that consume the next token; needed to find where the script path is.
 _VALUE_OPTIONS = ("--hook", "--bucket-cap-mb", "--emulate-link", "--advise-out")
