@@ -74,6 +74,9 @@ struct ReducerOptions {
   std::vector<size_t> rebuild_limits = {1024 * 1024, 25 * 1024 * 1024};
   // Raise on non-finite gradients, see Note [non-finite guard].
   bool check_for_nan_in_grad = false;
+  // Slot alignment of the flat buffers in bytes, 0: packed (Note [aligned
+  // flat buffer]).
+  int64_t align_bytes = 0;
 };
 
 // Timings of one bucket in the last synchronized backward, in microseconds

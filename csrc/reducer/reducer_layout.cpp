@@ -16,7 +16,8 @@ void Reducer::rebuild_buckets() {
     specs.push_back(spec_of(params_[i], options_.expect_sparse[i]));
   }
   BucketPlan plan = plan_buckets_from_ready_order(specs, ready_order_, options_.rebuild_limits);
-  buckets_ = make_buckets(params_, broadcast_plan(plan.buckets), options_.expect_sparse);
+  buckets_ = make_buckets(params_, broadcast_plan(plan.buckets), options_.expect_sparse,
+                          options_.align_bytes);
   shadow_buckets_.clear();
   reset_bucket_views();
   // Armed already when a framework's prepare_for_backward came first.
