@@ -80,7 +80,9 @@ py::dict comm_stats_dict(const Reducer& reducer) {
   out["bytes_sent"] = sent;
   out["compression_ratio"] = sent > 0 ? static_cast<double>(reduced) / static_cast<double>(sent) : 1.0;
   out["exposed_comm_ms"] = stats.exposed_us / 1e3;
-  out["mean_exposed_comm_ms"] = stats.steps > 0 ? stats.total_exposed_us / 1e3 / stats.steps : 0.0;
+  out["mean_exposed_comm_ms"] =
+      stats.timed_steps > 0 ? stats.total_exposed_us / 1e3 / static_cast<double>(stats.timed_steps)
+                            : 0.0;
   out["buckets"] = buckets;
   return out;
 }

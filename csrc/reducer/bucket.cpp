@@ -117,11 +117,11 @@ std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
   for (const auto& [key, members] : groups) {
     const at::Tensor& like = params[buckets[members.front().first].params.front()];
     const int64_t total = group_numel[key];
-    // Zeros when padded: the padding is summed with the slots, so it must be finite.
     const auto options = like.options().requires_grad(false);
     const int64_t esize = static_cast<int64_t>(like.element_size());
     at::Tensor buffer;
     if (align_bytes > esize) {
+      // Zeros: the padding is reduced with the slots, so it must be finite.
       // Allocators align to 64 (CPU) or 512 (CUDA) bytes: room to align the start to more.
       const int64_t spare = align_bytes / esize;
       buffer = at::zeros({total + spare}, options);
@@ -154,7 +154,7 @@ std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
 
 namespace {
 
-// Slices of `a` and `b` at the slots' offsets in `a_offsets` / `b_offsets`.
+// Copies the slots at src_offsets of `src` to dst_offsets of `dst`.
 void copy_slots(const at::Tensor& src, const std::vector<int64_t>& src_offsets,
                 const at::Tensor& dst, const std::vector<int64_t>& dst_offsets,
                 const std::vector<int64_t>& numels) {

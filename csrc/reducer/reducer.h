@@ -97,7 +97,8 @@ struct CommStats {
   std::vector<BucketTiming> timings;
   int64_t backward_start_ns = 0;  // last step's first gradient, steady clock (CLOCK_MONOTONIC)
   double exposed_us = 0;        // last step: last gradient ready -> grads final
-  double total_exposed_us = 0;  // over all steps
+  double total_exposed_us = 0;  // over timed_steps steps
+  int64_t timed_steps = 0;      // host clock: every step; device: see DeviceTimeline
 };
 
 class Reducer : public std::enable_shared_from_this<Reducer> {

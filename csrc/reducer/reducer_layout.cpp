@@ -121,6 +121,11 @@ CommStats Reducer::comm_stats() const {
   // On a GPU the device's clock (waits for the last step's end event: called
   // between steps, never on the step path).
   stats.device_clock = timeline_->read(stats.timings, stats.exposed_us);
+  stats.timed_steps = stats.steps;
+  if (stats.device_clock) {  // read() waited for the last step, not harvested yet
+    stats.total_exposed_us = timeline_->total_exposed_us() + stats.exposed_us;
+    stats.timed_steps = timeline_->timed_steps() + 1;
+  }
   return stats;
 }
 

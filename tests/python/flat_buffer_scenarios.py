@@ -147,3 +147,29 @@ def hook_case(case: str, align: int = 64, steps: int = PSGD_START + 3) -> str:
             torch.testing.assert_close(x, y, rtol=tol["rtol"], atol=atol,
                                        msg=lambda m: f"{case}, step {step}, param {k}: {m}")
     return fast._reducer.hook_name
+
+
+def cuda_default_alignment() -> int:
+    """On one GPU (FASTDDP_WORLD1_REDUCER=1, NCCL): without FASTDDP_BUCKET_ALIGN every .grad
+    view starts 16-byte aligned, and the grads equal torch DDP's."""
+    from fastddp._options import WORLD1_REDUCER_ENV
+
+    assert BUCKET_ALIGN_ENV not in os.environ
+    os.environ[WORLD1_REDUCER_ENV] = "1"
+    try:
+        torch.manual_seed(0)
+        base = OddMLP().cuda()
+        kwargs = {"bucket_cap_mb": 0.0001, "gradient_as_bucket_view": True, "device_ids": [0]}
+        ref = TorchDDP(copy.deepcopy(base), **kwargs)
+        fast = fastddp.DistributedDataParallel(copy.deepcopy(base), **kwargs)
+        assert fast._reducer is not None
+        for step in range(2):
+            inputs, target = (t.cuda() for t in _batch(step))
+            for model in (ref, fast):
+                model.zero_grad(set_to_none=True)
+                F.mse_loss(model(inputs), target).backward()
+            compare_grads(unwrap(ref), unwrap(fast), f"cuda, step {step}", EXACT)
+            assert all(ptr % 16 == 0 for ptr in _grad_ptrs(fast)), _grad_ptrs(fast)
+        return len(fast._reducer.bucket_bytes())
+    finally:
+        os.environ.pop(WORLD1_REDUCER_ENV, None)

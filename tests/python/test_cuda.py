@@ -48,3 +48,14 @@ def test_powersgd_cuda_matches_cpu(hook, rank, warm_start):
                            warm_start=warm_start)[0] == 3
     finally:
         world.close()
+
+
+def test_flat_buffer_is_16_byte_aligned_on_cuda():
+    import flat_buffer_scenarios
+
+    world = World(1, backend="nccl")
+    try:
+        (buckets,) = world.check(flat_buffer_scenarios.cuda_default_alignment)
+        assert buckets > 1
+    finally:
+        world.close()
