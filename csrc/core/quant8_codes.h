@@ -27,13 +27,30 @@ FASTDDP_HOST_DEVICE constexpr float quant8_max(Quant8Format f) {
   return f == Quant8Format::kInt8 ? 127.0f : (f == Quant8Format::kFp8E4M3 ? 448.0f : 57344.0f);
 }
 
-FASTDDP_HOST_DEVICE float quant8_clamp(float v, float limit) {
-  return v < -limit ? -limit : (v > limit ? limit : v);
+// Branch-free selects and clamps (integer masks): GCC does not if-convert the
+// float ternaries of these helpers (-ftrapping-math), and a branch in a loop
+// body stops it from vectorizing the loop.
+FASTDDP_HOST_DEVICE uint32_t quant8_select(bool c, uint32_t a, uint32_t b) {
+  const uint32_t mask = 0u - static_cast<uint32_t>(c);
+  return (a & mask) | (b & ~mask);
 }
+
+// v clamped to [-limit, limit] for finite v, on the bit patterns: the bits of
+// non-negative floats order as the floats do. limit_bits = float_bits(limit).
+FASTDDP_HOST_DEVICE float quant8_clamp(float v, uint32_t limit_bits) {
+  const uint32_t bits = float_bits(v);
+  const uint32_t sign = bits & 0x80000000u;
+  const uint32_t magnitude = bits ^ sign;
+  return float_from_bits((magnitude < limit_bits ? magnitude : limit_bits) | sign);
+}
+
+constexpr uint32_t kInt8MaxBits = 0x42FE0000u;  // 127.0f
+constexpr uint32_t kE4M3MaxBits = 0x43E00000u;  // 448.0f
+constexpr uint32_t kE5M2MaxBits = 0x47600000u;  // 57344.0f
 
 // Round half to even of a finite |v| <= 127, as an int8 bit pattern.
 FASTDDP_HOST_DEVICE uint8_t int8_code_from_float(float v) {
-  const float c = quant8_clamp(v, 127.0f);
+  const float c = quant8_clamp(v, kInt8MaxBits);
 #if defined(__CUDA_ARCH__)
   const float r = rintf(c);
 #else
@@ -49,7 +66,7 @@ FASTDDP_HOST_DEVICE float float_from_int8_code(uint8_t code) {
 
 // c10::detail::fp8e4m3fn_from_fp32_value for finite |v| <= 448.
 FASTDDP_HOST_DEVICE uint8_t e4m3_code_from_float(float v) {
-  uint32_t bits = float_bits(quant8_clamp(v, 448.0f));
+  uint32_t bits = float_bits(quant8_clamp(v, kE4M3MaxBits));
   const uint32_t sign = bits & 0x80000000u;
   bits ^= sign;
   // Below 2^-6 (the smallest normal): adding 2^14 lets the FPU round the
@@ -60,7 +77,7 @@ FASTDDP_HOST_DEVICE uint8_t e4m3_code_from_float(float v) {
   const uint32_t mant_odd = (bits >> 20) & 1u;
   const uint32_t normal =
       (bits + (static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFFu + mant_odd) >> 20;
-  const uint32_t code = bits < (121u << 23) ? subnormal : normal;
+  const uint32_t code = quant8_select(bits < (121u << 23), subnormal, normal);
   return static_cast<uint8_t>(code | (sign >> 24));
 }
 
@@ -73,14 +90,15 @@ FASTDDP_HOST_DEVICE float float_from_e4m3_code(uint8_t code) {
   const uint32_t mantissa = c & 0x7u;
   const uint32_t normal = sign | ((exponent + 120u) << 23) | (mantissa << 20);
   // mantissa * 2^-9, exact in float32.
-  const uint32_t subnormal = sign | float_bits(static_cast<float>(mantissa) * 0.001953125f);
-  const uint32_t bits = (c & 0x7Fu) == 0x7Fu ? 0x7FC00000u : (exponent == 0 ? subnormal : normal);
-  return float_from_bits(bits);
+  const uint32_t subnormal =
+      sign | float_bits(static_cast<float>(static_cast<int32_t>(mantissa)) * 0.001953125f);
+  return float_from_bits(quant8_select((c & 0x7Fu) == 0x7Fu, 0x7FC00000u,
+                                       quant8_select(exponent == 0, subnormal, normal)));
 }
 
 // c10::detail::fp8e5m2_from_fp32_value for finite |v| <= 57344.
 FASTDDP_HOST_DEVICE uint8_t e5m2_code_from_float(float v) {
-  uint32_t bits = float_bits(quant8_clamp(v, 57344.0f));
+  uint32_t bits = float_bits(quant8_clamp(v, kE5M2MaxBits));
   const uint32_t sign = bits & 0x80000000u;
   bits ^= sign;
   const uint32_t denorm_mask = 134u << 23;
@@ -89,13 +107,24 @@ FASTDDP_HOST_DEVICE uint8_t e5m2_code_from_float(float v) {
   const uint32_t mant_odd = (bits >> 21) & 1u;
   const uint32_t normal =
       (bits + (static_cast<uint32_t>(15 - 127) << 23) + 0xFFFFFu + mant_odd) >> 21;
-  const uint32_t code = bits < (113u << 23) ? subnormal : normal;
+  const uint32_t code = quant8_select(bits < (113u << 23), subnormal, normal);
   return static_cast<uint8_t>(code | (sign >> 24));
 }
 
-// e5m2 is the upper byte of an IEEE float16 (Inf and NaN included).
+// e5m2: 1 sign, 5 exponent (bias 15), 2 mantissa bits, the upper byte of an
+// IEEE float16: exponent 31 is infinity (mantissa 0) or NaN.
 FASTDDP_HOST_DEVICE float float_from_e5m2_code(uint8_t code) {
-  return float_from_fp16_bits(static_cast<uint16_t>(static_cast<uint16_t>(code) << 8));
+  const uint32_t c = code;
+  const uint32_t sign = (c & 0x80u) << 24;
+  const uint32_t exponent = (c >> 2) & 0x1Fu;
+  const uint32_t mantissa = c & 0x3u;
+  const uint32_t normal = sign | ((exponent + 112u) << 23) | (mantissa << 21);
+  const uint32_t special = sign | 0x7F800000u | (mantissa << 21);
+  // mantissa * 2^-16, exact in float32.
+  const uint32_t subnormal =
+      sign | float_bits(static_cast<float>(static_cast<int32_t>(mantissa)) * 1.52587890625e-05f);
+  return float_from_bits(quant8_select(exponent == 0x1Fu, special,
+                                       quant8_select(exponent == 0, subnormal, normal)));
 }
 
 template <Quant8Format F>

@@ -64,3 +64,22 @@ def test_options_are_checked():
         fastddp.hooks.int8(error_feedback=1)
     assert fastddp.hooks.fp8().options == {"format": "e4m3", "error_feedback": True}
     assert {"int8", "fp8"} <= set(fastddp._C.comm_hook_names())
+
+
+def test_launcher_spelling():
+    from fastddp.patch import (HookSpec, HookUnavailableError, fastddp_hook, parse_hook_spec,
+                               torch_hook)
+
+    assert parse_hook_spec("int8") == HookSpec("int8")
+    assert parse_hook_spec("fp8") == HookSpec("fp8")
+    assert parse_hook_spec("fp8:e5m2") == HookSpec("fp8", format="e5m2")
+    assert str(parse_hook_spec("fp8:e5m2")) == "fp8:e5m2"
+    with pytest.raises(ValueError, match="fp8's format"):
+        parse_hook_spec("fp8:e3m4")
+    with pytest.raises(ValueError, match="only powersgd takes a rank"):
+        parse_hook_spec("int8:2")
+    assert fastddp_hook(HookSpec("fp8", format="e5m2"))[1].options == {
+        "format": "e5m2", "error_feedback": True}
+    assert fastddp_hook(HookSpec("int8"))[1].name == "int8"
+    with pytest.raises(HookUnavailableError, match="stock torch DDP has no int8"):
+        torch_hook(HookSpec("int8"))

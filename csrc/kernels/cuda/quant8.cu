@@ -27,13 +27,17 @@ void check(cudaError_t err, const char* what) {
 // The max of v over the thread block (every thread gets it). Every thread of
 // the block must call it; blockDim.x is kThreads (a whole number of warps).
 __device__ __forceinline__ uint32_t block_max(uint32_t v, uint32_t* partial) {
-  for (int offset = 16; offset > 0; offset >>= 1) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
+  }
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (lane == 0) partial[warp] = v;
   __syncthreads();
   v = lane < static_cast<int>(blockDim.x / 32) ? partial[lane] : 0u;
-  for (int offset = 16; offset > 0; offset >>= 1) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
+  }
   __syncthreads();  // partial may be reused
   return v;
 }
