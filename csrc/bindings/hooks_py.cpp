@@ -1,14 +1,17 @@
 // Python bindings of the comm-hook registry, the Python-hook adapter and the
 // half-cast kernels (the kernels for tests and benchmarks).
+#include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
 
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "../core/numpy_random.h"
 #include "../hooks/half_ops.h"
+#include "../hooks/hierarchical.h"
 #include "../hooks/orthogonalize.h"
 #include "../hooks/powersgd_plan.h"
 #include "../hooks/quant8_ops.h"
@@ -92,6 +95,28 @@ void bind_hooks(py::module& m) {
         py::arg("options") = std::map<std::string, HookOption>{},
         "Builds the comm hook registered as `name` with typed options.");
   m.def("comm_hook_names", &comm_hook_names);
+  m.def(
+      "create_hierarchical_comm_hook",
+      [](c10::intrusive_ptr<c10d::ProcessGroup> intra, c10::intrusive_ptr<c10d::ProcessGroup> inter,
+         std::shared_ptr<CommHook> inner) -> std::shared_ptr<CommHook> {
+        return std::make_shared<HierarchicalHook>(std::move(intra), std::move(inter),
+                                                  std::move(inner));
+      },
+      py::arg("intra_group"), py::arg("inter_group"), py::arg("inner"),
+      "Hierarchical reduction (Note [hierarchical reduction]): reduce_scatter over intra_group, "
+      "`inner` (a hook built on inter_group) on this rank's shard, allgather over intra_group.");
+  m.def(
+      "hierarchical_wire_bytes",
+      [](const CommHook& hook, int64_t numel, const std::string& dtype) {
+        const auto* h = dynamic_cast<const HierarchicalHook*>(&hook);
+        if (h == nullptr) throw py::type_error("fastddp: not a hierarchical comm hook");
+        Bucket bucket;
+        const at::ScalarType type = dtype == "float64" ? at::kDouble : at::kFloat;
+        bucket.flat = at::empty({numel}, at::TensorOptions().dtype(type).device(at::kMeta));
+        return std::make_pair(h->wire_bytes(bucket), h->intra_wire_bytes(bucket));
+      },
+      py::arg("hook"), py::arg("numel"), py::arg("dtype") = "float32",
+      "(inter-node bytes, intra-node bytes) one rank sends for a bucket of `numel` elements.");
   m.def("comm_hook_name", [](const CommHook& hook) { return hook.name(); });
   // For other extensions: fastddp::register_comm_hook_factory without linking to us.
   m.attr("_comm_hook_registrar") = py::capsule(

@@ -11,6 +11,7 @@ Built-ins run in C++ (no Python per bucket)::
     model.register_comm_hook(None, fastddp.hooks.powersgd(matrix_approximation_rank=2,
                                                           start_powerSGD_iter=10))
     model.register_comm_hook(None, fastddp.hooks.batched_powersgd(start_powerSGD_iter=10))
+    model.register_comm_hook(None, fastddp.hooks.hierarchical(inter=fastddp.hooks.bf16()))
 
 torch's own hook functions are recognized and run by the same C++ code:
 ``default_hooks.allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``, and
@@ -32,12 +33,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fastddp import _C
+from fastddp import _C, _hierarchical
 from fastddp._powersgd_args import options_from_state, powersgd_options
 from fastddp.auto import AutoHook
 
 __all__ = ["AutoHook", "CommHook", "allreduce", "auto", "batched_powersgd", "bf16", "fp16",
-           "fp8", "from_registry", "int8", "native_torch_hooks", "powersgd"]
+           "fp8", "from_registry", "hierarchical", "hierarchical_groups", "int8",
+           "native_torch_hooks", "powersgd"]
 
 _WRAPPERS = {
     "fp16_compress_wrapper.<locals>.fp16_compress_wrapper_hook": "fp16",
@@ -221,6 +223,94 @@ def batched_powersgd(matrix_approximation_rank: int = 1, start_powerSGD_iter: in
         "fastddp.hooks.batched_powersgd", matrix_approximation_rank, start_powerSGD_iter,
         min_compression_rate, use_error_feedback, warm_start, orthogonalization_epsilon,
         random_seed, batch_tensors_with_same_shape, compression_stats_logging_frequency))
+
+
+class HierarchicalHook(CommHook):
+    """:func:`hierarchical`'s hook: the C++ HierarchicalHook over two groups it makes (or is
+    given) for the model's process group, with `inter` built on the inter-node group."""
+
+    def __init__(self, inter: CommHook, mesh: Any = None, local_size: int | None = None,
+                 groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None):
+        super().__init__("hierarchical")
+        self.inter = inter
+        self.mesh = mesh
+        self.local_size = local_size
+        self.groups = groups
+        # id(model group) -> (model group, intra, inter): groups are made once per model group.
+        self._made: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+    def __repr__(self) -> str:
+        where = (f"mesh={self.mesh!r}" if self.mesh is not None else "groups=..."
+                 if self.groups is not None else f"local_size={self.local_size}")
+        return f"fastddp.hooks.hierarchical(inter={self.inter!r}, {where})"
+
+    def node_groups(self, process_group: dist.ProcessGroup
+                    ) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """(intra, inter) for a model over `process_group`; made on first use (a collective
+        call: every rank registers the hook, as every rank registers any hook)."""
+        made = self._made.get(id(process_group))
+        if made is not None:
+            return made[1], made[2]
+        where = repr(self)
+        if self.groups is not None:
+            intra, inter = self.groups
+            _hierarchical.check_groups(intra, inter, process_group, where)
+        elif self.mesh is not None:
+            intra, inter = _hierarchical.groups_from_mesh(self.mesh, process_group, where)
+        else:
+            local = (self.local_size if self.local_size is not None
+                     else _hierarchical.local_size_from_env(where))
+            intra, inter = _hierarchical.groups_from_local_size(local, process_group, where)
+        self._made[id(process_group)] = (process_group, intra, inter)
+        return intra, inter
+
+    def native(self, process_group: dist.ProcessGroup) -> "_C.CommHook":
+        intra, inter = self.node_groups(process_group)
+        return _C.create_hierarchical_comm_hook(intra, inter, self.inter.native(inter))
+
+
+def hierarchical(inter: CommHook | None = None, mesh: Any = None, local_size: int | None = None,
+                 groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
+                 ) -> HierarchicalHook:
+    """Hierarchical reduction for multi-node jobs (Note [hierarchical reduction] in
+    csrc/hooks/hierarchical.h): per bucket, a float reduce-scatter inside the node, the
+    inter-node reduction of this rank's shard through `inter` (any fastddp built-in or
+    registry hook: ``allreduce()``, ``bf16()``, ``bf16(accumulate="fp32")``, ...; default
+    ``bf16()``), then an allgather inside the node. Only 1/local_size of each bucket (times
+    `inter`'s compression) crosses the inter-node link per rank.
+
+    The nodes come from, in this order: ``groups=(intra_group, inter_group)``; a 2-D
+    ``mesh`` (``init_device_mesh(device, (nodes, local), mesh_dim_names=("node", "local"))``);
+    ``local_size`` ranks per node; torchrun's ``LOCAL_WORLD_SIZE``. Ranks are node-major.
+    Register with state None (the model's process group, which must span the world unless
+    `mesh` or `groups` are given).
+    """
+    where = "fastddp.hooks.hierarchical"
+    inter = bf16() if inter is None else inter
+    if not isinstance(inter, CommHook) or isinstance(inter, HierarchicalHook):
+        raise TypeError(f"{where}: inter must be a fastddp.hooks built-in such as "
+                        f"fastddp.hooks.bf16(), got {inter!r}")
+    if sum(x is not None for x in (mesh, local_size, groups)) > 1:
+        raise ValueError(f"{where}: give at most one of mesh=, local_size= and groups=")
+    if mesh is not None:
+        _hierarchical.check_mesh(mesh, where)
+    if local_size is not None:
+        _hierarchical.check_local_size(local_size, where)
+    if groups is not None and (not isinstance(groups, (tuple, list)) or len(groups) != 2):
+        raise TypeError(f"{where}: groups must be (intra_group, inter_group)")
+    return HierarchicalHook(inter, mesh=mesh, local_size=local_size,
+                            groups=None if groups is None else tuple(groups))
+
+
+def hierarchical_groups(local_size: int | None = None, process_group: dist.ProcessGroup | None
+                        = None) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(intra, inter) process groups for node-major ranks, `local_size` (default torchrun's
+    LOCAL_WORLD_SIZE) per node: for ``hierarchical(groups=...)``, e.g. wrapped in
+    EmulatedLinkGroup's. A collective call: every rank calls it, in the same order."""
+    where = "fastddp.hooks.hierarchical_groups"
+    group = process_group if process_group is not None else dist.group.WORLD
+    local = local_size if local_size is not None else _hierarchical.local_size_from_env(where)
+    return _hierarchical.groups_from_local_size(local, group, where)
 
 
 def auto(policy: str = "any", **settings: Any) -> AutoHook:

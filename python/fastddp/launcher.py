@@ -33,6 +33,9 @@ hooks (--hook):
                   with error feedback
   fp8[:FORMAT]    the same with fp8 codes; FORMAT: e4m3 (the default) or e5m2
   powersgd[:R]    PowerSGD low-rank compression of rank R (default: the hook's default)
+  hier[:INNER]    multi-node: reduce-scatter inside the node, INNER (none, bf16, bf16-fp32acc,
+                  fp16, ...; default bf16) on each rank's shard between nodes, allgather
+                  inside the node; nodes of LOCAL_WORLD_SIZE ranks (torchrun's --nproc-per-node)
   auto[:POLICY]   fastddp measures the first steps (7 to about 55), tries the configurations
                   its cost model ranks best, keeps the fastest and says so (rank 0, one line).
                   POLICY: lossless (allreduce, bucket sizes), bf16 (also 16-bit wires) or
@@ -65,7 +68,9 @@ examples:
   torchrun --nproc_per_node=4 -m fastddp --emulate-link 3GB/s,20us --report train.py
   python -m fastddp --report -- train.py --lr 0.1
   torchrun --nproc_per_node=4 -m fastddp --advise --advise-out runs/ train.py
-  torchrun --nproc_per_node=8 -m fastddp --hook auto:bf16 train.py"""
+  torchrun --nproc_per_node=8 -m fastddp --hook auto:bf16 train.py
+  torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
+      -m fastddp --hook hier:bf16 train.py"""
 
 # Launcher options that consume the next token; needed to find where the script path is.
 _VALUE_OPTIONS = ("--hook", "--bucket-cap-mb", "--emulate-link", "--advise-out")

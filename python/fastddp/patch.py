@@ -32,8 +32,11 @@ from fastddp.ddp import DistributedDataParallel as FastDDP
 from fastddp.link import Link
 from fastddp.report import format_comm_stats
 
-HOOK_NAMES = ("allreduce", "fp16", "bf16", "bf16-fp32acc", "int8", "fp8", "powersgd", "auto")
+HOOK_NAMES = ("allreduce", "fp16", "bf16", "bf16-fp32acc", "int8", "fp8", "powersgd", "auto",
+              "hier")
 FP8_FORMATS = ("e4m3", "e5m2")
+# hier:INNER's inner hook: any fixed hook of HOOK_NAMES, and "none" for plain allreduce.
+_HIER_NOT_INNER = ("auto", "hier")
 _PATCHED_NAMES = (
     "torch.nn.parallel.DistributedDataParallel",
     "torch.nn.parallel.distributed.DistributedDataParallel",
@@ -57,8 +60,11 @@ class HookSpec:
     rank: int | None = None  # PowerSGD's matrix approximation rank; None: the hook's default
     policy: str | None = None  # auto's policy (fastddp/auto.py)
     format: str | None = None  # fp8's format (e4m3, e5m2); None: the hook's default
+    inner: "HookSpec | None" = None  # hier's inter-node hook
 
     def __str__(self) -> str:
+        if self.inner is not None:
+            return f"{self.name}:{self.inner}"
         if self.policy is not None:
             return f"{self.name}:{self.policy}"
         if self.format is not None:
@@ -72,7 +78,7 @@ def parse_hook_spec(text: str, option: str = "--hook") -> HookSpec:
     if name not in HOOK_NAMES:
         raise ValueError(f"{option} {text!r}: unknown hook {name!r}; choose one of "
                          f"{', '.join(HOOK_NAMES)} (powersgd takes an optional :RANK, fp8 "
-                         f"an optional :FORMAT)")
+                         "an optional :FORMAT, hier an optional :INNER)")
     if name == "auto":
         from fastddp.auto import POLICIES
 
@@ -81,6 +87,8 @@ def parse_hook_spec(text: str, option: str = "--hook") -> HookSpec:
             raise ValueError(f"{option} {text!r}: auto's policy must be one of "
                              f"{', '.join(POLICIES)} (auto:POLICY)")
         return HookSpec(name, policy=policy)
+    if name == "hier":
+        return _parse_hier(text, rank_text if sep else "bf16", option)
     if not sep:
         return HookSpec(name)
     if name == "fp8":
@@ -93,6 +101,21 @@ def parse_hook_spec(text: str, option: str = "--hook") -> HookSpec:
     if not rank_text.isdigit() or int(rank_text) < 1:
         raise ValueError(f"{option} {text!r}: the PowerSGD rank must be a positive integer")
     return HookSpec(name, int(rank_text))
+
+
+def _parse_hier(text: str, inner_text: str, option: str) -> HookSpec:
+    """``hier:INNER``: hierarchical reduction with INNER between nodes (default bf16)."""
+    if inner_text == "none":
+        inner_text = "allreduce"
+    try:
+        inner = parse_hook_spec(inner_text, option)
+    except ValueError as e:
+        raise ValueError(f"{option} {text!r}: hier's inter-node hook {inner_text!r} is not a "
+                         f"hook ({e}); use hier:none, hier:bf16, hier:bf16-fp32acc, ...") from e
+    if inner.name in _HIER_NOT_INNER:
+        raise ValueError(f"{option} {text!r}: hier's inter-node hook must be a fixed hook, "
+                         f"not {inner.name}")
+    return HookSpec("hier", inner=inner)
 
 
 def fastddp_hook(spec: HookSpec, option: str = "--hook") -> tuple[Any, Any]:
@@ -114,6 +137,14 @@ def _fastddp_hook_maker(spec: HookSpec, option: str) -> Callable[[], tuple[Any, 
         raise HookUnavailableError(
             f"{option} {spec}: this fastddp build has no communication hooks (fastddp.hooks "
             "is missing); run without the option, or with FASTDDP_DISABLE=1 for torch's") from e
+    if spec.name == "hier":
+        inner_maker = _fastddp_hook_maker(spec.inner, option)
+        factory = getattr(hooks, "hierarchical", None)
+        if factory is None:
+            raise HookUnavailableError(
+                f"{option} {spec}: fastddp.hooks.hierarchical() is not available in this build")
+        # LOCAL_WORLD_SIZE and the groups are read when the hook is made and registered.
+        return lambda: (None, factory(inter=inner_maker()[1]))
     factory_name = "bf16" if spec.name == "bf16-fp32acc" else spec.name
     factory = getattr(hooks, factory_name, None)
     if factory is None:
@@ -151,6 +182,10 @@ def torch_hook(spec: HookSpec, option: str = "--hook") -> tuple[Any, Any]:
         state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=spec.rank or 1, start_powerSGD_iter=2)
         return state, powerSGD_hook.powerSGD_hook
+    if spec.name == "hier":
+        raise HookUnavailableError(
+            f"{option} {spec}: stock torch DDP (FASTDDP_DISABLE=1) has no hierarchical "
+            "reduction; run without FASTDDP_DISABLE, or give torch --hook " + str(spec.inner))
     if spec.name == "auto":
         raise HookUnavailableError(
             f"{option} {spec}: stock torch DDP (FASTDDP_DISABLE=1) cannot tune its hook; run "

@@ -42,6 +42,9 @@ def make_hook(spec: str) -> tuple[object, object]:
             return None, getattr(dh, f"{name}")(dh.allreduce_hook)
         return None, getattr(dh, name)
     parts = spec.removeprefix("fastddp.").split("_")
+    if parts[0] == "hier":  # "fastddp.hier_<inner spec>": 2 ranks per node
+        inner = make_hook("fastddp." + "_".join(parts[1:]))[1]
+        return None, fastddp.hooks.hierarchical(inter=inner, local_size=2)
     options = {}
     if "fp32" in parts:
         options["accumulate"] = "fp32"
