@@ -1,7 +1,8 @@
-"""Throughput of fastddp's kernels against plain torch: half casts and PowerSGD orthogonalization.
+"""Throughput of fastddp's kernels against plain torch: half casts, 8-bit block quantization
+and PowerSGD orthogonalization.
 
     python benchmarks/kernels.py [--device cpu|cuda] [--threads N] [--sizes 1e6,16e6]
-                                 [--kernels half,ortho]
+                                 [--kernels half,quant8,ortho]
 
 compress:   float32 grad -> bf16(grad * 1/world)   fastddp: one pass; torch: mul, then cast
 compress+ef: the same with error feedback          torch: v = x*s + r; c = v.to(bf16); r = v - c
@@ -11,6 +12,12 @@ sum_shards: 4 bf16 shards -> bf16(float32 sum)     torch: float adds, then .to(b
 Bytes moved count what the fused kernel must read and write (e.g. 6 B/element for
 compress), for both columns, so the GB/s are comparable. On CUDA the last column is the
 fraction of the GPU's HBM bandwidth (nominal, from the device name).
+
+quant8: the int8 / fp8 hooks' kernels (Note [8-bit wire formats]), blocks of 256:
+quantize (5 B/element: read float32, write the code; scales are 1/64 B), quantize+err
+(9 B: also the error-feedback error), dequantize (5 B), against the same in torch ops
+(per-block amax, divide, round or fp8 cast, and back) and, for scale, torch's bf16 cast
+x.to(bfloat16) (6 B). Both sides allocate their outputs here.
 
 ortho: PowerSGD's orthogonalization of a batch of (n, r) P matrices in place, fastddp's
 fused kernel (_C.fused_orthogonalize) against torch's powerSGD_hook._orthogonalize
@@ -101,6 +108,45 @@ def half_table(device: str, sizes: str, reps: int, peak: float | None) -> None:
             print(row)
 
 
+def torch_quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks = x.view(-1, 256)
+    scale = blocks.abs().amax(dim=1) / {"int8": 127.0, "e4m3": 448.0, "e5m2": 57344.0}[fmt]
+    v = blocks / torch.where(scale > 0, scale, 1.0)[:, None]
+    if fmt == "int8":
+        return torch.round(v).to(torch.int8), scale
+    return v.to(torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2), scale
+
+
+def quant8_table(device: str, sizes: str, reps: int) -> None:
+    print("\n| kernel | elements | fastddp GB/s | torch ops GB/s | speed-up |")
+    print("|---|---:|---:|---:|---:|")
+    for size in sizes.split(","):
+        n = int(float(size)) // 256 * 256
+        x = torch.randn(n, device=device)
+        t_bf16 = timed(lambda: x.to(torch.bfloat16), device, reps)
+        print(f"| torch x.to(bfloat16) | {n:,} | {6 * n / t_bf16 / 1e9:.1f} | | |")
+        for fmt in ("int8", "e4m3", "e5m2"):
+            codes, scales = _C._quantize8(x, fmt)
+            tq, ts = torch_quantize(x, fmt)
+
+            def torch_error(fmt: str = fmt) -> torch.Tensor:
+                q, s = torch_quantize(x, fmt)
+                return x - (q.float().view(-1, 256) * s[:, None]).view(-1)
+
+            rows = [
+                ("quantize", 5 * n, lambda fmt=fmt: _C._quantize8(x, fmt),
+                 lambda fmt=fmt: torch_quantize(x, fmt)),
+                ("quantize+err", 9 * n, lambda fmt=fmt: _C._quantize8(x, fmt, error=True),
+                 torch_error),
+                ("dequantize", 5 * n, lambda c=codes, s=scales, fmt=fmt: _C._dequantize8(c, s, fmt),
+                 lambda q=tq, s=ts: (q.float().view(-1, 256) * s[:, None]).view(-1)),
+            ]
+            for name, n_bytes, ours, theirs in rows:
+                t_ours, t_theirs = timed(ours, device, reps), timed(theirs, device, reps)
+                print(f"| {name} {fmt} | {n:,} | {n_bytes / t_ours / 1e9:.1f} | "
+                      f"{n_bytes / t_theirs / 1e9:.1f} | {t_theirs / t_ours:.2f}x |")
+
+
 # (batch, n): 24 matrices of ViT-Base's 1024-row or ViT-Large's 4096-row gradients.
 ORTHO_SHAPES = [(24, 1024), (24, 4096)]
 ORTHO_RANKS = [1, 2, 4, 8]
@@ -129,7 +175,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     parser.add_argument("--sizes", default="1e6,16e6", help="elements per buffer")
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--kernels", default="half,ortho", help="which tables: half, ortho")
+    parser.add_argument("--kernels", default="half,quant8,ortho",
+                        help="which tables: half, quant8, ortho")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -145,6 +192,8 @@ def main() -> None:
     kernels = set(args.kernels.split(","))
     if "half" in kernels:
         half_table(device, args.sizes, args.reps, peak)
+    if "quant8" in kernels:
+        quant8_table(device, args.sizes, args.reps)
     if "ortho" in kernels:
         ortho_table(device, args.reps)
 

@@ -26,7 +26,8 @@ namespace {
 class HookRunner {
  public:
   HookRunner(std::shared_ptr<CommHook> hook, const std::vector<at::Tensor>& grads,
-             int64_t bucket_cap_bytes, const c10::intrusive_ptr<c10d::ProcessGroup>& group)
+             int64_t bucket_cap_bytes, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+             int64_t align_bytes = 0)
       : hook_(std::move(hook)), world_size_(group->getSize()) {
     TORCH_CHECK(hook_, "fastddp HookRunner: hook is None");
     TORCH_CHECK(!grads.empty(), "fastddp HookRunner: no gradients");
@@ -42,7 +43,7 @@ class HookRunner {
     // plan_buckets sorts by smallest (reversed) index: the last gradients come first.
     plan_ = plan.buckets;
     for (const at::Tensor& g : grads) shapes_.push_back(g.sizes().vec());
-    buckets_ = make_buckets(grads, plan_, {});
+    buckets_ = make_buckets(grads, plan_, {}, align_bytes);
     hook_->on_new_buckets(buckets_);
   }
 
@@ -108,9 +109,9 @@ void bind_hook_runner(py::module& m) {
                                                       "A comm hook run on given gradients: "
                                                       "buckets as the reducer's, no model.")
       .def(py::init<std::shared_ptr<CommHook>, Tensors, int64_t,
-                    c10::intrusive_ptr<c10d::ProcessGroup>>(),
+                    c10::intrusive_ptr<c10d::ProcessGroup>, int64_t>(),
            py::arg("hook"), py::arg("grads"), py::arg("bucket_cap_bytes"),
-           py::arg("process_group"))
+           py::arg("process_group"), py::arg("align_bytes") = 0)
       // Released: the hook's futures complete on the process group's threads,
       // and Python callbacks (torch's hooks) need the GIL there.
       .def("run", &HookRunner::run, py::arg("grads"), py::arg("serialize") = false,

@@ -14,6 +14,7 @@
 #include "../hooks/hierarchical.h"
 #include "../hooks/orthogonalize.h"
 #include "../hooks/powersgd_plan.h"
+#include "../hooks/quant8_ops.h"
 #include "../hooks/registry.h"
 #include "python_hook.h"
 
@@ -55,6 +56,31 @@ at::Tensor half_sum_shards(const at::Tensor& shards) {
   at::Tensor out = at::empty({shards.size(1)}, shards.options());
   half_sum_shards_into(half_kind_of(shards.scalar_type()), shards.contiguous(), shards.size(0),
                        out);
+  return out;
+}
+
+// (codes, scales[, error]) of a float32 tensor, for tests and benchmarks.
+py::tuple quantize8(const at::Tensor& src, const std::string& format, int64_t block, bool error) {
+  const Quant8Format f = quant8_format_from_name(format, "format");
+  TORCH_CHECK(block > 0, "fastddp quant8: block must be positive, got ", block);
+  const at::Tensor flat = src.contiguous().view(-1);
+  at::Tensor codes = at::empty({flat.numel()}, flat.options().dtype(at::kByte));
+  at::Tensor scales =
+      at::empty({quant8_num_blocks(flat.numel(), block)}, flat.options().dtype(at::kFloat));
+  if (!error) {
+    quantize8_into(f, flat, block, codes, scales, nullptr);
+    return py::make_tuple(codes, scales);
+  }
+  at::Tensor err = at::empty_like(flat);
+  quantize8_into(f, flat, block, codes, scales, &err);
+  return py::make_tuple(codes, scales, err);
+}
+
+at::Tensor dequantize8(const at::Tensor& codes, const at::Tensor& scales,
+                       const std::string& format, int64_t block) {
+  at::Tensor out = at::empty({codes.numel()}, codes.options().dtype(at::kFloat));
+  dequantize8_into(quant8_format_from_name(format, "format"), codes.contiguous().view(-1),
+                   scales.contiguous().view(-1), block, out);
   return out;
 }
 
@@ -104,6 +130,12 @@ void bind_hooks(py::module& m) {
   m.def("half_decompress_into", &half_decompress_into, py::arg("srcs"), py::arg("dsts"),
         "Many 16-bit -> float32 casts in one call (one launch on CUDA).");
   m.def("half_sum_shards", &half_sum_shards, py::arg("shards"));
+  m.def("_quantize8", &quantize8, py::arg("src"), py::arg("format"), py::arg("block") = 256,
+        py::arg("error") = false,
+        "Block-scaled 8-bit codes (uint8) and float32 scales of src (format 'int8', 'e4m3' or "
+        "'e5m2'; Note [8-bit wire formats]); with error=True also src - dequantized.");
+  m.def("_dequantize8", &dequantize8, py::arg("codes"), py::arg("scales"), py::arg("format"),
+        py::arg("block") = 256, "float32 values of 8-bit codes and their block scales.");
 
   m.def(
       "powersgd_orthogonalize",

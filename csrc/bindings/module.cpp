@@ -6,14 +6,8 @@
 
 #include "../core/bucket_plan.h"
 #include "../hooks/allreduce.h"
-#include "../kernels/multi_tensor_copy.h"
 #include "../reducer/comm_hook.h"
 #include "../reducer/reducer.h"
-
-#if defined(FASTDDP_WITH_CUDA)
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#endif
 
 namespace py = pybind11;
 
@@ -51,35 +45,6 @@ py::tuple compute_bucket_assignment_by_size(const std::vector<at::Tensor>& tenso
   return py::make_tuple(plan.buckets, plan.size_limits);
 }
 
-// A test and benchmark entry point for the write-back kernel.
-void multi_tensor_copy(const std::vector<at::Tensor>& srcs, const std::vector<at::Tensor>& dsts) {
-#if defined(FASTDDP_WITH_CUDA)
-  TORCH_CHECK(srcs.size() == dsts.size(), "fastddp: ", srcs.size(), " sources for ", dsts.size(),
-              " destinations");
-  std::vector<kernels::CopyRange> ranges;
-  for (size_t i = 0; i < srcs.size(); ++i) {
-    const at::Tensor& s = srcs[i];
-    const at::Tensor& d = dsts[i];
-    TORCH_CHECK(s.is_cuda() && d.is_cuda() && s.device() == d.device() &&
-                    s.device() == srcs.front().device(),
-                "fastddp: multi_tensor_copy pair ", i, " is not on one CUDA device");
-    TORCH_CHECK(s.is_contiguous() && d.is_contiguous() && s.scalar_type() == d.scalar_type() &&
-                    s.numel() == d.numel(),
-                "fastddp: multi_tensor_copy pair ", i,
-                " must be contiguous tensors of one dtype and size");
-    ranges.push_back({s.data_ptr(), d.data_ptr(), s.numel() * static_cast<int64_t>(s.element_size())});
-  }
-  if (ranges.empty()) return;
-  const c10::cuda::CUDAGuard guard(srcs.front().device());
-  kernels::multi_tensor_copy_cuda(ranges.data(), static_cast<int64_t>(ranges.size()),
-                                  c10::cuda::getCurrentCUDAStream().stream());
-#else
-  (void)srcs;
-  (void)dsts;
-  TORCH_CHECK_NOT_IMPLEMENTED(false, "fastddp was built without CUDA: multi_tensor_copy needs it");
-#endif
-}
-
 using nogil = py::call_guard<py::gil_scoped_release>;
 
 py::dict comm_stats_dict(const Reducer& reducer) {
@@ -115,7 +80,9 @@ py::dict comm_stats_dict(const Reducer& reducer) {
   out["bytes_sent"] = sent;
   out["compression_ratio"] = sent > 0 ? static_cast<double>(reduced) / static_cast<double>(sent) : 1.0;
   out["exposed_comm_ms"] = stats.exposed_us / 1e3;
-  out["mean_exposed_comm_ms"] = stats.steps > 0 ? stats.total_exposed_us / 1e3 / stats.steps : 0.0;
+  out["mean_exposed_comm_ms"] =
+      stats.timed_steps > 0 ? stats.total_exposed_us / 1e3 / static_cast<double>(stats.timed_steps)
+                            : 0.0;
   out["buckets"] = buckets;
   return out;
 }
@@ -151,7 +118,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("tensors"), py::arg("size_limits"),
         py::arg("expect_sparse_gradient") = std::vector<bool>{},
         py::arg("tensor_indices") = std::vector<int64_t>{});
-  m.def("multi_tensor_copy", &fastddp::multi_tensor_copy, py::arg("srcs"), py::arg("dsts"));
 
   py::class_<fastddp::CommHook, std::shared_ptr<fastddp::CommHook>>(m, "CommHook")
       .def_property_readonly("name", &fastddp::CommHook::name);
@@ -171,7 +137,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        std::shared_ptr<fastddp::CommHook> hook, bool gradient_as_bucket_view,
                        bool find_unused_parameters, bool static_graph,
                        std::vector<size_t> rebuild_limits, std::vector<bool> expect_sparse,
-                       bool check_for_nan_in_grad) {
+                       bool check_for_nan_in_grad, int64_t align_bytes) {
              ReducerOptions options;
              options.gradient_as_bucket_view = gradient_as_bucket_view;
              options.find_unused_parameters = find_unused_parameters;
@@ -179,6 +145,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              options.rebuild_limits = std::move(rebuild_limits);
              options.expect_sparse = std::move(expect_sparse);
              options.check_for_nan_in_grad = check_for_nan_in_grad;
+             options.align_bytes = align_bytes;
              if (!hook) hook = std::make_shared<fastddp::AllreduceHook>(group);
              return std::make_shared<Reducer>(std::move(params), std::move(names), std::move(plan),
                                               std::move(group), std::move(hook), options);
@@ -188,7 +155,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("find_unused_parameters") = false, py::arg("static_graph") = false,
            py::arg("rebuild_limits") = std::vector<size_t>{1024 * 1024, 25 * 1024 * 1024},
            py::arg("expect_sparse") = std::vector<bool>{},
-           py::arg("check_for_nan_in_grad") = false)
+           py::arg("check_for_nan_in_grad") = false, py::arg("align_bytes") = 0)
       // Every method that takes the reducer's lock releases the GIL first: the
       // autograd thread holds that lock while a Python comm hook wants the GIL.
       .def("before_forward", &Reducer::before_forward, py::arg("sync"), nogil())

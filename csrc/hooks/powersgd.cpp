@@ -108,12 +108,16 @@ void PowerSGDHook::finish(Stage& base) {
   if (!plan.uncompressed.empty()) {
     at::Tensor head = stage.wire.narrow(0, 0, plan.uncompressed_numel);
     head.div_(world_size_);
+    // The reverse of start()'s cat_out: one multi-tensor copy (one launch on CUDA).
+    std::vector<at::Tensor> srcs, dsts;
     int64_t at_elem = 0;
     for (size_t k : plan.uncompressed) {
       const int64_t numel = state.numels[k];
-      stage.input.narrow(0, state.offsets[k], numel).copy_(head.narrow(0, at_elem, numel));
+      dsts.push_back(stage.input.narrow(0, state.offsets[k], numel));
+      srcs.push_back(head.narrow(0, at_elem, numel));
       at_elem += numel;
     }
+    at::_foreach_copy_(dsts, srcs);
   }
   PowerSGDWork& work = stage.work;
   for (at::Tensor& p : work.p_groups) powersgd_orthogonalize(p, options_.orthogonalization_epsilon);

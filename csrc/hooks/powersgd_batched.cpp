@@ -47,7 +47,7 @@ BatchedPowerSGDHook::BatchedPowerSGDHook(c10::intrusive_ptr<c10d::ProcessGroup> 
 
 int64_t BatchedPowerSGDHook::wire_bytes(const Bucket& bucket) const {
   if (iter_.load() < options_.start_powerSGD_iter) return bucket.bytes();
-  return 2 * batched_powersgd_side(bucket.flat.numel()) * options_.matrix_approximation_rank *
+  return 2 * batched_powersgd_side(bucket.payload_numel()) * options_.matrix_approximation_rank *
          static_cast<int64_t>(bucket.flat.element_size());
 }
 
@@ -78,7 +78,7 @@ std::shared_ptr<PipelinedHook::Stage> BatchedPowerSGDHook::start(
                       iter_.load());
   }
 
-  state.padded.narrow(0, 0, state.numel).copy_(bucket.flat);
+  pack_slots(state.flat_offsets, state.numels, bucket.flat, state.padded);
   state.padded.narrow(0, state.numel, state.side * state.side - state.numel).zero_();
   if (options_.use_error_feedback) {
     state.padded.add_(state.error);  // zeros on the first compressed step, as torch's
@@ -123,7 +123,7 @@ void BatchedPowerSGDHook::finish(Stage& base) {
                    } else {
                      lowrank_expand(state->p.unsqueeze(0), state->q.unsqueeze(0), m);
                    }
-                   flat.copy_(state->padded.narrow(0, 0, state->numel));
+                   unpack_slots(state->flat_offsets, state->numels, state->padded, flat);
                    // Run on the collective's stream (Note [hook streams]).
                    record_current_stream({state->padded, state->p, state->q, state->error,
                                           input_copy, flat});

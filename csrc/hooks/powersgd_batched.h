@@ -5,7 +5,9 @@
 // Per step, for every bucket (torch's algorithm, step for step):
 //   iter < start_iter: divide by the world size, one allreduce (torch's
 //     vanilla phase); the iteration counter moves on the last bucket.
-//   otherwise, with numel the bucket's size and side = ceil(sqrt(numel)):
+//   otherwise, with numel the bucket's size (its parameters' elements: an
+//     aligned bucket's padding is left out, Note [aligned flat buffer]) and
+//     side = ceil(sqrt(numel)):
 //     M = the flat gradient (unscaled) zero-padded to side * side, viewed as
 //       (side, side), in a work buffer of the hook (torch resizes the
 //       bucket's buffer, which ours cannot be);
@@ -70,7 +72,9 @@ class BatchedPowerSGDHook : public PowerSGDBase {
 
  private:
   struct BucketState {
-    std::vector<int64_t> params, offsets, numels;  // the layout, to carry state per parameter
+    // The layout, to carry state per parameter: offsets in M (packed),
+    // flat_offsets in the bucket (padded when aligned).
+    std::vector<int64_t> params, offsets, flat_offsets, numels;
     int64_t numel = 0, side = 0;
     at::Tensor padded;  // M: the gradient zero-padded to side * side
     at::Tensor error;   // side * side, with use_error_feedback

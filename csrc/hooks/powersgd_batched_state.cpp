@@ -16,9 +16,13 @@ std::shared_ptr<BatchedPowerSGDHook::BucketState> BatchedPowerSGDHook::bucket_st
   slot = std::make_shared<BucketState>();
   BucketState& s = *slot;
   s.params.assign(bucket.params.begin(), bucket.params.end());
-  s.offsets = bucket.offsets;
+  s.flat_offsets = bucket.offsets;
   s.numels = bucket.numels;
-  s.numel = bucket.flat.numel();
+  s.numel = 0;
+  for (int64_t n : s.numels) {
+    s.offsets.push_back(s.numel);
+    s.numel += n;
+  }
   s.side = batched_powersgd_side(s.numel);
   const auto options = bucket.flat.options();
   s.padded = at::empty({s.side * s.side}, options);
@@ -95,7 +99,7 @@ void BatchedPowerSGDHook::on_new_buckets(const std::vector<Bucket>& buckets) {
     for (const Bucket& b : buckets) {
       same = same || (!b.params.empty() && !s.params.empty() &&
                       static_cast<int64_t>(b.params.front()) == s.params.front() &&
-                      b.flat.numel() == s.numel);
+                      b.payload_numel() == s.numel);
     }
     if (!same && !s.params.empty()) {
       carried_.bucket_qs.erase(s.params.front());

@@ -2,6 +2,12 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+
 namespace fastddp {
 
 TensorSpec spec_of(const at::Tensor& tensor, bool expect_sparse) {
@@ -16,6 +22,21 @@ TensorSpec spec_of(const at::Tensor& tensor, bool expect_sparse) {
 }
 
 int64_t Bucket::bytes() const { return flat.numel() * static_cast<int64_t>(flat.element_size()); }
+
+int64_t Bucket::payload_numel() const {
+  int64_t n = 0;
+  for (int64_t k : numels) n += k;
+  return n;
+}
+
+bool Bucket::padded() const {
+  int64_t next = 0;
+  for (size_t k = 0; k < numels.size(); ++k) {
+    if (offsets[k] != next) return true;
+    next += numels[k];
+  }
+  return next != flat.numel();
+}
 
 Bucket Bucket::zeros_like() const {
   Bucket copy;
@@ -34,10 +55,35 @@ Bucket Bucket::zeros_like() const {
   return copy;
 }
 
+namespace {
+
+int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+// Slot offsets of a dense bucket, and its length, with slots starting at
+// multiples of `align` elements.
+int64_t lay_out(Bucket& bucket, const std::vector<at::Tensor>& params, int64_t align) {
+  int64_t total = 0;
+  for (size_t index : bucket.params) {
+    total = round_up(total, align);
+    bucket.offsets.push_back(total);
+    bucket.numels.push_back(params[index].numel());
+    total += params[index].numel();
+  }
+  return round_up(total, align);
+}
+
+}  // namespace
+
 std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
                                  const std::vector<std::vector<size_t>>& plan,
-                                 const std::vector<bool>& sparse) {
+                                 const std::vector<bool>& sparse, int64_t align_bytes) {
+  TORCH_CHECK(align_bytes >= 0 && (align_bytes & (align_bytes - 1)) == 0,
+              "fastddp: the bucket alignment must be 0 or a power of two, got ", align_bytes);
   std::vector<Bucket> buckets(plan.size());
+  // Per (device, dtype): the dense buckets and each one's start in the buffer.
+  std::map<std::pair<std::string, c10::ScalarType>, std::vector<std::pair<size_t, int64_t>>>
+      groups;
+  std::map<std::pair<std::string, c10::ScalarType>, int64_t> group_numel;
   for (size_t b = 0; b < plan.size(); ++b) {
     Bucket& bucket = buckets[b];
     TORCH_CHECK(!plan[b].empty(), "fastddp: bucket ", b, " of the plan is empty");
@@ -54,29 +100,105 @@ std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
       bucket.views = {at::zeros({}, bucket.flat.options()).expand(first.sizes())};
       continue;
     }
-    int64_t total = 0;
     for (size_t index : plan[b]) {
       const at::Tensor& p = params.at(index);
       TORCH_CHECK(p.scalar_type() == first.scalar_type() && p.device() == first.device(),
                   "fastddp: bucket ", b, " mixes ", first.scalar_type(), " on ", first.device(),
                   " with ", p.scalar_type(), " on ", p.device(), " (parameter ", index, ")");
       bucket.params.push_back(index);
-      bucket.offsets.push_back(total);
-      bucket.numels.push_back(p.numel());
-      total += p.numel();
     }
-    bucket.flat = at::empty({total}, first.options().requires_grad(false));
-    for (size_t k = 0; k < bucket.params.size(); ++k) {
-      const at::Tensor& p = params[bucket.params[k]];
-      if (p.is_non_overlapping_and_dense()) {
-        bucket.views.push_back(bucket.flat.as_strided(p.sizes(), p.strides(), bucket.offsets[k]));
-      } else {
-        bucket.views.push_back(
-            bucket.flat.narrow(0, bucket.offsets[k], bucket.numels[k]).view(p.sizes()));
+    const int64_t esize = static_cast<int64_t>(first.element_size());
+    const int64_t align = std::max<int64_t>(1, align_bytes / esize);
+    const auto key = std::make_pair(first.device().str(), first.scalar_type());
+    int64_t& used = group_numel[key];
+    groups[key].emplace_back(b, used);
+    used += lay_out(bucket, params, align);
+  }
+  for (const auto& [key, members] : groups) {
+    const at::Tensor& like = params[buckets[members.front().first].params.front()];
+    const int64_t total = group_numel[key];
+    const auto options = like.options().requires_grad(false);
+    const int64_t esize = static_cast<int64_t>(like.element_size());
+    at::Tensor buffer;
+    if (align_bytes > esize) {
+      // Zeros: the padding is reduced with the slots, so it must be finite.
+      // Allocators align to 64 (CPU) or 512 (CUDA) bytes: room to align the start to more.
+      const int64_t spare = align_bytes / esize;
+      buffer = at::zeros({total + spare}, options);
+      const auto address = reinterpret_cast<uintptr_t>(buffer.data_ptr());
+      const int64_t shift = static_cast<int64_t>((align_bytes - address % align_bytes) %
+                                                 align_bytes) / esize;
+      buffer = buffer.narrow(0, shift, total);
+    } else {
+      buffer = at::empty({total}, options);
+    }
+    for (size_t m = 0; m < members.size(); ++m) {
+      const auto [b, start] = members[m];
+      const int64_t end = m + 1 < members.size() ? members[m + 1].second : total;
+      Bucket& bucket = buckets[b];
+      bucket.flat = buffer.narrow(0, start, end - start);
+      for (size_t k = 0; k < bucket.params.size(); ++k) {
+        const at::Tensor& p = params[bucket.params[k]];
+        if (p.is_non_overlapping_and_dense()) {
+          bucket.views.push_back(bucket.flat.as_strided(
+              p.sizes(), p.strides(), bucket.flat.storage_offset() + bucket.offsets[k]));
+        } else {
+          bucket.views.push_back(
+              bucket.flat.narrow(0, bucket.offsets[k], bucket.numels[k]).view(p.sizes()));
+        }
       }
     }
   }
   return buckets;
+}
+
+namespace {
+
+// Copies the slots at src_offsets of `src` to dst_offsets of `dst`.
+void copy_slots(const at::Tensor& src, const std::vector<int64_t>& src_offsets,
+                const at::Tensor& dst, const std::vector<int64_t>& dst_offsets,
+                const std::vector<int64_t>& numels) {
+  std::vector<at::Tensor> srcs, dsts;
+  for (size_t k = 0; k < numels.size(); ++k) {
+    if (numels[k] == 0) continue;
+    srcs.push_back(src.narrow(0, src_offsets[k], numels[k]));
+    dsts.push_back(dst.narrow(0, dst_offsets[k], numels[k]));
+  }
+  if (!dsts.empty()) at::_foreach_copy_(dsts, srcs);
+}
+
+std::vector<int64_t> packed_offsets(const std::vector<int64_t>& numels) {
+  std::vector<int64_t> offsets;
+  int64_t total = 0;
+  for (int64_t n : numels) {
+    offsets.push_back(total);
+    total += n;
+  }
+  return offsets;
+}
+
+}  // namespace
+
+void pack_slots(const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
+                const at::Tensor& flat, const at::Tensor& packed) {
+  const std::vector<int64_t> to = packed_offsets(numels);
+  if (to == offsets) {
+    const int64_t n = numels.empty() ? 0 : to.back() + numels.back();
+    packed.narrow(0, 0, n).copy_(flat.narrow(0, 0, n));
+    return;
+  }
+  copy_slots(flat, offsets, packed, to, numels);
+}
+
+void unpack_slots(const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
+                  const at::Tensor& packed, const at::Tensor& flat) {
+  const std::vector<int64_t> from = packed_offsets(numels);
+  if (from == offsets) {
+    const int64_t n = numels.empty() ? 0 : from.back() + numels.back();
+    flat.narrow(0, 0, n).copy_(packed.narrow(0, 0, n));
+    return;
+  }
+  copy_slots(packed, from, flat, offsets, numels);
 }
 
 }  // namespace fastddp

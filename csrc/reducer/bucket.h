@@ -13,8 +13,23 @@
 
 namespace fastddp {
 
+// Note [aligned flat buffer]
+// The dense buckets of one (device, dtype) are slices of one zero-filled
+// buffer, Megatron style, so that gradient_as_bucket_view puts every such
+// .grad in one allocation. With an alignment of A bytes (ReducerOptions::
+// align_bytes; 16 on CUDA by default, see fastddp/_options.py) every slot and
+// every bucket starts A-aligned: the slot is padded up to the next multiple of
+// A. Our CUDA kernels (casts, scaling, the non-finite check) and ATen's
+// multi-tensor copies take their 16-byte vector path only when every tensor
+// is aligned; a single parameter of odd size would otherwise drop a whole
+// bucket to scalar accesses. The padding stays zero: every built-in hook maps
+// zeros to zeros, and no slot's result reads it. Hooks that treat the bucket
+// as one matrix (batched PowerSGD) pack the slots first, so their numbers do
+// not depend on the padding. With A = 0 (the CPU default) slots are packed
+// back to back, torch's layout, and GradBucket.buffer() is torch's.
 struct Bucket {
-  // Contiguous buffer of the parameters' dtype, on their device.
+  // Contiguous buffer of the parameters' dtype, on their device: a slice of
+  // the (device, dtype) buffer, padding included.
   at::Tensor flat;
   // Parameter indices (into the reducer's parameter list), in buffer order.
   std::vector<size_t> params;
@@ -37,6 +52,10 @@ struct Bucket {
   c10::intrusive_ptr<c10::ivalue::Future> future;
 
   int64_t bytes() const;
+  // The parameters' elements, padding excluded.
+  int64_t payload_numel() const;
+  // Whether slots are not back to back from 0 to flat.numel() (padding).
+  bool padded() const;
   // The same layout over a fresh zero-filled buffer (join() shadows the
   // collectives with it, leaving this bucket's gradients alone).
   Bucket zeros_like() const;
@@ -45,11 +64,21 @@ struct Bucket {
 // What the planner needs to know of a tensor: its size, dtype and device.
 TensorSpec spec_of(const at::Tensor& tensor, bool expect_sparse);
 
-// Allocates the buckets of a plan over `params`. Every bucket must hold
-// parameters of a single dtype and device.
+// Allocates the buckets of a plan over `params` (Note [aligned flat buffer]).
+// Every bucket must hold parameters of a single dtype and device.
 // `sparse[i]`: parameter i gets sparse gradients (empty: none does).
+// `align_bytes`: 0 packs the slots; else a power of two that every slot's
+// start is rounded up to.
 std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
                                  const std::vector<std::vector<size_t>>& plan,
-                                 const std::vector<bool>& sparse);
+                                 const std::vector<bool>& sparse, int64_t align_bytes);
+
+// Slots (of `numels` elements at `offsets` of `flat`) back to back into
+// `packed`, or back: one multi-tensor copy (ATen's _foreach_copy_), or one
+// copy when the slots are packed already.
+void pack_slots(const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
+                const at::Tensor& flat, const at::Tensor& packed);
+void unpack_slots(const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
+                  const at::Tensor& packed, const at::Tensor& flat);
 
 }  // namespace fastddp

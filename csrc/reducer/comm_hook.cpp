@@ -12,8 +12,6 @@
 #if defined(FASTDDP_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-
-#include "../kernels/multi_tensor_copy.h"
 #endif
 
 namespace fastddp {
@@ -164,9 +162,11 @@ void copy_flat_to_grads(Bucket& bucket, const at::Tensor& flat, std::vector<at::
   // as the bucket was filled (torch's bucket_views_out): a channels_last
   // parameter's slice is laid out channels_last in any flat result.
   const at::Tensor result = in_place ? flat : flat.contiguous();
-#if defined(FASTDDP_WITH_CUDA)
-  std::vector<kernels::CopyRange> ranges;
-#endif
+  // One multi-tensor copy for the slots whose layouts match: a single launch
+  // on CUDA (ATen's _foreach_copy_, which replaced a copy kernel of ours that
+  // fused nothing), with 16-byte accesses when the buffer is aligned (Note
+  // [aligned flat buffer]). Mixed dtypes or layouts go through copy_.
+  std::vector<at::Tensor> srcs, grads;
   for (size_t k = 0; k < dsts.size(); ++k) {
     at::Tensor& dst = dsts[k];
     const at::Tensor& view = bucket.views[k];
@@ -175,24 +175,15 @@ void copy_flat_to_grads(Bucket& bucket, const at::Tensor& flat, std::vector<at::
         in_place ? view
                  : result.as_strided(view.sizes(), view.strides(),
                                      result.storage_offset() + bucket.offsets[k]);
-#if defined(FASTDDP_WITH_CUDA)
-    if (dst.is_cuda() && src.scalar_type() == dst.scalar_type() &&
-        dst.is_non_overlapping_and_dense() && src.is_non_overlapping_and_dense() &&
-        src.strides() == dst.strides()) {
-      ranges.push_back({src.data_ptr(), dst.data_ptr(),
-                        dst.numel() * static_cast<int64_t>(dst.element_size())});
-      continue;
+    if (src.scalar_type() == dst.scalar_type() && src.strides() == dst.strides() &&
+        dst.is_non_overlapping_and_dense()) {
+      srcs.push_back(src);
+      grads.push_back(dst);
+    } else {
+      dst.copy_(src);
     }
-#endif
-    dst.copy_(src);
   }
-#if defined(FASTDDP_WITH_CUDA)
-  if (!ranges.empty()) {
-    const c10::cuda::CUDAGuard guard(bucket.flat.device());
-    kernels::multi_tensor_copy_cuda(ranges.data(), static_cast<int64_t>(ranges.size()),
-                                    c10::cuda::getCurrentCUDAStream().stream());
-  }
-#endif
+  if (!grads.empty()) at::_foreach_copy_(grads, srcs);
 }
 
 }  // namespace fastddp

@@ -30,6 +30,10 @@ void DeviceTimeline::resize(size_t buckets) {
 
 void DeviceTimeline::mark_start() {
   if (!active_ || !start_) return;
+  if (complete_ && end_->query()) {  // the last backward is done on the device
+    total_exposed_us_ += exposed_since_start();
+    ++timed_steps_;
+  }
   complete_ = false;
   record(*start_);
 }
@@ -46,20 +50,26 @@ void DeviceTimeline::mark_end() {
   complete_ = true;
 }
 
+double DeviceTimeline::exposed_since_start() const {
+  double last_ready = 0;
+  for (size_t i = kReady; i < events_.size(); i += 3) {
+    last_ready = std::max(last_ready, start_->elapsedTime(*events_[i]) * 1e3);
+  }
+  return std::max(0.0, start_->elapsedTime(*end_) * 1e3 - last_ready);
+}
+
 bool DeviceTimeline::read(std::vector<BucketTiming>& timings, double& exposed_us) const {
   if (!active_ || !complete_) return false;
   end_->synchronize();  // comm_stats() runs between steps, not on the step path
   const size_t buckets = events_.size() / 3;
   timings.assign(buckets, BucketTiming{});
   auto since_start = [this](const c10::Event& e) { return start_->elapsedTime(e) * 1e3; };
-  double last_ready = 0;
   for (size_t b = 0; b < buckets; ++b) {
     timings[b].ready_us = since_start(*events_[3 * b + kReady]);
     timings[b].launched_us = since_start(*events_[3 * b + kLaunched]);
     timings[b].done_us = since_start(*events_[3 * b + kDone]);
-    last_ready = std::max(last_ready, timings[b].ready_us);
   }
-  exposed_us = std::max(0.0, since_start(*end_) - last_ready);
+  exposed_us = exposed_since_start();
   return true;
 }
 

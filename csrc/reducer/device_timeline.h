@@ -37,13 +37,23 @@ class DeviceTimeline {
   // ready -> grads final). False when no backward completed since a resize.
   bool read(std::vector<BucketTiming>& timings, double& exposed_us) const;
 
+  // Exposed time summed over the backwards whose events had completed when
+  // the next one started (harvested then, with a query: never a wait), and
+  // their count, for the mean. A backward the device had not finished by
+  // then is left out rather than waited for.
+  double total_exposed_us() const { return total_exposed_us_; }
+  int64_t timed_steps() const { return timed_steps_; }
+
  private:
   std::unique_ptr<c10::Event> make_event() const;
+  double exposed_since_start() const;  // the recorded backward's; its events complete
   void record(c10::Event& event) const;
 
   c10::Device device_;
   bool active_;
   bool complete_ = false;
+  double total_exposed_us_ = 0;
+  int64_t timed_steps_ = 0;
   std::unique_ptr<c10::Event> start_, end_;
   std::vector<std::unique_ptr<c10::Event>> events_;  // 3 per bucket, by Point
 };

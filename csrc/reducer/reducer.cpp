@@ -47,7 +47,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   if (options_.expect_sparse.empty()) options_.expect_sparse.assign(params_.size(), false);
   TORCH_CHECK(options_.expect_sparse.size() == params_.size(), "fastddp: expect_sparse has ",
               options_.expect_sparse.size(), " entries for ", params_.size(), " parameters");
-  buckets_ = make_buckets(params_, plan, options_.expect_sparse);
+  buckets_ = make_buckets(params_, plan, options_.expect_sparse, options_.align_bytes);
   check_hook_supports(*hook_);
   timeline_ = std::make_unique<DeviceTimeline>(params_[0].device());
   reset_bucket_views();

@@ -74,6 +74,9 @@ struct ReducerOptions {
   std::vector<size_t> rebuild_limits = {1024 * 1024, 25 * 1024 * 1024};
   // Raise on non-finite gradients, see Note [non-finite guard].
   bool check_for_nan_in_grad = false;
+  // Slot alignment of the flat buffers in bytes, 0: packed (Note [aligned
+  // flat buffer]).
+  int64_t align_bytes = 0;
 };
 
 // Timings of one bucket in the last synchronized backward, in microseconds
@@ -94,7 +97,8 @@ struct CommStats {
   std::vector<BucketTiming> timings;
   int64_t backward_start_ns = 0;  // last step's first gradient, steady clock (CLOCK_MONOTONIC)
   double exposed_us = 0;        // last step: last gradient ready -> grads final
-  double total_exposed_us = 0;  // over all steps
+  double total_exposed_us = 0;  // over timed_steps steps
+  int64_t timed_steps = 0;      // host clock: every step; device: see DeviceTimeline
 };
 
 class Reducer : public std::enable_shared_from_this<Reducer> {

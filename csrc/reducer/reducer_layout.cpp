@@ -16,7 +16,8 @@ void Reducer::rebuild_buckets() {
     specs.push_back(spec_of(params_[i], options_.expect_sparse[i]));
   }
   BucketPlan plan = plan_buckets_from_ready_order(specs, ready_order_, options_.rebuild_limits);
-  buckets_ = make_buckets(params_, broadcast_plan(plan.buckets), options_.expect_sparse);
+  buckets_ = make_buckets(params_, broadcast_plan(plan.buckets), options_.expect_sparse,
+                          options_.align_bytes);
   shadow_buckets_.clear();
   reset_bucket_views();
   // Armed already when a framework's prepare_for_backward came first.
@@ -120,6 +121,11 @@ CommStats Reducer::comm_stats() const {
   // On a GPU the device's clock (waits for the last step's end event: called
   // between steps, never on the step path).
   stats.device_clock = timeline_->read(stats.timings, stats.exposed_us);
+  stats.timed_steps = stats.steps;
+  if (stats.device_clock) {  // read() waited for the last step, not harvested yet
+    stats.total_exposed_us = timeline_->total_exposed_us() + stats.exposed_us;
+    stats.timed_steps = timeline_->timed_steps() + 1;
+  }
   return stats;
 }
 

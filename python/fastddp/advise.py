@@ -42,6 +42,7 @@ WARMUP_STEPS = 3
 MAX_SAMPLES = 10
 # Candidate (cost model name) -> the launcher's --hook spelling ("" = no --hook, the default).
 HOOK_SPELLING = {"allreduce_fp32": "", "bf16": "bf16", "bf16_fp32_accumulate": "bf16-fp32acc",
+                 "int8": "int8", "fp8": "fp8",
                  **{f"powersgd_r{r}": f"powersgd:{r}" for r in (1, 2, 4, 8)}}
 _MIB = 1024 * 1024
 _SCRATCH_NUMEL = 1 << 22  # kernels are timed on at most 16 MB of fp32
@@ -132,7 +133,8 @@ def kernel_costs(shapes: Sequence[tuple[int, ...]], device: str) -> dict[str, di
              "bf16": {"compress_ms_per_mb": cast, "writeback_ms_per_mb": upcast},
              "bf16_fp32_accumulate": {"compress_ms_per_mb": cast,
                                       "between_ms_per_mb": upcast + add,
-                                      "writeback_ms_per_mb": upcast}}
+                                      "writeback_ms_per_mb": upcast},
+             **{name: _quant8_costs(g, fmt, dev, mb) for name, fmt in _QUANT8_FORMATS.items()}}
     matrices = [s for s in shapes if len(s) > 1]
     rows, cols = max(((s[0], math.prod(s[1:])) for s in matrices), key=math.prod,
                      default=(1024, 1024))
@@ -154,10 +156,28 @@ def kernel_costs(shapes: Sequence[tuple[int, ...]], device: str) -> dict[str, di
     return costs
 
 
+_QUANT8_FORMATS = {"int8": "int8", "fp8": "e4m3"}  # candidate -> format (fp8's default)
+
+
+def _quant8_costs(g: torch.Tensor, fmt: str, dev: torch.device, mb: float) -> dict[str, float]:
+    """The 8-bit hooks' kernels: quantization (with its error, for error feedback) on the
+    compute path; between the collectives a dequantization, an add and a quantization per
+    shard (taken as the whole bucket's: n shards of 1/n); dequantization at write-back."""
+    from fastddp import _C
+
+    codes, scales = _C._quantize8(g, fmt)
+    quantize = _time_ms(lambda: _C._quantize8(g, fmt, error=True), dev) / mb
+    dequantize = _time_ms(lambda: _C._dequantize8(codes, scales, fmt), dev) / mb
+    plain = _time_ms(lambda: _C._quantize8(g, fmt), dev) / mb
+    return {"compress_ms_per_mb": quantize, "between_ms_per_mb": dequantize + plain,
+            "writeback_ms_per_mb": dequantize}
+
+
 def _candidates(costs: dict[str, dict[str, float]]) -> list[cost_model.Candidate]:
     return [cost_model.allreduce_fp32(**costs["allreduce_fp32"]),
             cost_model.bf16(**costs["bf16"]),
             cost_model.bf16_fp32_accumulate(**costs["bf16_fp32_accumulate"]),
+            *(cost_model.quant8(name, **costs[name]) for name in _QUANT8_FORMATS),
             *(cost_model.powersgd(r, **costs[f"powersgd_r{r}"]) for r in (1, 2, 4, 8))]
 
 
@@ -169,7 +189,10 @@ def current_candidate(hook_spec: Any, hook_name: str) -> str | None:
         return "allreduce_fp32"
     if hook_spec.name == "powersgd":
         return f"powersgd_r{hook_spec.rank or 1}"
-    return {"bf16": "bf16", "bf16-fp32acc": "bf16_fp32_accumulate"}.get(hook_spec.name)
+    if hook_spec.name == "fp8" and hook_spec.format not in (None, "e4m3"):
+        return None  # modelled as e4m3; e5m2 costs the same bytes
+    return {"bf16": "bf16", "bf16-fp32acc": "bf16_fp32_accumulate", "int8": "int8",
+            "fp8": "fp8"}.get(hook_spec.name)
 
 
 def cap_variant(cap_mb: float) -> str:

@@ -15,9 +15,10 @@ with gradients on, outside no_sync), from the model's own ``comm_stats()``. In o
    candidate's kernel cost (timed on scratch tensors) to the cost model
    (fastddp/cost_model.py, as ``--advise`` does) and ranks the policy's candidates:
    ``lossless`` plain allreduce at bucket caps x1/4, x1 and x4; ``bf16`` also bf16 on the
-   wire (summed in bf16, or in fp32); ``any`` also PowerSGD of rank 1, 2, 4 and 8. The
-   best predicted of each family (bucket sizes, 16-bit wires, PowerSGD) is tried if
-   predicted to beat the baseline by 2%; none on a compute-bound step.
+   wire (summed in bf16, or in fp32); ``any`` also 8-bit wires (int8, fp8 e4m3: block
+   scales, fp32 sums, error feedback) and PowerSGD of rank 1, 2, 4 and 8. The best
+   predicted of each family (bucket sizes, 16-bit wires, 8-bit wires, PowerSGD) is tried
+   if predicted to beat the baseline by 2%; none on a compute-bound step.
 3. **Trials.** Each runs for real, in two blocks of 4 measured steps, ordered A B .. Z Z .. B
    A with the baseline Z, so that load drifting over the trials biases none. A switch
    happens between two steps; the step after it is not measured (nor a rebuild's first
@@ -52,6 +53,7 @@ POLICIES = ("lossless", "bf16", "any")
 _MIB = 1024 * 1024
 _LOSSLESS = "allreduce_fp32"
 _BF16 = ("bf16", "bf16_fp32_accumulate")
+_QUANT8 = ("int8", "fp8")
 _POWERSGD = tuple(f"powersgd_r{r}" for r in (1, 2, 4, 8))
 _CAP_FACTORS = (0.25, 4.0)
 _POWERSGD_START_ITER = 2  # the least torch allows with error feedback
@@ -103,7 +105,7 @@ class AutoHook:
         if self.policy in ("bf16", "any"):
             names += _BF16
         if self.policy == "any":
-            names += _POWERSGD
+            names += _QUANT8 + _POWERSGD
         return names
 
 
@@ -112,7 +114,9 @@ def lossy(name: str) -> bool:
 
 
 def _family(name: str) -> str:
-    return "bucket size" if not lossy(name) else "bf16" if name in _BF16 else "powersgd"
+    if not lossy(name):
+        return "bucket size"
+    return "bf16" if name in _BF16 else "8-bit" if name in _QUANT8 else "powersgd"
 
 
 def hook_for(name: str) -> Any:
@@ -123,6 +127,10 @@ def hook_for(name: str) -> Any:
         return hooks.allreduce()
     if name in _BF16:
         return hooks.bf16(accumulate="fp32" if name == "bf16_fp32_accumulate" else "bf16")
+    if name == "int8":
+        return hooks.int8()
+    if name == "fp8":
+        return hooks.fp8()
     rank = int(name.removeprefix("powersgd_r"))
     return hooks.powersgd(matrix_approximation_rank=rank,
                           start_powerSGD_iter=_POWERSGD_START_ITER)

@@ -31,6 +31,9 @@ Wire bytes per bucket of S fp32 bytes (numel = S/4):
 - ``bf16``: one allreduce of S/2.
 - ``bf16_fp32_accumulate``: an alltoall of the 16-bit buffer padded to a multiple of n
   elements (W = 2 * n * ceil(numel/n)), then an allgather of the summed shards (W again).
+- ``int8`` / ``fp8``: the 8-bit hooks (Note [8-bit wire formats]): the bucket padded to a
+  multiple of n * 256 elements (P), one byte per element plus a float32 scale per 256
+  (W = P + 4 * P / 256), an alltoall of W, then an allgather of W.
 - ``powersgd(r)``: the bucket's tensors seen as matrices (shape[0] x the rest), each of
   rank ``k = min(r, rows, cols)``; one is compressed when ``(rows + cols) * k *
   min_compression_rate < rows * cols`` (torch's PowerSGD rule; 1-D tensors never are).
@@ -121,6 +124,28 @@ def bf16_fp32_accumulate(**costs: float) -> Candidate:
         wire = 2.0 * n * math.ceil(numel / n)
         return [("alltoall", wire), ("allgather", wire)]
     return Candidate("bf16_fp32_accumulate", chain, **costs)
+
+
+QUANT8_BLOCK = 256  # elements per float32 scale in the 8-bit wire formats
+
+
+def quant8_wire_bytes(numel: int, n: int) -> float:
+    """Bytes of one 8-bit hook collective for a bucket of ``numel`` elements on n ranks."""
+    unit = n * QUANT8_BLOCK
+    padded = math.ceil(numel / unit) * unit
+    return float(padded + 4 * padded // QUANT8_BLOCK)
+
+
+def quant8(name: str = "int8", **costs: float) -> Candidate:
+    """8-bit codes with block scales on the wire, summed in fp32 (the int8 and fp8 hooks):
+    an alltoall of the packed shards, an allgather of the re-quantized sums."""
+    if name not in ("int8", "fp8"):
+        raise ValueError(f"quant8: name must be 'int8' or 'fp8', got {name!r}")
+
+    def chain(bucket: Bucket, n: int) -> list[tuple[str, float]]:
+        wire = quant8_wire_bytes(math.ceil(bucket.fp32_bytes / 4), n)
+        return [("alltoall", wire), ("allgather", wire)]
+    return Candidate(name, chain, **costs)
 
 
 def powersgd(rank: int, min_compression_rate: float = 2.0, separate_uncompressed: bool = False,

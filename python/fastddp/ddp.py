@@ -23,7 +23,7 @@ from fastddp._introspection import bucket_sizes, comm_stats, logging_data
 from fastddp._join import _JoinHook, announce_backward_sync, sync_buffers
 from fastddp._module_sync import (broadcast_tensors, verify_bucket_layout,
                                   verify_param_shapes)
-from fastddp._options import world1_reducer_requested
+from fastddp._options import bucket_align_bytes, world1_reducer_requested
 from fastddp._reducer_proxy import ReducerProxy
 from fastddp.auto import AutoHook, AutoTuner
 
@@ -191,6 +191,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             rebuild_limits=self._bucket_limits[1],
             expect_sparse=self._expect_sparse,
             check_for_nan_in_grad=getattr(self, "check_for_nan_in_grad", False),
+            align_bytes=bucket_align_bytes(self._reducer_params[0].device
+                                           if self._reducer_params else torch.device("cpu")),
         )
         if not self._ddp_sink_clone:
             self._reducer.set_sink_clone(False)

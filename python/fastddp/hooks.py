@@ -5,6 +5,8 @@ Built-ins run in C++ (no Python per bucket)::
     model.register_comm_hook(None, fastddp.hooks.bf16())
     model.register_comm_hook(None, fastddp.hooks.bf16(accumulate="fp32", error_feedback=True))
     model.register_comm_hook(None, fastddp.hooks.fp16())
+    model.register_comm_hook(None, fastddp.hooks.int8())
+    model.register_comm_hook(None, fastddp.hooks.fp8(format="e5m2", error_feedback=False))
     model.register_comm_hook(None, fastddp.hooks.allreduce())
     model.register_comm_hook(None, fastddp.hooks.powersgd(matrix_approximation_rank=2,
                                                           start_powerSGD_iter=10))
@@ -36,8 +38,8 @@ from fastddp._powersgd_args import options_from_state, powersgd_options
 from fastddp.auto import AutoHook
 
 __all__ = ["AutoHook", "CommHook", "allreduce", "auto", "batched_powersgd", "bf16", "fp16",
-           "from_registry", "hierarchical", "hierarchical_groups", "native_torch_hooks",
-           "powersgd"]
+           "fp8", "from_registry", "hierarchical", "hierarchical_groups", "int8",
+           "native_torch_hooks", "powersgd"]
 
 _WRAPPERS = {
     "fp16_compress_wrapper.<locals>.fp16_compress_wrapper_hook": "fp16",
@@ -162,6 +164,28 @@ def bf16(accumulate: str = "bf16", error_feedback: bool = False) -> CommHook:
 def fp16(accumulate: str = "fp16", error_feedback: bool = False) -> CommHook:
     """FP16 gradient compression; options as :func:`bf16` (accumulate="fp16" or "fp32")."""
     return CommHook("fp16", **_half_options("fp16", accumulate, error_feedback))
+
+
+def int8(error_feedback: bool = True) -> CommHook:
+    """Int8 gradient compression with float32 accumulation (Note [8-bit wire formats] in
+    csrc/hooks/quant8_hook.h): symmetric int8 codes with one float32 scale per block of 256
+    values; an alltoall of the 8-bit shards, a float32 sum of each shard, an allgather of
+    the re-quantized sums: about 1/4 of float32's bytes on the wire, 1/2 of bf16's.
+    error_feedback=True (the default) adds each parameter's quantization error to its next
+    gradient. Float32 gradients only."""
+    return CommHook("int8", error_feedback=_bool_option("int8", "error_feedback",
+                                                        error_feedback))
+
+
+def fp8(format: str = "e4m3", error_feedback: bool = True) -> CommHook:  # noqa: A002
+    """FP8 gradient compression with float32 accumulation, as :func:`int8` but with fp8
+    codes: ``format="e4m3"`` (float8_e4m3fn: 3 mantissa bits, largest 448) or ``"e5m2"``
+    (2 mantissa bits, largest 57344), each block of 256 values scaled so its largest
+    magnitude maps to the format's largest finite value."""
+    if format not in ("e4m3", "e5m2"):
+        raise ValueError(f"fastddp.hooks.fp8: format must be 'e4m3' or 'e5m2', got {format!r}")
+    return CommHook("fp8", format=format,
+                    error_feedback=_bool_option("fp8", "error_feedback", error_feedback))
 
 
 def powersgd(matrix_approximation_rank: int = 1, start_powerSGD_iter: int = 1_000,
@@ -318,6 +342,13 @@ def _half_options(name: str, accumulate: str, error_feedback: bool) -> dict[str,
         raise TypeError(f"fastddp.hooks.{name}: error_feedback must be a bool, "
                         f"got {type(error_feedback).__name__}")
     return {"accumulate": accumulate, "error_feedback": error_feedback}
+
+
+def _bool_option(name: str, option: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"fastddp.hooks.{name}: {option} must be a bool, "
+                        f"got {type(value).__name__}")
+    return value
 
 
 def native_torch_hooks() -> dict[str, str]:

@@ -29,6 +29,9 @@ hooks (--hook):
   allreduce       plain allreduce through the hook interface
   fp16, bf16      compress gradients to fp16 / bf16 for the allreduce
   bf16-fp32acc    bf16 on the wire, accumulated in fp32
+  int8            block-scaled int8 on the wire (1/4 of fp32's bytes), accumulated in fp32,
+                  with error feedback
+  fp8[:FORMAT]    the same with fp8 codes; FORMAT: e4m3 (the default) or e5m2
   powersgd[:R]    PowerSGD low-rank compression of rank R (default: the hook's default)
   hier[:INNER]    multi-node: reduce-scatter inside the node, INNER (none, bf16, bf16-fp32acc,
                   fp16, ...; default bf16) on each rank's shard between nodes, allgather

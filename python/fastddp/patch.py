@@ -32,7 +32,9 @@ from fastddp.ddp import DistributedDataParallel as FastDDP
 from fastddp.link import Link
 from fastddp.report import format_comm_stats
 
-HOOK_NAMES = ("allreduce", "fp16", "bf16", "bf16-fp32acc", "powersgd", "auto", "hier")
+HOOK_NAMES = ("allreduce", "fp16", "bf16", "bf16-fp32acc", "int8", "fp8", "powersgd", "auto",
+              "hier")
+FP8_FORMATS = ("e4m3", "e5m2")
 # hier:INNER's inner hook: any fixed hook of HOOK_NAMES, and "none" for plain allreduce.
 _HIER_NOT_INNER = ("auto", "hier")
 _PATCHED_NAMES = (
@@ -57,6 +59,7 @@ class HookSpec:
     name: str
     rank: int | None = None  # PowerSGD's matrix approximation rank; None: the hook's default
     policy: str | None = None  # auto's policy (fastddp/auto.py)
+    format: str | None = None  # fp8's format (e4m3, e5m2); None: the hook's default
     inner: "HookSpec | None" = None  # hier's inter-node hook
 
     def __str__(self) -> str:
@@ -64,6 +67,8 @@ class HookSpec:
             return f"{self.name}:{self.inner}"
         if self.policy is not None:
             return f"{self.name}:{self.policy}"
+        if self.format is not None:
+            return f"{self.name}:{self.format}"
         return self.name if self.rank is None else f"{self.name}:{self.rank}"
 
 
@@ -72,8 +77,8 @@ def parse_hook_spec(text: str, option: str = "--hook") -> HookSpec:
     name, sep, rank_text = text.partition(":")
     if name not in HOOK_NAMES:
         raise ValueError(f"{option} {text!r}: unknown hook {name!r}; choose one of "
-                         f"{', '.join(HOOK_NAMES)} (powersgd takes an optional :RANK, hier "
-                         "an optional :INNER)")
+                         f"{', '.join(HOOK_NAMES)} (powersgd takes an optional :RANK, fp8 "
+                         "an optional :FORMAT, hier an optional :INNER)")
     if name == "auto":
         from fastddp.auto import POLICIES
 
@@ -86,6 +91,11 @@ def parse_hook_spec(text: str, option: str = "--hook") -> HookSpec:
         return _parse_hier(text, rank_text if sep else "bf16", option)
     if not sep:
         return HookSpec(name)
+    if name == "fp8":
+        if rank_text not in FP8_FORMATS:
+            raise ValueError(f"{option} {text!r}: fp8's format must be one of "
+                             f"{', '.join(FP8_FORMATS)} (fp8:FORMAT)")
+        return HookSpec(name, format=rank_text)
     if name != "powersgd":
         raise ValueError(f"{option} {text!r}: only powersgd takes a rank (powersgd:RANK)")
     if not rank_text.isdigit() or int(rank_text) < 1:
@@ -145,6 +155,8 @@ def _fastddp_hook_maker(spec: HookSpec, option: str) -> Callable[[], tuple[Any, 
         kwargs["accumulate"] = "fp32" if spec.name == "bf16-fp32acc" else "bf16"
     elif spec.name == "auto":
         kwargs["policy"] = spec.policy
+    elif spec.name == "fp8" and spec.format is not None:
+        kwargs["format"] = spec.format
     elif spec.name == "powersgd":
         # torch's PowerSGDState names; start early as the FASTDDP_DISABLE comparison does.
         kwargs["start_powerSGD_iter"] = 2
@@ -178,6 +190,10 @@ def torch_hook(spec: HookSpec, option: str = "--hook") -> tuple[Any, Any]:
         raise HookUnavailableError(
             f"{option} {spec}: stock torch DDP (FASTDDP_DISABLE=1) cannot tune its hook; run "
             "without FASTDDP_DISABLE, or give torch a fixed --hook")
+    if spec.name in ("int8", "fp8"):
+        raise HookUnavailableError(
+            f"{option} {spec}: stock torch DDP has no {spec.name} gradient compression; use "
+            "--hook bf16 to compare with torch")
     raise HookUnavailableError(
         f"{option} {spec}: stock torch DDP has no built-in hook that accumulates bf16 "
         "gradients in fp32; use --hook bf16 to compare with torch")

@@ -312,10 +312,13 @@ def device_clock_stats() -> dict:
     for step in range(3):
         inputs, target = vector_batch(step, device="cuda")
         F.mse_loss(fast(inputs), target).backward()
+        torch.cuda.synchronize()  # so the next step harvests this one's device times
     stats = fast.comm_stats()
     assert stats["clock"] == "device", stats
     for b in stats["buckets"]:
         assert 0 <= b["ready_ms"] <= b["launched_ms"] <= b["done_ms"], b
+    # The device mean, over the 3 steps; a host mean would include launch latency.
+    assert 0 <= stats["mean_exposed_comm_ms"] < 1e3, stats
     return stats
 
 

@@ -247,12 +247,17 @@ def bucket_view(set_to_none: bool) -> None:
     params = dict(fast.module.named_parameters())
 
     def grads_live_in_buckets(step: int) -> None:
-        storages = []
+        # One flat buffer per dtype (Note [aligned flat buffer]): each bucket a range of it.
+        storages, ranges = set(), []
         for bucket in fast.bucket_plan():
-            ptrs = {params[n].grad.untyped_storage().data_ptr() for n in bucket}
-            assert len(ptrs) == 1, f"step {step}: grads of bucket {bucket} in {len(ptrs)} storages"
-            storages.append(ptrs.pop())
-        assert len(set(storages)) == len(storages), f"step {step}: buckets share a storage"
+            grads = [params[n].grad for n in bucket]
+            storages |= {g.untyped_storage().data_ptr() for g in grads}
+            ranges.append((min(g.data_ptr() for g in grads),
+                           max(g.data_ptr() + g.numel() * g.element_size() for g in grads)))
+        assert len(storages) == 1, f"step {step}: grads in {len(storages)} storages"
+        ranges.sort()
+        overlaps = [(a, b) for a, b in zip(ranges, ranges[1:]) if a[1] > b[0]]
+        assert not overlaps, f"step {step}: buckets overlap: {overlaps}"
 
     train(ref, fast, set_to_none=set_to_none, after_backward=grads_live_in_buckets)
     agree(lambda: _expect(len(fast.bucket_plan()) > 1, "expected several buckets"))

@@ -22,8 +22,8 @@ from fastddp.link import Link
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_wide.py"
 PACKAGE_DIR = Path(fastddp.__file__).resolve().parents[1]
-CANDIDATES = ("allreduce_fp32", "bf16", "bf16_fp32_accumulate", "powersgd_r1", "powersgd_r2",
-              "powersgd_r4", "powersgd_r8")
+CANDIDATES = ("allreduce_fp32", "bf16", "bf16_fp32_accumulate", "int8", "fp8", "powersgd_r1",
+              "powersgd_r2", "powersgd_r4", "powersgd_r8")
 # train_wide.py's parameters: two Linear(512, 512), in fp32.
 GRAD_BYTES = 4 * 2 * (512 * 512 + 512)
 
@@ -159,6 +159,8 @@ def test_advise_by_hand() -> None:
     # Bytes each rank sends: at n=2 an allreduce sends its payload once.
     assert rows["allreduce_fp32"]["wire_bytes_per_step"] == 4e6
     assert rows["bf16_fp32_accumulate"]["wire_bytes_per_step"] == 2e6
+    # 1e6 elements padded to 1954 * 512, a byte each plus 4 per 256: half of it each way.
+    assert rows["int8"]["wire_bytes_per_step"] == rows["fp8"]["wire_bytes_per_step"] == 1_016_080
     assert all(r["measured_step_ms"] is None for r in estimated["candidates"])
 
 

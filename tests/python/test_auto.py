@@ -127,7 +127,8 @@ def test_policies_name_their_candidates() -> None:
     assert auto.AutoHook("bf16").candidates(4.0) == lossless + ["bf16", "bf16_fp32_accumulate"]
     anything = auto.AutoHook("any").candidates(4.0)
     assert anything[:5] == auto.AutoHook("bf16").candidates(4.0)
-    assert anything[5:] == [f"powersgd_r{r}" for r in (1, 2, 4, 8)]
+    assert anything[5:7] == ["int8", "fp8"]
+    assert anything[7:] == [f"powersgd_r{r}" for r in (1, 2, 4, 8)]
     assert not any(auto.lossy(n) for n in lossless)
     assert all(auto.lossy(n) for n in anything[3:])
 
@@ -173,6 +174,16 @@ def _tuner(policy: str, measured: dict, predicted: dict | None = None) -> auto.A
 ])
 def test_lossy_choice_must_win_by_the_margin(measured: dict, expected: str) -> None:
     assert _tuner("any", measured)._best_measured() == expected
+
+
+def test_8bit_candidates_are_the_8bit_hooks() -> None:
+    assert repr(auto.hook_for("int8")) == "fastddp.hooks.int8(error_feedback=True)"
+    assert auto.hook_for("fp8").options == {"format": "e4m3", "error_feedback": True}
+    predicted = {"allreduce_fp32": 100.0, "bf16": 80.0, "int8": 60.0, "fp8": 62.0,
+                 "powersgd_r1": 70.0}
+    ranked = sorted(predicted, key=predicted.get)
+    # int8 and fp8 are one family: the better predicted is tried, once.
+    assert _tuner("any", {}, predicted)._worth_trying(ranked) == ["int8", "powersgd_r1", "bf16"]
 
 
 def test_trials_take_the_best_predicted_of_each_family() -> None:

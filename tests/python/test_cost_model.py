@@ -149,3 +149,33 @@ def test_rebucket_never_ready_after_the_last_measured_bucket() -> None:
 def test_rebucket_rejects_a_cap_of_zero() -> None:
     with pytest.raises(ValueError, match="cap_bytes"):
         cm.rebucket([cm.Bucket(1.0, nbytes=1)], 0)
+
+
+def test_8bit_wire_pads_to_blocks_of_the_world() -> None:
+    # 10 elements over n = 4: padded to 4 * 256 = 1024, plus 4 scales of 4 bytes: 1040.
+    bucket = cm.Bucket(0.0, 40.0)
+    assert cm.quant8("int8").collectives(bucket, 4) == [("alltoall", 1040.0),
+                                                        ("allgather", 1040.0)]
+    assert cm.quant8("fp8").collectives(bucket, 2) == [("alltoall", 520.0),
+                                                       ("allgather", 520.0)]
+    with pytest.raises(ValueError, match="name"):
+        cm.quant8("int4")
+
+
+def test_8bit_interleaves_on_the_link() -> None:
+    # 25e6 elements per bucket, n = 4: padded to 24415 * 1024 = 25,000,960 elements, plus
+    # 97,660 scales: W = 25,391,600 bytes; each collective 0.75 * W / 1 GB/s = t ms.
+    # A0 @50: 50 -> 50+t; G0 -> 50+2t; A1 @100: 100 -> 100+t; G1 (issued 100+t, before
+    # A2 @120): 100+t -> 100+2t; A2 -> 100+3t; G2 -> 100+4t.
+    t = 0.75 * 25_391_600 / 1e6
+    p = cm.predict(BUCKETS, 130.0, GB_PER_S, 4, cm.quant8("int8"))
+    assert [(i, kind) for i, kind, *_ in p.timeline] == [
+        (0, "alltoall"), (0, "allgather"), (1, "alltoall"), (1, "allgather"),
+        (2, "alltoall"), (2, "allgather")]
+    assert [e for *_, e in p.timeline] == pytest.approx(
+        [50 + t, 50 + 2 * t, 100 + t, 100 + 2 * t, 100 + 3 * t, 100 + 4 * t])
+    assert p.step_ms == pytest.approx(100 + 4 * t)
+    # Half of bf16's bytes with the same two collectives: faster on this link.
+    ranked = cm.predict_all(BUCKETS, 130.0, GB_PER_S, 4,
+                            [cm.bf16_fp32_accumulate(), cm.quant8("int8")])
+    assert [r.name for r in ranked] == ["int8", "bf16_fp32_accumulate"]
