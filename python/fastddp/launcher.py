@@ -34,7 +34,7 @@ hooks (--hook):
   fp8[:FORMAT]    the same with fp8 codes; FORMAT: e4m3 (the default) or e5m2
   powersgd[:R]    PowerSGD low-rank compression of rank R (default: the hook's default)
   hier[:INNER]    multi-node: reduce-scatter inside the node, INNER (none, bf16, bf16-fp32acc,
-                  fp16, ...; default bf16) on each rank's shard between nodes, allgather
+                  int8, fp8, ...; default bf16) on each rank's shard between nodes, allgather
                   inside the node; nodes of LOCAL_WORLD_SIZE ranks (torchrun's --nproc-per-node)
   auto[:POLICY]   fastddp measures the first steps (7 to about 55), tries the configurations
                   its cost model ranks best, keeps the fastest and says so (rank 0, one line).

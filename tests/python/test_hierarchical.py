@@ -73,6 +73,9 @@ def test_parse_hier_spec():
     assert parse_hook_spec("hier") == HookSpec("hier", inner=HookSpec("bf16"))
     assert parse_hook_spec("hier:none") == HookSpec("hier", inner=HookSpec("allreduce"))
     assert str(parse_hook_spec("hier:powersgd:2")) == "hier:powersgd:2"
+    assert parse_hook_spec("hier:int8") == HookSpec("hier", inner=HookSpec("int8"))
+    assert parse_hook_spec("hier:fp8:e5m2") == HookSpec("hier", inner=HookSpec("fp8",
+                                                                                format="e5m2"))
     for bad, text in (("hier:auto", "fixed hook"), ("hier:hier", "fixed hook"),
                       ("hier:nope", "not a hook")):
         with pytest.raises(ValueError, match=text):
