@@ -226,8 +226,8 @@ def batched_powersgd(matrix_approximation_rank: int = 1, start_powerSGD_iter: in
 def auto(policy: str = "any", **settings: Any) -> AutoHook:
     """fastddp picks the hook and bucket size itself in the first steps (Note [auto tuning]
     in fastddp/auto.py). ``policy``: ``lossless`` (plain allreduce, bucket sizes only),
-    ``bf16`` (also 16-bit wires) or ``any`` (also PowerSGD). ``settings``: AutoHook's
-    ``warmup``, ``samples``, ``trials``, ``lossy_margin``, ``verbose``. Register it with
+    ``bf16`` (also 16-bit wires) or ``any`` (also 8-bit wires and PowerSGD). ``settings``:
+    AutoHook's ``warmup``, ``samples``, ``trials``, ``lossy_margin``, ``verbose``. Register it with
     state None; ``model.auto_choice()`` tells what was chosen."""
     return AutoHook(policy, **settings)
 
