@@ -316,8 +316,8 @@ def hierarchical_groups(local_size: int | None = None, process_group: dist.Proce
 def auto(policy: str = "any", **settings: Any) -> AutoHook:
     """fastddp picks the hook and bucket size itself in the first steps (Note [auto tuning]
     in fastddp/auto.py). ``policy``: ``lossless`` (plain allreduce, bucket sizes only),
-    ``bf16`` (also 16-bit wires) or ``any`` (also PowerSGD). ``settings``: AutoHook's
-    ``warmup``, ``samples``, ``trials``, ``lossy_margin``, ``verbose``. Register it with
+    ``bf16`` (also 16-bit wires) or ``any`` (also 8-bit wires and PowerSGD). ``settings``:
+    AutoHook's ``warmup``, ``samples``, ``trials``, ``lossy_margin``, ``verbose``. Register it with
     state None; ``model.auto_choice()`` tells what was chosen."""
     return AutoHook(policy, **settings)
 

@@ -16,7 +16,7 @@ def quantize(x: torch.Tensor, fmt: str, block: int = BLOCK) -> tuple[torch.Tenso
     """(codes uint8, scales float32) of a 1-D float32 tensor; the last block may be short."""
     n = x.numel()
     nb = math.ceil(n / block)
-    padded = torch.zeros(nb * block, dtype=torch.float32)
+    padded = torch.zeros(nb * block, dtype=torch.float32, device=x.device)
     padded[:n] = x
     blocks = padded.view(nb, block)
     bad = ~torch.isfinite(blocks).all(dim=1)

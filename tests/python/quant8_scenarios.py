@@ -52,9 +52,9 @@ class ReferenceHook:
         scaled = buffer * (1.0 / world)
         v = scaled
         if self.error_feedback:
-            v = scaled + torch.cat([self.residuals.get(id(p), torch.zeros(p.numel()))
+            v = scaled + torch.cat([self.residuals.get(id(p), torch.zeros_like(p).flatten())
                                     for p in params])
-        staged = torch.zeros(shard * world)
+        staged = torch.zeros(shard * world, device=buffer.device)
         staged[:n] = v
         parts, first = [], []
         for r in range(world):
@@ -91,7 +91,7 @@ class ReferenceHook:
         """max |sum in - (sum sent + residual)| over the elements, relative to sum |in|."""
         worst = 0.0
         for key, came in self.came_in.items():
-            residual = self.residuals.get(key, torch.zeros(came.numel())).double()
+            residual = self.residuals.get(key, torch.zeros_like(came)).double()
             gap = (came - self.sent[key] - residual).abs().max().item()
             worst = max(worst, gap / max(came.abs().max().item(), 1e-30))
         return worst

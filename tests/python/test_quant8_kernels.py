@@ -151,3 +151,18 @@ def test_bad_arguments():
         _C._quantize8(torch.ones(4, dtype=torch.float64), "int8", 256)
     assert math.isnan(_C._dequantize8(torch.zeros(1, dtype=torch.uint8),
                                       torch.tensor([float("nan")]), "int8", 256).item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cuda_kernels_match_cpu(fmt):
+    """The CUDA kernels (csrc/kernels/cuda/quant8.cu) give the CPU's codes, scales and
+    errors bit for bit (run by `make gpu-check`; skipped without a GPU)."""
+    x = adversarial()
+    for block in (256, 100):
+        codes, scales, err = _C._quantize8(x, fmt, block, error=True)
+        c_cuda, s_cuda, e_cuda = _C._quantize8(x.cuda(), fmt, block, error=True)
+        assert torch.equal(c_cuda.cpu(), codes)
+        assert same(s_cuda.cpu(), scales) and same(e_cuda.cpu(), err)
+        assert same(_C._dequantize8(c_cuda, s_cuda, fmt, block).cpu(),
+                    _C._dequantize8(codes, scales, fmt, block))

@@ -61,6 +61,9 @@ CASES = {
     "batched_powersgd": ("fastddp.batched_powersgd:2", "torch.batched_powerSGD_hook:2",
                          PSGD_TOL, "powersgd_batched"),
     "python_hook": ("custom", "custom", EXACT, None),
+    # The 8-bit hooks against the same algorithm in torch ops (quant8_scenarios.py).
+    "int8": ("fastddp.int8", "quant8_reference:int8", EXACT, "int8"),
+    "fp8_e5m2": ("fastddp.fp8:e5m2", "quant8_reference:e5m2", EXACT, "fp8(e5m2)"),
 }
 CONFIGS = {
     # 0.0001 MiB: about a bucket per parameter after the rebuild (many launches).
@@ -75,6 +78,12 @@ def _hook(spec: str) -> tuple[object, object] | None:
     if spec == "none":
         return None
     name, _, rank = spec.partition(":")
+    if name == "fastddp.fp8":
+        return None, fastddp.hooks.fp8(format=rank)
+    if name == "quant8_reference":
+        import quant8_scenarios
+
+        return None, quant8_scenarios.ReferenceHook(rank, error_feedback=True)
     if name in ("fastddp.powersgd", "fastddp.batched_powersgd"):
         make = getattr(fastddp.hooks, name.removeprefix("fastddp."))
         return None, make(matrix_approximation_rank=int(rank), start_powerSGD_iter=PSGD_START)
