@@ -26,19 +26,19 @@ from world1_hook_scenarios import CASES, PSGD_START, _hook
 
 
 class OddMLP(nn.Module):
-    """Element counts 35, 5, 15, 3, 27, 9, 18, 2: none a multiple of 4, plus a float64
-    layer, so the buckets span two (dtype) buffers."""
+    """Element counts 35, 5, 15, 3, 27, 9, 18, 2: none a multiple of 4, plus (with
+    `double`) a float64 layer, so the buckets span two (dtype) buffers."""
 
-    def __init__(self):
+    def __init__(self, double: bool = True):
         super().__init__()
         self.a = nn.Linear(7, 5)
         self.b = nn.Linear(5, 3)
         self.c = nn.Linear(3, 9)
-        self.d = nn.Linear(9, 2).double()
+        self.d = nn.Linear(9, 2).to(torch.float64 if double else torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.c(torch.relu(self.b(torch.tanh(self.a(x))))))
-        return self.d(h.double())
+        return self.d(h.to(self.d.weight.dtype)).double()
 
 
 @contextlib.contextmanager
@@ -101,11 +101,19 @@ def layout(align: int, steps: int = 3) -> dict:
             "padded_bytes": sum(bucket_bytes) - payload}
 
 
-def _train(spec: str, align: int, steps: int, **ddp_kwargs) -> tuple[nn.Module, list]:
+# The 8-bit hooks quantize blocks of 256 elements, which padding regroups: their padded
+# and packed results are two quantizations of one mean, each within its format's error of
+# it (relative to the largest gradient: a block's scale follows its largest element, which
+# may be another parameter's; the first step, before error feedback).
+QUANT8_TOL = {"int8": 2e-2, "fp8(e4m3)": 7e-2, "fp8(e5m2)": 0.15}
+
+
+def _train(spec: str, align: int | None, steps: int, double: bool = True,
+           **ddp_kwargs) -> tuple[nn.Module, list]:
     """Grads after each of `steps` backward passes, fastddp with hook `spec` (a
     world1_hook_scenarios spec) at FASTDDP_BUCKET_ALIGN=align (None: torch DDP)."""
     torch.manual_seed(0)
-    base = OddMLP()
+    base = OddMLP(double)
     if align is None:
         model = TorchDDP(base, **ddp_kwargs)
     else:
@@ -132,6 +140,16 @@ def hook_case(case: str, align: int = 64, steps: int = PSGD_START + 3) -> str:
     first steps only where the reference is not exact)."""
     fast_spec, ref_spec, tol, native = CASES[case]
     kwargs = {"bucket_cap_mb": 0.0002}
+    if native in QUANT8_TOL:  # float32 only, against the exact mean (torch DDP, no hook)
+        fast, padded = _train(fast_spec, align, 1, double=False, **kwargs)
+        _, packed = _train(fast_spec, 0, 1, double=False, **kwargs)
+        _, exact = _train("none", None, 1, double=False, **kwargs)
+        atol = QUANT8_TOL[native] * max(z.abs().max().item() for z in exact[0])
+        for x, y, z in zip(padded[0], packed[0], exact[0], strict=True):
+            torch.testing.assert_close(x, z, rtol=0, atol=atol)
+            torch.testing.assert_close(y, z, rtol=0, atol=atol)
+        assert fast._reducer.hook_name == native, (fast._reducer.hook_name, native)
+        return native
     fast, padded = _train(fast_spec, align, steps, **kwargs)
     if native is not None:
         assert fast._reducer.hook_name == native, (fast._reducer.hook_name, native)
