@@ -148,8 +148,8 @@ def test_help_usage_and_bad_options() -> None:
         assert word in helped.stdout, word
     bare = _run_cli()
     assert bare.returncode == 2 and "usage:" in bare.stderr and "no training script" in bare.stderr
-    bad = _run_cli("--hook", "fp8", str(SCRIPT))
-    assert bad.returncode == 2 and "unknown hook 'fp8'" in bad.stderr
+    bad = _run_cli("--hook", "fp4", str(SCRIPT))
+    assert bad.returncode == 2 and "unknown hook 'fp4'" in bad.stderr
     bad_link = _run_cli("--emulate-link", "3GB", str(SCRIPT))
     assert bad_link.returncode == 2 and "--emulate-link: link spec '3GB'" in bad_link.stderr
     if not _has_hooks():
@@ -168,8 +168,8 @@ def test_split_command_line() -> None:
 def test_parse_hook_spec() -> None:
     assert parse_hook_spec("powersgd:4") == HookSpec("powersgd", 4)
     assert parse_hook_spec("bf16-fp32acc") == HookSpec("bf16-fp32acc")
-    for bad, message in (("fp8", "unknown hook 'fp8'"), ("bf16:2", "only powersgd"),
-                         ("powersgd:0", "positive integer")):
+    for bad, message in (("fp4", "unknown hook 'fp4'"), ("fp8:e3m4", "fp8's format"),
+                         ("bf16:2", "only powersgd"), ("powersgd:0", "positive integer")):
         with pytest.raises(ValueError, match=message):
             parse_hook_spec(bad)
 
