@@ -164,13 +164,7 @@ void HalfCompressHook::finish(Stage& base) {
   BucketState& s = *stage.state;
   // Off the compute stream (Note [hook streams]): the wait is a stream wait.
   const SideStreamScope side(s.wire.device());
-  try {
-    stage.alltoall->wait();
-  } catch (const std::exception& e) {
-    const auto* error = dynamic_cast<const c10::Error*>(&e);
-    throw std::runtime_error(std::string("alltoall of the 16-bit shards failed: ") +
-                             (error ? error->what_without_backtrace() : e.what()));
-  }
+  wait_collective(*stage.alltoall, "alltoall of the 16-bit shards");
   stage.alltoall.reset();
   half_sum_shards_into(options_.kind, s.recv, world_size_, s.shard_sum);
   record_current_stream({s.wire, s.recv, s.shard_sum});

@@ -9,22 +9,11 @@
 #include <utility>
 
 #include "../reducer/profile_range.h"
+#include "pipelined_hook.h"
 #include "side_stream.h"
 
 namespace fastddp {
 namespace {
-
-std::runtime_error phase_error(const std::string& what, const std::exception& e) {
-  const auto* error = dynamic_cast<const c10::Error*>(&e);
-  return std::runtime_error(what + " failed: " +
-                            (error ? error->what_without_backtrace() : e.what()));
-}
-
-c10::intrusive_ptr<c10::ivalue::Future> make_future(const at::Tensor& like) {
-  std::vector<c10::Device> devices;
-  if (!like.device().is_cpu()) devices.push_back(like.device());
-  return c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get(), std::move(devices));
-}
 
 // Completes `result` with `value` once `collective` is done (or with its error).
 // The callback runs on the collective's streams (CUDA), so `result` records
@@ -135,7 +124,7 @@ c10::intrusive_ptr<c10::ivalue::Future> HierarchicalHook::run(Bucket& bucket, si
   stage.index = index;
   stage.numel = bucket.flat.numel();
   stage.state = state_for(bucket);
-  stage.result = make_future(bucket.flat);
+  stage.result = make_result(bucket.flat);
   BucketState& s = *stage.state;
   if (!s.padded.is_same(bucket.flat)) s.padded.narrow(0, 0, stage.numel).copy_(bucket.flat);
   if (s.shards.defined()) {
@@ -180,11 +169,7 @@ void HierarchicalHook::start_inner(Stage& stage, bool is_last) {
   BucketState& s = *stage.state;
   const SideStreamScope side(s.shard.device());  // Note [hook streams]
   try {
-    try {
-      stage.reduce_scatter->wait();
-    } catch (const std::exception& e) {
-      throw phase_error("reduce_scatter of the bucket inside the node", e);
-    }
+    wait_collective(*stage.reduce_scatter, "reduce_scatter of the bucket inside the node");
     stage.reduce_scatter.reset();
     if (s.shards.defined()) {
       // Row r: this rank's shard of local rank r's bucket. Summed in rank order.
@@ -221,7 +206,7 @@ void HierarchicalHook::start_allgather(Stage& stage) {
     try {
       inner_->write_back(s.shard_bucket, stage.inner_future->value(), dsts);
     } catch (const std::exception& e) {
-      throw phase_error("the inter-node hook " + inner_->name() + "'s write-back", e);
+      throw collective_failure("the inter-node hook " + inner_->name() + "'s write-back", e);
     }
     record_current_stream({s.shard, s.padded});
     c10::intrusive_ptr<c10d::Work> work = intra_->_allgather_base(s.padded, s.shard);

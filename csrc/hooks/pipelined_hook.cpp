@@ -1,6 +1,8 @@
 #include "pipelined_hook.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <exception>
 #include <stdexcept>
@@ -59,7 +61,21 @@ void PipelinedHook::finish_or_fail(Stage& stage) {
   }
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> PipelinedHook::make_result(const at::Tensor& like) {
+std::runtime_error collective_failure(const std::string& what, const std::exception& e) {
+  const auto* error = dynamic_cast<const c10::Error*>(&e);
+  return std::runtime_error(what + " failed: " +
+                            (error ? error->what_without_backtrace() : e.what()));
+}
+
+void wait_collective(c10d::Work& work, const std::string& what) {
+  try {
+    work.wait();
+  } catch (const std::exception& e) {
+    throw collective_failure(what, e);
+  }
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> make_result(const at::Tensor& like) {
   std::vector<c10::Device> devices;
   if (!like.device().is_cpu()) devices.push_back(like.device());
   return c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get(), std::move(devices));

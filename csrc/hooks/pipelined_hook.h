@@ -25,12 +25,27 @@
 #include <ATen/core/ivalue.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <exception>
 #include <functional>
 #include <memory>
+#include <stdexcept>
+#include <string>
 
 #include "../reducer/comm_hook.h"
 
+namespace c10d {
+class Work;
+}  // namespace c10d
+
 namespace fastddp {
+
+// A future for a hook's run() to return, on the bucket's device.
+c10::intrusive_ptr<c10::ivalue::Future> make_result(const at::Tensor& like);
+// "<what> failed: <e's message, without C++ backtrace>", for an error of a
+// collective or phase that the backend's own text would not name.
+std::runtime_error collective_failure(const std::string& what, const std::exception& e);
+// Waits for `work` (a stream wait on CUDA) and rethrows as collective_failure.
+void wait_collective(c10d::Work& work, const std::string& what);
 
 class PipelinedHook : public CommHook {
  public:
@@ -62,8 +77,6 @@ class PipelinedHook : public CommHook {
   // second collective and completes stage.result through complete_after().
   virtual void finish(Stage& stage) = 0;
 
-  // A future for run() to return, on the bucket's device.
-  static c10::intrusive_ptr<c10::ivalue::Future> make_result(const at::Tensor& like);
   // Completes `result` with local_work()'s value once `collective` is done
   // (with its error as collective_error(what, ...), or local_work's
   // exception, if any). local_work runs in the completion callback: it must

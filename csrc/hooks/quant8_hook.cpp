@@ -167,13 +167,7 @@ void Quant8Hook::finish(Stage& base) {
   auto& stage = static_cast<Quant8Stage&>(base);
   BucketState& s = *stage.state;
   const SideStreamScope side(s.wire.device());
-  try {
-    stage.alltoall->wait();
-  } catch (const std::exception& e) {
-    const auto* error = dynamic_cast<const c10::Error*>(&e);
-    throw std::runtime_error(std::string("alltoall of the 8-bit shards failed: ") +
-                             (error ? error->what_without_backtrace() : e.what()));
-  }
+  wait_collective(*stage.alltoall, "alltoall of the 8-bit shards");
   stage.alltoall.reset();
   sum_shards8_into(options_.format, s.recv, world_size_, s.shard, kBlock, codes_of(s.reduced, 0, s),
                    scales_of(s.reduced, 0, s));
