@@ -43,7 +43,11 @@ MAX_SAMPLES = 10
 # Candidate (cost model name) -> the launcher's --hook spelling ("" = no --hook, the default).
 HOOK_SPELLING = {"allreduce_fp32": "", "bf16": "bf16", "bf16_fp32_accumulate": "bf16-fp32acc",
                  "int8": "int8", "fp8": "fp8",
-                 **{f"powersgd_r{r}": f"powersgd:{r}" for r in (1, 2, 4, 8)}}
+                 **{f"powersgd_r{r}": f"powersgd:{r}" for r in (1, 2, 4, 8)},
+                 "hier_allreduce_fp32": "hier:none", "hier_bf16": "hier:bf16",
+                 "hier_int8": "hier:int8"}
+# The inter-node hooks of the hierarchical candidates (cost model names).
+HIER_INNERS = ("allreduce_fp32", "bf16", "int8")
 _MIB = 1024 * 1024
 _SCRATCH_NUMEL = 1 << 22  # kernels are timed on at most 16 MB of fp32
 
@@ -134,7 +138,8 @@ def kernel_costs(shapes: Sequence[tuple[int, ...]], device: str) -> dict[str, di
              "bf16_fp32_accumulate": {"compress_ms_per_mb": cast,
                                       "between_ms_per_mb": upcast + add,
                                       "writeback_ms_per_mb": upcast},
-             **{name: _quant8_costs(g, fmt, dev, mb) for name, fmt in _QUANT8_FORMATS.items()}}
+             **{name: _quant8_costs(g, fmt, dev, mb) for name, fmt in _QUANT8_FORMATS.items()},
+             "hier": {"sum_ms_per_mb": add}}
     matrices = [s for s in shapes if len(s) > 1]
     rows, cols = max(((s[0], math.prod(s[1:])) for s in matrices), key=math.prod,
                      default=(1024, 1024))
@@ -173,12 +178,18 @@ def _quant8_costs(g: torch.Tensor, fmt: str, dev: torch.device, mb: float) -> di
             "writeback_ms_per_mb": dequantize}
 
 
-def _candidates(costs: dict[str, dict[str, float]]) -> list[cost_model.Candidate]:
-    return [cost_model.allreduce_fp32(**costs["allreduce_fp32"]),
+def _candidates(costs: dict[str, dict[str, float]], local_size: int | None = None
+                ) -> list[cost_model.Candidate]:
+    flat = [cost_model.allreduce_fp32(**costs["allreduce_fp32"]),
             cost_model.bf16(**costs["bf16"]),
             cost_model.bf16_fp32_accumulate(**costs["bf16_fp32_accumulate"]),
             *(cost_model.quant8(name, **costs[name]) for name in _QUANT8_FORMATS),
             *(cost_model.powersgd(r, **costs[f"powersgd_r{r}"]) for r in (1, 2, 4, 8))]
+    if local_size is None:
+        return flat
+    inners = {c.name: c for c in flat}
+    return flat + [cost_model.hierarchical(inners[name], local_size, **costs.get("hier", {}))
+                   for name in HIER_INNERS]
 
 
 def current_candidate(hook_spec: Any, hook_name: str) -> str | None:
@@ -207,9 +218,12 @@ def variant_cap(name: str) -> float | None:
 
 
 def advise(samples: Sequence[dict[str, Any]], link: Link | None, current: str | None,
-           costs: dict[str, dict[str, float]], caps_mb: Sequence[float] = ()) -> dict[str, Any]:
+           costs: dict[str, dict[str, float]], caps_mb: Sequence[float] = (),
+           hier: tuple[int, Link, Link] | None = None) -> dict[str, Any]:
     """The advice (a JSON-able dict) from one model's samples (Advisor records); ``caps_mb``
-    adds plain allreduce at those bucket caps (cost_model.rebucket) to the candidates."""
+    adds plain allreduce at those bucket caps (cost_model.rebucket) to the candidates;
+    ``hier`` = (local size, intra-node link, inter-node link) adds hierarchical reduction
+    with each of HIER_INNERS between the nodes."""
     samples = [s for s in samples if s["shapes"] == samples[-1]["shapes"]]
     stats = [s["stats"] for s in samples]
     world = stats[-1]["world_size"]
@@ -232,8 +246,10 @@ def advise(samples: Sequence[dict[str, Any]], link: Link | None, current: str | 
     order = sorted(range(nb), key=lambda i: ready[i])
     buckets = [cost_model.Bucket(min(ready[i], backward_ms), shapes=tuple(map(tuple, shapes[i])))
                for i in order]
-    predictions = cost_model.predict_all(buckets, backward_ms, link, world, _candidates(costs),
-                                         fixed_ms)
+    local_size, links = (None, None) if hier is None else (
+        hier[0], {"intra": hier[1], "inter": hier[2]})
+    predictions = cost_model.predict_all(buckets, backward_ms, link, world,
+                                         _candidates(costs, local_size), fixed_ms, links)
     plain = cost_model.allreduce_fp32(**costs["allreduce_fp32"])
     for cap in caps_mb:
         variant = cost_model.Candidate(cap_variant(cap), plain.collectives)
@@ -248,10 +264,11 @@ def advise(samples: Sequence[dict[str, Any]], link: Link | None, current: str | 
                      "bucket_cap_mb": variant_cap(p.name),
                      "predicted_step_ms": p.step_ms,
                      "measured_step_ms": step_ms if p.name == current else None,
-                     "wire_bytes_per_step": sum(bus_factor(kind, world) * nbytes
-                                                for _, kind, nbytes, _, _ in p.timeline),
+                     "wire_bytes_per_step": sum(p.link_bytes.values()),
                      "compute_ms": compute_ms, "comm_ms": comm_ms,
                      "compute_to_comm": compute_ms / comm_ms if comm_ms > 0 else None})
+    if hier is not None:
+        link_source += f"; hierarchical: {hier[0]} ranks a node, intra {hier[1]}, inter {hier[2]}"
     return {"world_size": world, "link": str(link), "link_source": link_source,
             "steps_sampled": len(samples), "current": current, "measured_step_ms": step_ms,
             "fixed_ms": fixed_ms, "backward_ms": backward_ms, "candidates": rows,

@@ -16,9 +16,11 @@ with gradients on, outside no_sync), from the model's own ``comm_stats()``. In o
    (fastddp/cost_model.py, as ``--advise`` does) and ranks the policy's candidates:
    ``lossless`` plain allreduce at bucket caps x1/4, x1 and x4; ``bf16`` also bf16 on the
    wire (summed in bf16, or in fp32); ``any`` also 8-bit wires (int8, fp8 e4m3: block
-   scales, fp32 sums, error feedback) and PowerSGD of rank 1, 2, 4 and 8. The best
-   predicted of each family (bucket sizes, 16-bit wires, 8-bit wires, PowerSGD) is tried
-   if predicted to beat the baseline by 2%; none on a compute-bound step.
+   scales, fp32 sums, error feedback) and PowerSGD of rank 1, 2, 4 and 8. On more than one
+   node (Note [auto on several nodes]) ``bf16`` and ``any`` add hierarchical reduction. The
+   best predicted of each family (bucket sizes, 16-bit wires, 8-bit wires, PowerSGD,
+   hierarchical) is tried if predicted to beat the baseline by 2%; none on a
+   compute-bound step.
 3. **Trials.** Each runs for real, in two blocks of 4 measured steps, ordered A B .. Z Z .. B
    A with the baseline Z, so that load drifting over the trials biases none. A switch
    happens between two steps; the step after it is not measured (nor a rebuild's first
@@ -36,18 +38,31 @@ group (the trial list, then the choice). No step is lost or doubled: a switch ha
 between two steps, each step is reduced by exactly one configuration. While tuning, reading
 ``comm_stats()`` waits for the previous step's reduction (on a GPU, a host sync per step);
 once chosen, a forward costs one attribute check.
+
+Note [auto on several nodes]: with ranks on two or more nodes (torchrun's LOCAL_WORLD_SIZE,
+or ``local_size=`` / ``groups=(intra, inter)`` as for fastddp.hooks.hierarchical), the
+policies ``bf16`` and ``any`` also offer hierarchical reduction: fp32 inside the node, and
+between nodes plain allreduce (``hier_allreduce_fp32``), bf16 (``hier_bf16``) or, for
+``any``, int8 (``hier_int8``). Its groups are made once, when auto is registered (a
+collective call: every rank registers it). The intra- and inter-node links are probed like
+the model's and slowed by the same factor the training showed; the cost model gives each
+collective its link. ``lossless`` never offers them: they sum in another order, so they are
+not bit for bit torch DDP's numbers (and count as lossy for the margin). Under the
+launcher's ``--emulate-link`` both groups get the one emulated link.
 """
 
+import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fastddp import advise
+from fastddp import _hierarchical, advise
 from fastddp.link import Link, bus_factor
+from fastddp.link_emulator import EmulatedLinkGroup
 
 POLICIES = ("lossless", "bf16", "any")
 _MIB = 1024 * 1024
@@ -55,6 +70,8 @@ _LOSSLESS = "allreduce_fp32"
 _BF16 = ("bf16", "bf16_fp32_accumulate")
 _QUANT8 = ("int8", "fp8")
 _POWERSGD = tuple(f"powersgd_r{r}" for r in (1, 2, 4, 8))
+_HIER = tuple(f"hier_{inner}" for inner in advise.HIER_INNERS)
+_HIER_16 = _HIER[:2]  # fp32 or bf16 between the nodes: the bf16 policy's
 _CAP_FACTORS = (0.25, 4.0)
 _POWERSGD_START_ITER = 2  # the least torch allows with error feedback
 _MIN_PREDICTED_GAIN = 0.02
@@ -76,6 +93,8 @@ class AutoHook:
     trials: int = 3
     lossy_margin: float = 0.05
     verbose: bool = True
+    local_size: int | None = None  # ranks per node (default: torchrun's LOCAL_WORLD_SIZE)
+    groups: Any = field(default=None, compare=False, repr=False)  # (intra, inter) groups
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -89,6 +108,13 @@ class AutoHook:
         if not 0 <= self.lossy_margin < 1:
             raise ValueError(f"fastddp.hooks.auto: lossy_margin must be in [0, 1), got "
                              f"{self.lossy_margin!r}")
+        if self.local_size is not None and self.groups is not None:
+            raise ValueError("fastddp.hooks.auto: give at most one of local_size= and groups=")
+        if self.local_size is not None:
+            _hierarchical.check_local_size(self.local_size, "fastddp.hooks.auto")
+        if self.groups is not None and (not isinstance(self.groups, (tuple, list))
+                                        or len(self.groups) != 2):
+            raise TypeError("fastddp.hooks.auto: groups must be (intra_group, inter_group)")
 
     @property
     def __name__(self) -> str:  # torch's register_comm_hook and our logs read it
@@ -99,13 +125,16 @@ class AutoHook:
             "fastddp.hooks.auto() chooses among fastddp's native hooks while training and "
             "runs only on fastddp.DistributedDataParallel, not under stock torch DDP")
 
-    def candidates(self, cap_mb: float) -> list[str]:
-        """The policy's candidate names, in a fixed order every rank agrees on."""
+    def candidates(self, cap_mb: float, hierarchical: bool = False) -> list[str]:
+        """The policy's candidate names, in a fixed order every rank agrees on;
+        ``hierarchical``: the ranks span several nodes (Note [auto on several nodes])."""
         names = [_LOSSLESS, *(advise.cap_variant(cap_mb * f) for f in _CAP_FACTORS)]
         if self.policy in ("bf16", "any"):
             names += _BF16
         if self.policy == "any":
             names += _QUANT8 + _POWERSGD
+        if hierarchical and self.policy != "lossless":
+            names += _HIER if self.policy == "any" else _HIER_16
         return names
 
 
@@ -116,13 +145,20 @@ def lossy(name: str) -> bool:
 def _family(name: str) -> str:
     if not lossy(name):
         return "bucket size"
+    if name in _HIER:
+        return "hierarchical"
     return "bf16" if name in _BF16 else "8-bit" if name in _QUANT8 else "powersgd"
 
 
-def hook_for(name: str) -> Any:
-    """The fastddp.hooks built-in a candidate name stands for."""
+def hook_for(name: str, groups: tuple | None = None) -> Any:
+    """The fastddp.hooks built-in a candidate name stands for; hierarchical ones reduce over
+    ``groups`` = (intra, inter)."""
     from fastddp import hooks
 
+    if name in _HIER:
+        if groups is None:
+            raise ValueError(f"auto: candidate {name} needs the (intra, inter) groups")
+        return hooks.hierarchical(inter=hook_for(name.removeprefix("hier_")), groups=groups)
     if not lossy(name):
         return hooks.allreduce()
     if name in _BF16:
@@ -143,7 +179,8 @@ class AutoTuner:
         self.ddp, self.spec, self._install = ddp, spec, install
         self.group = ddp.process_group
         self.cap_mb = ddp.bucket_bytes_cap / _MIB
-        self.names = spec.candidates(self.cap_mb)
+        self.hier_groups = self._hier_groups() if self.group.size() > 1 else None
+        self.names = spec.candidates(self.cap_mb, self.hier_groups is not None)
         self.rank0 = self.group.rank() == 0
         self.queue: list[str] = []  # the trial blocks still to run, after the current one
         self._planned = False
@@ -219,43 +256,67 @@ class AutoTuner:
         Trials run in blocks ordered A B .. Z Z .. B A (Z: the baseline), so that load
         drifting linearly over the trials biases no candidate."""
         order = [-1] * self.spec.trials
-        link = self._probe_link()
+        link, hier_links = self._probe_links()
         if self.rank0:
             self.measured[_LOSSLESS] = statistics.median(s["step_ms"] for s in self._samples)
             try:
-                tries = self._worth_trying(self._predict(link))[: self.spec.trials]
+                tries = self._worth_trying(self._predict(link, hier_links))[: self.spec.trials]
                 order[: len(tries)] = [self.names.index(n) for n in tries]
             except Exception as e:  # noqa: BLE001 -- a failed model keeps the baseline
                 self.error = f"{type(e).__name__}: {e}"
         tries = [self.names[i] for i in self._broadcast(order) if i >= 0]
         self.queue = [*tries, _LOSSLESS, _LOSSLESS, *reversed(tries)] if tries else []
 
-    def _probe_link(self) -> Link:
-        """The link as the model's group serves it (every rank takes part, aligned by the
-        first probe, so rank skew does not count as transfer time): the latency is the
-        median time of a one-element allreduce, the bus bandwidth that of an allreduce of
-        the largest bucket's bytes (at most 16 MB) less the latency. Emulation and the real
-        transport are both in it: the candidates will get exactly this link."""
+    def _hier_groups(self) -> tuple | None:
+        """(intra, inter) groups where the ranks span several nodes (Note [auto on several
+        nodes]), else None. Every rank makes them here, in the same order."""
+        where = "fastddp.hooks.auto"
+        if self.spec.policy == "lossless":
+            return None
+        emulated = isinstance(self.group, EmulatedLinkGroup)
+        base = self.group.inner if emulated else self.group
+        if self.spec.groups is not None:
+            intra, inter = self.spec.groups
+            _hierarchical.check_groups(intra, inter, base, where)
+            return intra, inter
+        local = self.spec.local_size
+        if local is None and (local := _local_size_from_env(base)) is None:
+            return None
+        intra, inter = _hierarchical.groups_from_local_size(local, base, where)
+        if emulated:  # the launcher's --emulate-link: one link for every group
+            return EmulatedLinkGroup(intra, self.group.link), EmulatedLinkGroup(
+                inter, self.group.link)
+        return intra, inter
+
+    def _probe_links(self) -> tuple[Link, tuple[Link, Link] | None]:
+        """The model group's link and, on several nodes, the intra- and inter-node links."""
         params = self.ddp._reducer_params
         device = params[0].device
         largest = max(sum(params[i].numel() for i in b) for b in self.ddp._reducer.bucket_plan())
+        link = self._probe(self.group, largest, device)
+        if self.hier_groups is None:
+            return link, None
+        intra, inter = self.hier_groups
+        # The inter-node collectives carry a shard: 1/local of the bucket.
+        return link, (self._probe(intra, largest, device),
+                      self._probe(inter, -(-largest // intra.size()), device))
+
+    def _probe(self, group: dist.ProcessGroup, numel: int, device: torch.device) -> Link:
+        """The link as ``group`` serves it (every rank takes part, aligned by the first
+        probe, so rank skew does not count as transfer time): the latency is the median time
+        of a one-element allreduce, the bus bandwidth that of an allreduce of ``numel``
+        elements (at most 16 MB) less the latency. Emulation and the real transport are
+        both in it: the candidates will get exactly this link."""
         tiny = torch.zeros(1, device=device)
-        big = torch.zeros(min(largest, _PROBE_MAX_NUMEL), device=device)
-        latency_s = statistics.median(self._time_allreduce(tiny) for _ in range(_LATENCY_PROBES))
-        big_s = statistics.median(self._time_allreduce(big) for _ in range(_BANDWIDTH_PROBES))
-        bus_bytes = bus_factor("allreduce", self.group.size()) * big.numel() * 4
+        big = torch.zeros(min(numel, _PROBE_MAX_NUMEL), device=device)
+        latency_s = statistics.median(_time_allreduce(group, tiny)
+                                      for _ in range(_LATENCY_PROBES))
+        big_s = statistics.median(_time_allreduce(group, big) for _ in range(_BANDWIDTH_PROBES))
+        bus_bytes = bus_factor("allreduce", group.size()) * big.numel() * 4
         transfer_s = big_s - latency_s
         bus_gbs = _UNBOUNDED_GBS if transfer_s <= 0 else min(
             _UNBOUNDED_GBS, bus_bytes / transfer_s / 1e9)
         return Link(bus_gbs, latency_s * 1e6)
-
-    def _time_allreduce(self, t: torch.Tensor) -> float:
-        t0 = time.perf_counter()
-        self.group.allreduce([t]).wait()
-        if t.device.type == "cuda":
-            torch.cuda.synchronize(t.device)
-        return time.perf_counter() - t0
-
     def _training_link(self, probed: Link) -> Link:
         """The probed link, slowed to what the baseline's large collectives saw in training
         where that was slower: on a shared CPU the transport competes with the backward for
@@ -278,15 +339,22 @@ class AutoTuner:
             return probed
         return Link(min(probed.bus_gbs, bus_bytes / served_ms / 1e6), probed.latency_us)
 
-    def _predict(self, probed: Link) -> list[str]:
+    def _predict(self, probed: Link, hier_probed: tuple[Link, Link] | None) -> list[str]:
         link = self._training_link(probed)
+        hier = None
+        if hier_probed is not None:
+            # The transport's slowdown in training (shared cores) hits every group's.
+            slow = link.bus_gbs / probed.bus_gbs
+            intra, inter = (Link(x.bus_gbs * slow, x.latency_us) for x in hier_probed)
+            hier = (self.hier_groups[0].size(), intra, inter)
         costs = advise.kernel_costs([s for b in self._samples[-1]["shapes"] for s in b],
                                     str(self.ddp._reducer_params[0].device))
         caps = [c for n in self.names if (c := advise.variant_cap(n)) is not None]
-        result = advise.advise(self._samples, link, _LOSSLESS, costs, caps_mb=caps)
+        result = advise.advise(self._samples, link, _LOSSLESS, costs, caps_mb=caps, hier=hier)
         rows = [r for r in result["candidates"] if r["candidate"] in self.names]
         self.predicted = {r["candidate"]: r["predicted_step_ms"] for r in rows}
-        self.link = str(link)
+        self.link = str(link) + ("" if hier is None else f"; intra-node {hier[1]}, inter-node "
+                                 f"{hier[2]}")
         return [r["candidate"] for r in rows]
 
     def _worth_trying(self, ranked: list[str]) -> list[str]:
@@ -349,7 +417,8 @@ class AutoTuner:
         native = None if fresh else self._natives.get(name)
         first = native is None
         if first:
-            native = hooks.resolve(None, hook_for(name), self.group, self.ddp._reducer_params)
+            native = hooks.resolve(None, hook_for(name, self.hier_groups), self.group,
+                                   self.ddp._reducer_params)
             self._natives[name] = native
         self._install(native, cap_bytes)
         self.current, self._samples = name, []
@@ -367,3 +436,23 @@ class AutoTuner:
         opts.rootRank = 0
         self.group.broadcast([t], opts).wait()
         return t.tolist()
+
+
+def _time_allreduce(group: dist.ProcessGroup, t: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    group.allreduce([t]).wait()
+    if t.device.type == "cuda":
+        torch.cuda.synchronize(t.device)
+    return time.perf_counter() - t0
+
+
+def _local_size_from_env(group: dist.ProcessGroup) -> int | None:
+    """torchrun's LOCAL_WORLD_SIZE where it makes 2 or more nodes of 2 or more ranks of
+    ``group`` (which must span the world), else None: one node, nothing hierarchical."""
+    text = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if not text.strip().isdigit():
+        return None
+    local, world = int(text), group.size()
+    if local < 2 or world % local or world // local < 2 or world != dist.get_world_size():
+        return None
+    return local

@@ -42,6 +42,15 @@ Wire bytes per bucket of S fp32 bytes (numel = S/4):
   (U + P, Q); torch's hook sends three (U, P, Q): ``separate_uncompressed=True``. Steady
   state: the first ``start_powerSGD_iter`` plain steps are not modelled.
 
+Hierarchical reduction (:func:`hierarchical`, two links): the chain's collectives name
+the link they use. The bucket of S bytes, padded to P elements (a multiple of n), is
+reduce-scattered inside the node (``alltoall`` of 4P on the intra-node link of L ranks),
+the inner candidate's chain runs on the shard of 4P/L bytes over the inter-node link of
+n/L ranks, and an allgather of 4P inside the node ends it. Each link serves its own
+collectives one at a time; the two serve concurrently (NVLink and the NIC are different
+wires). The kernels between (the L-row shard sum, the inner's compression of 1/L of the
+bucket) are spread evenly over the chain's gaps.
+
 Other bucket sizes (:func:`rebucket`): gradients are taken to arrive at a steady rate
 between two measured ready times (bucket i's bytes between r_{i-1} and r_i); a bucket of cap
 C closes when C bytes have arrived since the previous one closed (the last one at the end),
@@ -57,7 +66,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from fastddp.link import Link
+from fastddp.link import Link, bus_factor
 
 _MB = 1e6
 
@@ -83,8 +92,9 @@ class Bucket:
 @dataclass(frozen=True)
 class Candidate:
     """A way to communicate a bucket: ``collectives(bucket, n)`` gives its chain of
-    (collective kind, wire bytes); kernel costs are in ms per MB (1e6 bytes) of the bucket's
-    fp32 gradient (model steps 1, 2 and 4)."""
+    (collective kind, wire bytes) or (kind, wire bytes, link name, group size) for a
+    collective on another link than the model's (``predict``'s ``links``); kernel costs are
+    in ms per MB (1e6 bytes) of the bucket's fp32 gradient (model steps 1, 2 and 4)."""
 
     name: str
     collectives: Callable[[Bucket, int], list[tuple[str, float]]]
@@ -105,6 +115,8 @@ class Prediction:
     comm_end_ms: float
     exposed_ms: float
     timeline: list[tuple[int, str, float, float, float]] = field(default_factory=list)
+    # Bus bytes per step (f(group size) x wire bytes) per link name: what crosses each link.
+    link_bytes: dict[str, float] = field(default_factory=dict)
 
 
 def allreduce_fp32(**costs: float) -> Candidate:
@@ -177,10 +189,37 @@ def powersgd(rank: int, min_compression_rate: float = 2.0, separate_uncompressed
     return Candidate(f"powersgd_r{rank}", chain, **costs)
 
 
+def hierarchical(inner: Candidate, local_size: int, sum_ms_per_mb: float = 0.0) -> Candidate:
+    """``inner`` between nodes of ``local_size`` ranks, inside a float reduce-scatter and
+    allgather (fastddp.hooks.hierarchical; module docstring). ``sum_ms_per_mb``: the cost of
+    adding two fp32 shards (the intra-node sum on the CPU), per MB."""
+    if not isinstance(local_size, int) or local_size < 2:
+        raise ValueError(f"hierarchical: local_size must be an int >= 2, got {local_size!r}")
+    L = local_size
+    # The inner's kernels run on 1/L of the bucket, between the intra-node collectives.
+    between = ((L - 1) / L * sum_ms_per_mb + (inner.compress_ms_per_mb + inner.between_ms_per_mb
+                                                + inner.writeback_ms_per_mb) / L)
+    gaps = len(inner.collectives(Bucket(0.0, nbytes=4.0 * _MB), 2)) + 1
+
+    def chain(bucket: Bucket, n: int) -> list[tuple]:
+        if n % L or n // L < 2:
+            raise ValueError(f"hierarchical: {n} ranks are not 2 or more nodes of {L}")
+        numel = math.ceil(bucket.fp32_bytes / 4)
+        padded = math.ceil(numel / n) * n
+        shard = Bucket(bucket.ready_ms, nbytes=4.0 * padded / L)
+        inner_chain = [(c[0], c[1], "inter", n // L) for c in inner.collectives(shard, n // L)]
+        return [("alltoall", 4.0 * padded, "intra", L), *inner_chain,
+                ("allgather", 4.0 * padded, "intra", L)]
+    return Candidate(f"hier_{inner.name}", chain, between_ms_per_mb=between / gaps)
+
+
 def predict(buckets: Sequence[Bucket], backward_ms: float, link: Link, world: int,
-            candidate: Candidate, fixed_ms: float = 0.0) -> Prediction:
-    """The step time of ``candidate`` (the model in this module's docstring)."""
+            candidate: Candidate, fixed_ms: float = 0.0,
+            links: dict[str, Link] | None = None) -> Prediction:
+    """The step time of ``candidate`` (the model in this module's docstring). ``links``:
+    the other links a candidate's collectives may name ("intra", "inter"), by name."""
     _check(buckets, backward_ms, world)
+    links = {"world": link, **(links or {})}
     pre = [candidate.compress_ms_per_mb * b.fp32_bytes / _MB for b in buckets]
     between = [candidate.between_ms_per_mb * b.fp32_bytes / _MB for b in buckets]
     post = sum(candidate.writeback_ms_per_mb * b.fp32_bytes / _MB for b in buckets)
@@ -195,27 +234,33 @@ def predict(buckets: Sequence[Bucket], backward_ms: float, link: Link, world: in
             seq += 1
     heapq.heapify(issued)
     backward_end = backward_ms + sum(pre)
-    link_free, timeline = 0.0, []
+    free = dict.fromkeys(links, 0.0)  # per link: when it has served what it was given
+    timeline, link_bytes = [], {}
     while issued:
         at, _, i, k = heapq.heappop(issued)
-        kind, nbytes = chains[i][k]
-        start = max(at, link_free)
-        link_free = start + link.ms(kind, nbytes, world)
-        timeline.append((i, kind, nbytes, start, link_free))
+        kind, nbytes, name, n = (*chains[i][k], "world", world)[:4]
+        if name not in links:
+            raise ValueError(f"cost model: {candidate.name} uses link {name!r}; links given: "
+                             f"{sorted(links)}")
+        start = max(at, free[name])
+        end = free[name] = start + links[name].ms(kind, nbytes, n)
+        timeline.append((i, kind, nbytes, start, end))
+        link_bytes[name] = link_bytes.get(name, 0.0) + bus_factor(kind, n) * nbytes
         if k + 1 < len(chains[i]):
-            heapq.heappush(issued, (link_free + between[i], seq, i, k + 1))
+            heapq.heappush(issued, (end + between[i], seq, i, k + 1))
             seq += 1
     comm_end = max((end for *_, end in timeline), default=0.0)
     done = max(backward_end, comm_end) + post
     return Prediction(candidate.name, fixed_ms + done, backward_end, comm_end,
-                      done - backward_end, timeline)
+                      done - backward_end, timeline, link_bytes)
 
 
 def predict_all(buckets: Sequence[Bucket], backward_ms: float, link: Link, world: int,
-                candidates: Sequence[Candidate], fixed_ms: float = 0.0) -> list[Prediction]:
+                candidates: Sequence[Candidate], fixed_ms: float = 0.0,
+                links: dict[str, Link] | None = None) -> list[Prediction]:
     """:func:`predict` for each candidate, fastest first."""
-    return sorted((predict(buckets, backward_ms, link, world, c, fixed_ms) for c in candidates),
-                  key=lambda p: p.step_ms)
+    return sorted((predict(buckets, backward_ms, link, world, c, fixed_ms, links)
+                   for c in candidates), key=lambda p: p.step_ms)
 
 
 def rebucket(buckets: Sequence[Bucket], cap_bytes: float) -> list[Bucket]:

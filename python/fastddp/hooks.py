@@ -317,8 +317,11 @@ def auto(policy: str = "any", **settings: Any) -> AutoHook:
     """fastddp picks the hook and bucket size itself in the first steps (Note [auto tuning]
     in fastddp/auto.py). ``policy``: ``lossless`` (plain allreduce, bucket sizes only),
     ``bf16`` (also 16-bit wires) or ``any`` (also 8-bit wires and PowerSGD). ``settings``:
-    AutoHook's ``warmup``, ``samples``, ``trials``, ``lossy_margin``, ``verbose``. Register it with
-    state None; ``model.auto_choice()`` tells what was chosen."""
+    AutoHook's ``warmup``, ``samples``, ``trials``, ``lossy_margin``, ``verbose``, and for
+    jobs on several nodes ``local_size`` (default torchrun's LOCAL_WORLD_SIZE) or
+    ``groups=(intra, inter)``, as for :func:`hierarchical`: then ``bf16`` and ``any`` also
+    try hierarchical reduction (Note [auto on several nodes]). Register it with state None;
+    ``model.auto_choice()`` tells what was chosen."""
     return AutoHook(policy, **settings)
 
 

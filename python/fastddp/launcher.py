@@ -39,7 +39,8 @@ hooks (--hook):
   auto[:POLICY]   fastddp measures the first steps (7 to about 55), tries the configurations
                   its cost model ranks best, keeps the fastest and says so (rank 0, one line).
                   POLICY: lossless (allreduce, bucket sizes), bf16 (also 16-bit wires) or
-                  any (also int8/fp8 wires and PowerSGD; the default)
+                  any (also int8/fp8 wires and PowerSGD; the default); on 2 or more nodes
+                  (LOCAL_WORLD_SIZE < WORLD_SIZE) bf16 and any also try hier:none/bf16/int8
 The launcher's hook is registered on every model the script wraps and replaces any hook the
 script registers itself (rank 0 says so once). Without --hook, the script's hooks are used.
 

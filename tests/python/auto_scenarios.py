@@ -7,6 +7,7 @@ steps by hand (``_auto_install``, as the tuner does), and for the lossless polic
 stock torch DDP, whose reducer fastddp's code shares nothing with.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -26,10 +27,11 @@ auto_against_fixed = auto_runs.auto_against_fixed
 
 
 def _train(ddp: nn.Module, kind: str, steps: int,
-           schedule: list[tuple[int, str, bool]] = ()) -> list[torch.Tensor]:
+           schedule: list[tuple[int, str, bool]] = (), groups: tuple | None = None
+           ) -> list[torch.Tensor]:
     """``steps`` SGD steps; before step i, the candidate ``schedule`` names for i (if any)
     is installed as auto installs it: a new hook when the entry says so, else the one that
-    candidate had before. Returns the parameters."""
+    candidate had before (hierarchical ones over ``groups``). Returns the parameters."""
     switches = {step: (name, new) for step, name, new in schedule}
     natives: dict[str, object] = {}
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
@@ -38,7 +40,7 @@ def _train(ddp: nn.Module, kind: str, steps: int,
         if i in switches:
             name, new = switches[i]
             if new:
-                natives[name] = fastddp.hooks.resolve(None, auto_module.hook_for(name),
+                natives[name] = fastddp.hooks.resolve(None, auto_module.hook_for(name, groups),
                                                       ddp.process_group, ddp._reducer_params)
             cap = advise.variant_cap(name)
             ddp._auto_install(natives[name],
@@ -85,3 +87,37 @@ def bucket_switches_vs_torch(kind: str, steps: int = 12) -> float:
                                                     bucket_cap_mb=auto_runs.CAP_MB)
     return max((a - b).abs().max().item()
                for a, b in zip(params, _train(reference, kind, steps)))
+
+
+def auto_hierarchical(kind: str, inter_link: str, steps: int = 80) -> dict:
+    """auto("any") on 2 nodes x 2 ranks (node-major): the flat ring and the inter-node group
+    on the ``inter_link``, the intra-node group on 100 GB/s (emulated; the real transport
+    is loopback); every family that qualifies gets a trial. Then auto's history replayed by
+    hand over the same groups."""
+    intra, inter = fastddp.hooks.hierarchical_groups(2)
+    groups = (EmulatedLinkGroup(intra, "100GB/s"), EmulatedLinkGroup(inter, inter_link))
+    world = EmulatedLinkGroup(dist.group.WORLD, inter_link)
+    tuned = _wrap(kind, world)
+    tuned.register_comm_hook(None, fastddp.hooks.auto("any", groups=groups, trials=5,
+                                                      verbose=False))
+    params = _train(tuned, kind, steps)
+    summary = tuned.auto_choice()
+    replayed = _train(_wrap(kind, world), kind, steps, summary["history"], groups)
+    return {"auto": summary, "names": tuned._auto.names,
+            "replay_identical": all(torch.equal(a, b) for a, b in zip(params, replayed))}
+
+
+def auto_candidates_from_env(local_world_size: str, policy: str) -> tuple[list[str], list]:
+    """auto(policy)'s candidates under torchrun's LOCAL_WORLD_SIZE, and its groups' sizes."""
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = local_world_size
+    try:
+        ddp = _wrap("convnet", dist.group.WORLD)
+        ddp.register_comm_hook(None, fastddp.hooks.auto(policy, verbose=False))
+    finally:
+        if saved is None:
+            del os.environ["LOCAL_WORLD_SIZE"]
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
+    groups = ddp._auto.hier_groups
+    return ddp._auto.names, None if groups is None else [g.size() for g in groups]

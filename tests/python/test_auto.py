@@ -41,6 +41,14 @@ def world2():
     world.close()
 
 
+@pytest.fixture(scope="module")
+def world4():
+    world = World(4, timeout_s=300)
+    world.start()
+    yield world
+    world.close()
+
+
 # --- multi-rank ------------------------------------------------------------------------
 
 def test_slow_link_gradient_bound_picks_compression_near_the_best(world) -> None:
@@ -119,6 +127,38 @@ def test_launcher_hook_auto_logs_one_line(tmp_path: Path) -> None:
     assert "ms measured" in lines[0]
 
 
+def test_two_nodes_offer_and_try_hierarchical_reduction(world4) -> None:
+    """2 nodes x 2 ranks, a slow link between the nodes and a fast one inside: the cost
+    model gives each collective its link, so hierarchical bf16 is predicted faster than
+    flat bf16 (a quarter of the inter-node bytes); its family is tried for real; the run
+    replays by hand bit for bit."""
+    (result, *_) = world4.check("auto_scenarios.auto_hierarchical", kind="wide",
+                                inter_link="0.2GB/s")
+    summary, names = result["auto"], result["names"]
+    assert [n for n in names if n.startswith("hier_")] == [
+        "hier_allreduce_fp32", "hier_bf16", "hier_int8"]
+    predicted = summary["predicted_step_ms"]
+    assert predicted["hier_bf16"] < predicted["bf16"], predicted
+    assert predicted["hier_int8"] < predicted["int8"], predicted
+    assert "intra-node" in summary["link"] and "inter-node" in summary["link"], summary
+    assert any(name.startswith("hier_") for _, name, _ in summary["history"]), summary
+    assert summary["choice"] is not None, summary
+    assert result["replay_identical"], summary
+
+
+@pytest.mark.parametrize("local, policy, sizes", [
+    ("2", "any", [2, 2]), ("2", "bf16", [2, 2]), ("2", "lossless", None),
+    ("4", "any", None),  # one node: nothing hierarchical
+])
+def test_hierarchical_candidates_follow_torchrun_nodes(world4, local, policy, sizes) -> None:
+    (names, got), *_ = world4.check("auto_scenarios.auto_candidates_from_env",
+                                    local_world_size=local, policy=policy)
+    assert got == sizes
+    expected = {"any": ["hier_allreduce_fp32", "hier_bf16", "hier_int8"],
+                "bf16": ["hier_allreduce_fp32", "hier_bf16"]}[policy] if sizes else []
+    assert [n for n in names if n.startswith("hier_")] == expected
+
+
 # --- single process --------------------------------------------------------------------
 
 def test_policies_name_their_candidates() -> None:
@@ -131,11 +171,22 @@ def test_policies_name_their_candidates() -> None:
     assert anything[7:] == [f"powersgd_r{r}" for r in (1, 2, 4, 8)]
     assert not any(auto.lossy(n) for n in lossless)
     assert all(auto.lossy(n) for n in anything[3:])
+    # Several nodes (Note [auto on several nodes]): hierarchical reduction, never lossless.
+    assert auto.AutoHook("lossless").candidates(4.0, hierarchical=True) == lossless
+    assert auto.AutoHook("bf16").candidates(4.0, hierarchical=True)[5:] == [
+        "hier_allreduce_fp32", "hier_bf16"]
+    multi = auto.AutoHook("any").candidates(4.0, hierarchical=True)
+    assert multi[:11] == anything and multi[11:] == [
+        "hier_allreduce_fp32", "hier_bf16", "hier_int8"]
+    assert all(auto.lossy(n) for n in multi[11:])
+    with pytest.raises(ValueError, match="groups"):
+        auto.hook_for("hier_bf16")
 
 
 @pytest.mark.parametrize("kwargs, culprit", [
     ({"policy": "fastest"}, "policy"), ({"samples": 0}, "samples"), ({"trials": 0}, "trials"),
     ({"warmup": -1}, "warmup"), ({"lossy_margin": 1.5}, "lossy_margin"),
+    ({"local_size": 1}, "local_size"), ({"local_size": 2, "groups": (None, None)}, "groups="),
 ])
 def test_bad_settings_name_the_culprit(kwargs: dict, culprit: str) -> None:
     with pytest.raises(ValueError, match=culprit):
@@ -197,3 +248,11 @@ def test_trials_take_the_best_predicted_of_each_family() -> None:
     flat = {n: 98.1 for n in predicted}
     flat["allreduce_fp32"] = 100.0
     assert _tuner("any", {}, flat)._worth_trying(sorted(flat, key=flat.get)) == []
+
+
+def test_hierarchical_is_its_own_family() -> None:
+    predicted = {"allreduce_fp32": 100.0, "bf16": 80.0, "int8": 70.0, "hier_int8": 50.0,
+                 "hier_bf16": 55.0, "powersgd_r1": 75.0}
+    ranked = sorted(predicted, key=predicted.get)
+    assert _tuner("any", {}, predicted)._worth_trying(ranked) == [
+        "hier_int8", "int8", "powersgd_r1", "bf16"]

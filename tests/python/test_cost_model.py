@@ -179,3 +179,49 @@ def test_8bit_interleaves_on_the_link() -> None:
     ranked = cm.predict_all(BUCKETS, 130.0, GB_PER_S, 4,
                             [cm.bf16_fp32_accumulate(), cm.quant8("int8")])
     assert [r.name for r in ranked] == ["int8", "bf16_fp32_accumulate"]
+
+
+def test_hierarchical_gives_each_collective_its_link() -> None:
+    # n = 4 as 2 nodes x 2, bf16 between the nodes. Per 100 MB bucket (25e6 elements, no
+    # padding): alltoall of 100 MB inside the node, 1/2 * 100 MB / 100 GB/s = 0.5 ms; bf16
+    # allreduce of the 50 MB shard's 25 MB between 2 nodes, 2(2-1)/2 * 25 MB / 1 GB/s = 25 ms;
+    # allgather of 100 MB inside the node, 0.5 ms. The links serve concurrently:
+    # b0: A 50 -> 50.5, R 50.5 -> 75.5, G 75.5 -> 76;  b1: A 100 -> 100.5, R 100.5 -> 125.5,
+    # G 125.5 -> 126;  b2: A 120 -> 120.5 (while R1 is on the inter link), R waits for the
+    # inter link: 125.5 -> 150.5, G 150.5 -> 151. Step = max(130, 151).
+    links = {"intra": Link(bus_gbs=100.0), "inter": GB_PER_S}
+    cand = cm.hierarchical(cm.bf16(), local_size=2)
+    assert cand.name == "hier_bf16"
+    p = cm.predict(BUCKETS, 130.0, GB_PER_S, 4, cand, links=links)
+    assert [(i, kind) for i, kind, *_ in p.timeline] == [
+        (0, "alltoall"), (0, "allreduce"), (0, "allgather"), (1, "alltoall"), (1, "allreduce"),
+        (2, "alltoall"), (2, "allreduce"), (1, "allgather"), (2, "allgather")]  # issue order
+    assert [(s, e) for *_, s, e in p.timeline] == pytest.approx([
+        (50, 50.5), (50.5, 75.5), (75.5, 76), (100, 100.5), (100.5, 125.5), (120, 120.5),
+        (125.5, 150.5), (125.5, 126), (150.5, 151)])
+    assert p.step_ms == pytest.approx(151)
+    # Bus bytes per link: intra 2 x 1/2 x 100 MB a bucket; inter 1 x 25 MB a bucket.
+    assert p.link_bytes == pytest.approx({"intra": 300e6, "inter": 75e6})
+    flat = cm.predict(BUCKETS, 130.0, GB_PER_S, 4, cm.bf16())
+    assert flat.step_ms == pytest.approx(275) and flat.link_bytes == {"world": 225e6}
+
+
+def test_hierarchical_kernels_and_padding() -> None:
+    # Between the collectives: the intra-node sum of 1/2 of the bucket (0.2 ms/MB x 1/2) and
+    # the inner's compression and write-back on the 1/2 shard ((0.1 + 0.05) / 2), spread over
+    # the chain's 2 gaps: (0.1 + 0.075) / 2 = 0.0875 ms/MB.
+    cand = cm.hierarchical(cm.bf16(compress_ms_per_mb=0.1, writeback_ms_per_mb=0.05), 2,
+                           sum_ms_per_mb=0.2)
+    assert cand.between_ms_per_mb == pytest.approx(0.0875)
+    assert cand.compress_ms_per_mb == 0 and cand.writeback_ms_per_mb == 0
+    # 10 elements on 2 x 2 ranks: padded to 12 (48 bytes); the int8 shard of 6 elements on 2
+    # nodes pads to 2 x 256 codes plus 2 scales (520 bytes).
+    chain = cm.hierarchical(cm.quant8("int8"), 2).collectives(cm.Bucket(0.0, 40.0), 4)
+    assert chain == [("alltoall", 48.0, "intra", 2), ("alltoall", 520.0, "inter", 2),
+                     ("allgather", 520.0, "inter", 2), ("allgather", 48.0, "intra", 2)]
+    with pytest.raises(ValueError, match="not 2 or more nodes of 2"):
+        cand.collectives(cm.Bucket(0.0, 40.0), 2)
+    with pytest.raises(ValueError, match="local_size"):
+        cm.hierarchical(cm.bf16(), 1)
+    with pytest.raises(ValueError, match="link 'intra'"):
+        cm.predict(BUCKETS, 130.0, GB_PER_S, 4, cand)
