@@ -1,7 +1,7 @@
 """Hierarchical reduction against flat hooks on emulated multi-node links (issue 16).
 
     python benchmarks/multinode.py [--inter 1GB/s,10GB/s] [--intra 100GB/s] [--model wide]
-                                   [--rounds 8] [--out benchmarks/results/multinode.md]
+                                   [--dilate D] [--rounds 8] [--out benchmarks/results/multinode.md]
 
 Spawns 4 gloo ranks on 127.0.0.1 (one intra-op thread each) as 2 nodes x 2 local ranks.
 For each inter-node link, five configurations, each its own model and optimizer, all
@@ -27,7 +27,12 @@ would cost, without this machine's real transport and compute.
 The emulated link only delays: a collective never completes faster than gloo on loopback
 moves it on this machine (4 ranks on the cores there are), so the fast links all look alike
 once the real transport is the slower; the intra-node link in particular is real loopback.
-A benchmark, not a test.
+
+``--dilate D`` runs every emulated link D times slower (bandwidth / D, latency x D), labelled
+"1GB/s /D": the step's communication then weighs against this CPU's compute as the named
+links would against compute D times faster (a GPU's), the link ratios kept. One thread of a
+CPU is 50-100x slower than a GPU on these matrix products, so D = 50 is the closer picture of
+a GPU cluster; D = 1 is this machine's. A benchmark, not a test.
 """
 
 import argparse
@@ -43,7 +48,7 @@ import torch.multiprocessing as mp
 import auto_runs  # benchmarks/auto_runs.py: scripts run from benchmarks/
 import fastddp
 import machine
-from fastddp.link import bus_factor
+from fastddp.link import Link, bus_factor, parse_link
 from fastddp.link_emulator import EmulatedLinkGroup
 
 LOCAL = 2
@@ -74,7 +79,13 @@ def _inner(name: str) -> fastddp.hooks.CommHook | None:
     return factory() if factory is not None else fastddp.hooks.from_registry("int8")
 
 
-def _runs(kind: str, inter_link: str, intra_link: str, groups: tuple, cap_mb: float
+def dilated(text: str, factor: float) -> Link:
+    """The link ``text`` names, ``factor`` times slower (module docstring)."""
+    link = parse_link(text)
+    return Link(link.bus_gbs / factor, link.latency_us * factor)
+
+
+def _runs(kind: str, inter_link: Link, intra_link: Link, groups: tuple, cap_mb: float
           ) -> tuple[dict, dict, list[str]]:
     """The configurations' runs, the link wrappers of each (the inter-node one last), and
     skip notes."""
@@ -118,8 +129,10 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     groups = fastddp.hooks.hierarchical_groups(LOCAL)
-    for inter_link in args.inter.split(","):
-        runs, links, notes = _runs(args.model, inter_link, args.intra, groups, args.cap_mb)
+    for inter_text in args.inter.split(","):
+        inter_link = dilated(inter_text, args.dilate)
+        runs, links, notes = _runs(args.model, inter_link, dilated(args.intra, args.dilate),
+                                   groups, args.cap_mb)
         # What the initial broadcast put on the links.
         before = {n: (_bus_bytes(ls[-1]), _busy_s(ls)) for n, ls in links.items()}
         links["no communication"] = ()
@@ -127,7 +140,8 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
         medians = auto_runs.interleaved(runs, args.rounds, args.warmup)
         steps = args.warmup + args.rounds
         if rank == 0:
-            queue.put({"link": inter_link, "medians": medians, "notes": notes,
+            label = inter_text if args.dilate == 1 else f"{inter_text} /{args.dilate:g}"
+            queue.put({"link": label, "medians": medians, "notes": notes,
                        "spread": {n: statistics.quantiles(r.times[-args.rounds:], n=4)
                                   for n, r in runs.items()},
                        "inter_mb": {n: (_bus_bytes(links[n][-1]) - before[n][0]) / steps / 1e6
@@ -136,7 +150,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
                                    for n in runs},
                        "grad_mb": sum(p.numel() * 4 for p in runs["flat bf16"].ddp.parameters())
                        / 1e6})
-            print(f"inter-node {inter_link}: done", flush=True)
+            print(f"inter-node {label}: done", flush=True)
         del runs, links
         gc.collect()
     if rank == 0:
@@ -166,6 +180,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inter", default="1GB/s,10GB/s", help="inter-node links, comma-separated")
     parser.add_argument("--intra", default="100GB/s", help="intra-node link")
+    parser.add_argument("--dilate", type=float, default=1.0,
+                        help="every emulated link this many times slower (see the docstring)")
     parser.add_argument("--model", default="wide", choices=("wide", "vit"),
                         help="benchmarks/auto_runs.py's models (gradient-heavy, ~50 MB)")
     parser.add_argument("--cap-mb", type=float, default=auto_runs.CAP_MB)
@@ -186,7 +202,8 @@ def main() -> None:
         f"{args.rounds} interleaved rounds after {args.warmup} warm-up, Python switch interval "
         f"{args.switch_interval_ms:g} ms."
         + "".join(f"\n\nNote: {n}." for n in notes))
-    machine.Run.publish(header, table(results, args.intra), args.out)
+    intra = args.intra if args.dilate == 1 else f"{args.intra} /{args.dilate:g}"
+    machine.Run.publish(header, table(results, intra), args.out)
 
 
 if __name__ == "__main__":
