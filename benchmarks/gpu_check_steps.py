@@ -248,7 +248,8 @@ def default_steps(out_dir: Path, python: str = sys.executable) -> list[Step]:
         sanitized("racecheck"),
         Step("kernels", [python, "benchmarks/kernels.py", "--device", "cuda", "--sizes",
                          VIT_L32_SIZES], 150,
-             "half casts and orthogonalization vs torch at ViT-L/32 sizes (GB/s vs HBM)",
+             "half casts, 8-bit codes and orthogonalization vs torch at ViT-L/32 sizes "
+             "(GB/s vs HBM)",
              figures=kernels_figures),
         Step("powersgd-hook", [python, "benchmarks/powersgd.py", "--device", "cuda",
                                "--parts", "a", "--world", "1", "--rounds", "6"], 180,
