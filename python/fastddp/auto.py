@@ -317,6 +317,7 @@ class AutoTuner:
         bus_gbs = _UNBOUNDED_GBS if transfer_s <= 0 else min(
             _UNBOUNDED_GBS, bus_bytes / transfer_s / 1e9)
         return Link(bus_gbs, latency_s * 1e6)
+
     def _training_link(self, probed: Link) -> Link:
         """The probed link, slowed to what the baseline's large collectives saw in training
         where that was slower: on a shared CPU the transport competes with the backward for
