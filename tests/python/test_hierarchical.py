@@ -88,10 +88,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_launcher_two_nodes(tmp_path):
+@pytest.mark.parametrize("hook", ["hier:bf16", "auto:bf16"])
+def test_launcher_two_nodes(tmp_path, hook):
     """The README's multi-node command line, as two torchrun agents (2 "nodes" x 2 ranks) on
     this machine meeting at one rendezvous endpoint: --hook hier:bf16 trains the tiny script
-    (the hook's numbers are hier_scenarios' business; starting 6 processes costs ~20 s)."""
+    (the hook's numbers are hier_scenarios' business; starting 6 processes costs ~20 s).
+    auto:bf16 makes its hierarchical groups from torchrun's LOCAL_WORLD_SIZE, probes them
+    after its 7 baseline steps, runs its trials and decides within 60 steps."""
     out = tmp_path / "hier.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(PACKAGE_DIR), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
@@ -101,7 +104,7 @@ def test_launcher_two_nodes(tmp_path):
     endpoint = f"127.0.0.1:{_free_port()}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
            "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=hier-test",
-           "-m", "fastddp", "--hook", "hier:bf16", str(SCRIPT), "--out", str(out)]
+           "-m", "fastddp", "--hook", hook, str(SCRIPT), "--out", str(out), "--steps", "60"]
     agents = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True) for _ in range(2)]
     outputs = [a.communicate(timeout=TIMEOUT_S)[0] for a in agents]
@@ -109,4 +112,6 @@ def test_launcher_two_nodes(tmp_path):
         assert agent.returncode == 0, text
     fast = json.loads(out.read_text())
     assert fast["world"] == 4 and fast["losses"][-1] < fast["losses"][0], fast["losses"]
-    assert "hook=hier:bf16 (launcher" in "".join(outputs), outputs
+    assert f"hook={hook} (launcher" in "".join(outputs), outputs
+    if hook.startswith("auto"):
+        assert "[fastddp] auto:bf16 chose " in "".join(outputs), outputs
