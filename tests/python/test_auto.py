@@ -25,28 +25,26 @@ PACKAGE_DIR = Path(fastddp.__file__).resolve().parents[1]
 WITHIN_BEST = 1.10  # the bound: auto's step within 10% of the best fixed one
 
 
-@pytest.fixture(scope="module", params=[2, 4])
-def world(request):
-    world = World(request.param, timeout_s=300)
+def _started(size: int):
+    world = World(size, timeout_s=300)
     world.start()
     yield world
     world.close()
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def world(request):
+    yield from _started(request.param)
 
 
 @pytest.fixture(scope="module")
 def world2():
-    world = World(2, timeout_s=300)
-    world.start()
-    yield world
-    world.close()
+    yield from _started(2)
 
 
 @pytest.fixture(scope="module")
 def world4():
-    world = World(4, timeout_s=300)
-    world.start()
-    yield world
-    world.close()
+    yield from _started(4)
 
 
 # --- multi-rank ------------------------------------------------------------------------
