@@ -27,10 +27,11 @@ with gradients on, outside no_sync), from the model's own ``comm_stats()``. In o
    step, nor a PowerSGD hook's plain warm-up steps). A trial's hook is kept across its two
    blocks.
 4. **Choice.** The fastest measured median wins; a lossy candidate must beat the fastest
-   lossless one by ``lossy_margin`` (5%): compression changes the gradients, so it has to buy
-   something. The choice is installed afresh: PowerSGD's warm-up and error feedback start at
-   that step. Rank 0 logs one line: the choice, its predicted and measured step times, and
-   those of every candidate tried.
+   lossless one by ``lossy_margin`` (5%), in its median and in each of its two blocks:
+   compression changes the gradients, so it has to buy something, every time it is tried.
+   The choice is installed afresh: PowerSGD's warm-up and error feedback start at that
+   step. Rank 0 logs one line: the choice, its predicted and measured step times, and those
+   of every candidate tried.
 
 All ranks run the same state machine on the same step counts; rank 0 alone measures and
 decides, and its decisions reach the others as one small broadcast on the model's process
@@ -210,6 +211,7 @@ class AutoTuner:
                 "chosen_at_step": self.chosen_at_step, "current": self.current,
                 "history": list(self.history), "error": self.error, "link": self.link,
                 "measured_step_ms": dict(self.measured),
+                "trial_step_ms": {n: list(t) for n, t in self.times.items()},
                 "predicted_step_ms": dict(self.predicted)}
 
     def before_forward(self) -> None:
@@ -386,10 +388,18 @@ class AutoTuner:
             print(self.log_line(), flush=True)
 
     def _best_measured(self) -> str:
+        """The fastest median; a lossy one only if its median and each of its blocks' medians
+        beat the fastest lossless median by the margin. A win in one block and not in the
+        other is load, not the hook: on a compute-bound step (communication hidden) a loaded
+        CPU had measured PowerSGD 5% faster than plain allreduce over its two blocks together."""
         lossless = min((n for n in self.measured if not lossy(n)), key=self.measured.get)
         best = min(self.measured, key=self.measured.get)
-        if lossy(best) and self.measured[best] > (1 - self.spec.lossy_margin) * self.measured[
-                lossless]:
+        if not lossy(best):
+            return best
+        times = self.times.get(best, [])
+        blocks = [times[i:i + _BLOCK_SAMPLES] for i in range(0, len(times), _BLOCK_SAMPLES)]
+        bound = (1 - self.spec.lossy_margin) * self.measured[lossless]
+        if max([self.measured[best], *map(statistics.median, blocks)]) > bound:
             return lossless
         return best
 

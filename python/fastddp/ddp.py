@@ -367,7 +367,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
 
     def auto_choice(self) -> dict | None:
         """With fastddp.hooks.auto() registered: the policy, the choice (None while still
-        tuning), the step it took effect at, and the measured and predicted step times."""
+        tuning), the step it took effect at, and the measured and predicted step times (on
+        rank 0, which measures: ``trial_step_ms``, each trial's steps in order)."""
         return None if self._auto is None else self._auto.summary()
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:

@@ -75,7 +75,6 @@ def auto_and_replay(kind: str, link: str, policy: str, steps: int = 45) -> dict:
     return out
 
 
-
 def bucket_switches_vs_torch(kind: str, steps: int = 12) -> float:
     """Bucket caps switched the way auto switches them (a new reducer each time, the old
     one unhooked), against torch DDP at one cap: the largest parameter difference."""

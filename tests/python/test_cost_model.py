@@ -206,6 +206,21 @@ def test_hierarchical_gives_each_collective_its_link() -> None:
     assert flat.step_ms == pytest.approx(275) and flat.link_bytes == {"world": 225e6}
 
 
+def test_hierarchical_int8_beats_flat_int8_across_a_slow_link() -> None:
+    # n = 4 as 2 x 2, intra 100 GB/s, inter (and the flat ring) 0.2 GB/s. Flat int8 per
+    # 100 MB bucket: alltoall and allgather of ~25.4 MB of codes and scales, each
+    # 3/4 x 25.4 MB / 0.2 GB/s = ~95 ms, so ~190 ms a bucket on the one link. Hierarchical:
+    # ~0.5 ms twice inside the node; between the nodes the int8 of the 50 MB shard, ~12.7 MB,
+    # 1/2 x 12.7 MB / 0.2 GB/s = ~32 ms twice: ~64 ms a bucket, a third of flat's.
+    slow = Link(bus_gbs=0.2)
+    links = {"intra": Link(bus_gbs=100.0), "inter": slow}
+    flat = cm.predict(BUCKETS, 130.0, slow, 4, cm.quant8("int8"))
+    hier = cm.predict(BUCKETS, 130.0, slow, 4, cm.hierarchical(cm.quant8("int8"), 2),
+                      links=links)
+    assert flat.step_ms == pytest.approx(50 + 3 * 190, rel=0.01)
+    assert hier.step_ms == pytest.approx(50 + 3 * 64, rel=0.02)
+    assert hier.link_bytes["inter"] == pytest.approx(flat.link_bytes["world"] / 3, rel=0.01)
+
 def test_hierarchical_kernels_and_padding() -> None:
     # Between the collectives: the intra-node sum of 1/2 of the bucket (0.2 ms/MB x 1/2) and
     # the inner's compression and write-back on the 1/2 shard ((0.1 + 0.05) / 2), spread over
