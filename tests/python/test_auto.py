@@ -139,14 +139,16 @@ def test_two_nodes_offer_and_try_hierarchical_reduction(world4) -> None:
     flat bf16 (a quarter of the inter-node bytes); its family is tried for real; the run
     replays by hand bit for bit."""
     (result, *_) = world4.check("auto_scenarios.auto_hierarchical", kind="wide",
-                                inter_link="0.2GB/s")
+                                inter_link="0.1GB/s")
     summary, names = result["auto"], result["names"]
     assert [n for n in names if n.startswith("hier_")] == [
         "hier_allreduce_fp32", "hier_bf16", "hier_int8"]
     predicted = summary["predicted_step_ms"]
     # Not hier_int8 against int8: the "100 GB/s" intra-node link is real loopback here
-    # (probed at 0.6-0.8 GB/s), over which the hierarchy's fp32 reduce-scatter and allgather
-    # cost about what int8 saves between the nodes; test_cost_model orders them at fixed links.
+    # (probed at 0.6-1.2 GB/s, slower under load), over which the hierarchy's fp32
+    # reduce-scatter and allgather cost about what int8 saves between the nodes;
+    # test_cost_model orders them at fixed links. At 0.1 GB/s between the nodes hier_bf16 was
+    # predicted at 0.42x bf16 on a quiet machine (0.2 GB/s left a loaded CI 15% of margin).
     assert predicted["hier_bf16"] < predicted["bf16"], predicted
     assert "intra-node" in summary["link"] and "inter-node" in summary["link"], summary
     assert any(name.startswith("hier_") for _, name, _ in summary["history"]), summary
