@@ -9,6 +9,7 @@ synthetic measurements.
 """
 
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -49,13 +50,23 @@ def world4():
 
 # --- multi-rank ------------------------------------------------------------------------
 
-def test_slow_link_gradient_bound_picks_compression_near_the_best(world) -> None:
+def _in_two_attempts(attempt) -> None:
     """Timed on a shared 2-core machine, where one trial block's steps can spread by 20% or
-    more (``trial_step_ms``): a second complete attempt (auto tuned afresh, the sweep
-    re-timed) is allowed when load made the first miss. One attempt must pick a lossy hook
-    within 60 steps and be within the bound of the best fixed configuration."""
+    more (``trial_step_ms``): a second complete attempt (auto tuned afresh, everything
+    re-timed) is allowed when load made the first miss. ``attempt`` asserts what must hold
+    every time and returns None on a hit, else what it missed."""
     misses = []
     for _ in range(2):
+        if (miss := attempt()) is None:
+            return
+        misses.append(miss)
+    raise AssertionError("; ".join(misses))
+
+
+def test_slow_link_gradient_bound_picks_compression_near_the_best(world) -> None:
+    """One attempt must pick a lossy hook within 60 steps and be within the bound of the
+    best fixed configuration."""
+    def attempt() -> str | None:
         (result, *_) = world.check("auto_scenarios.auto_against_fixed", kind="wide",
                                    link="1GB/s", policy="any", rounds=10)
         choice, medians = result["auto"]["choice"], dict(result["medians"])
@@ -63,26 +74,23 @@ def test_slow_link_gradient_bound_picks_compression_near_the_best(world) -> None
         best = min(medians, key=medians.get)
         assert result["tuning_steps"] <= 60
         if auto.lossy(choice) and auto_ms <= WITHIN_BEST * medians[best]:
-            return
-        misses.append(f"auto ({choice}) {auto_ms:.1f} ms, best fixed {best} "
-                      f"{medians[best]:.1f} ms: {medians}; trials "
-                      f"{result['auto']['trial_step_ms']}")
-    raise AssertionError("; ".join(misses))
+            return None
+        return (f"auto ({choice}) {auto_ms:.1f} ms, best fixed {best} "
+                f"{medians[best]:.1f} ms: {medians}; trials {result['auto']['trial_step_ms']}")
+    _in_two_attempts(attempt)
 
 
 def test_fast_link_compute_bound_keeps_plain_allreduce(world) -> None:
-    """A second attempt as above when load made a lossy hook look faster in the first."""
-    misses = []
-    for _ in range(2):
+    """One attempt must keep a lossless configuration (load can make a lossy hook look
+    faster in the other)."""
+    def attempt() -> str | None:
         (result, *_) = world.check("auto_scenarios.auto_and_replay", kind="convnet",
                                    link="100GB/s", policy="any", steps=60)
         choice = result["auto"]["choice"]
         assert choice is not None, result["auto"]
         assert result["replay_identical"]
-        if not auto.lossy(choice):
-            return
-        misses.append(f"{choice}: {result['auto']}")
-    raise AssertionError("; ".join(misses))
+        return None if not auto.lossy(choice) else f"{choice}: {result['auto']}"
+    _in_two_attempts(attempt)
 
 
 def test_lossless_never_lossy_and_trains_as_torch_ddp(world2) -> None:
@@ -241,13 +249,14 @@ def test_lossy_choice_must_win_by_the_margin(measured: dict, expected: str) -> N
 
 
 @pytest.mark.parametrize("blocks, expected", [
-    ([[90.0, 91.0, 89.0, 90.0], [92.0, 93.0, 92.0, 94.0]], "powersgd_r1"),
-    # The same median (92), but the second block is within 5% of the baseline: load.
+    ([[90.0, 91.0, 89.0, 90.0], [92.0, 93.0, 92.0, 94.0]], "powersgd_r1"),  # median 91.5
+    # A median as low (91), but the second block is within 5% of the baseline: load.
     ([[85.0, 86.0, 84.0, 85.0], [97.0, 96.0, 98.0, 97.0]], "allreduce_fp32"),
 ])
 def test_lossy_choice_must_win_in_each_block(blocks: list, expected: str) -> None:
     times = {"powersgd_r1": [t for block in blocks for t in block]}
-    measured = {"allreduce_fp32": 100.0, "powersgd_r1": 92.0}
+    # As _choose derives it: a candidate's measured step is the median of its trial steps.
+    measured = {"allreduce_fp32": 100.0, "powersgd_r1": statistics.median(times["powersgd_r1"])}
     assert _tuner("any", measured, times=times)._best_measured() == expected
 
 

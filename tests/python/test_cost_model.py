@@ -221,6 +221,7 @@ def test_hierarchical_int8_beats_flat_int8_across_a_slow_link() -> None:
     assert hier.step_ms == pytest.approx(50 + 3 * 64, rel=0.02)
     assert hier.link_bytes["inter"] == pytest.approx(flat.link_bytes["world"] / 3, rel=0.01)
 
+
 def test_hierarchical_kernels_and_padding() -> None:
     # Between the collectives: the intra-node sum of 1/2 of the bucket (0.2 ms/MB x 1/2) and
     # the inner's compression and write-back on the 1/2 shard ((0.1 + 0.05) / 2), spread over
