@@ -10,12 +10,12 @@ and nvcc is found. FASTDDP_CUDA=0/1 overrides.
 """
 
 import glob
+import importlib.util
 import os
 import shutil
 import sys
 
 from setuptools import setup
-
 
 
 def _guess_cuda_home() -> None:
@@ -46,6 +46,19 @@ except ImportError:  # pragma: no cover - a message for people, not a code path
     )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _load_libstdcxx():
+    """python/fastddp/_libstdcxx.py by path: the package itself needs the module we build."""
+    path = os.path.join(HERE, "python", "fastddp", "_libstdcxx.py")
+    spec = importlib.util.spec_from_file_location("fastddp_build_libstdcxx", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+libstdcxx = _load_libstdcxx()
 # A short default keeps a GPU-less build fast; H100/H200 are sm_90.
 DEFAULT_ARCH_LIST = "9.0"
 
@@ -129,6 +142,11 @@ def make_extension():
         say("NVTX off (needs CUDA)")
         kwargs["extra_compile_args"] = {"cxx": cxx_flags}
         ext_type = cpp_extension.CppExtension
+    # Note [one libstdc++] (python/fastddp/_libstdcxx.py): the libstdc++ torch runs on,
+    # named ahead of the compiler's own, so that none of its code is linked statically.
+    kwargs["extra_link_args"] = libstdcxx.link_args()
+    say(f"libstdc++: {kwargs['extra_link_args'][0] if kwargs['extra_link_args'] else 'none loaded'}"
+        " (the one torch loaded)")
     srcs = sources(with_cuda)
     say(f"sources: {' '.join(srcs)}")
     return ext_type(
@@ -147,6 +165,17 @@ class BuildExtension(cpp_extension.BuildExtension):
     def finalize_options(self) -> None:
         super().finalize_options()
         self.build_temp = os.path.join(HERE, "build", "temp")
+
+    def build_extension(self, ext) -> None:
+        super().build_extension(ext)
+        # Refuse a module that would crash at run time (Note [one libstdc++]).
+        path = self.get_ext_fullpath(ext.name)
+        problems = libstdcxx.check_module(path)
+        if problems:
+            os.remove(path)
+            sys.exit(libstdcxx.explain(path, problems))
+        say(f"checked {os.path.basename(path)}: shared libstdc++, no stream or locale code "
+            "of its own")
 
 
 setup(

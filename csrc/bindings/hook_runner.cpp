@@ -17,6 +17,7 @@
 #include "../core/bucket_plan.h"
 #include "../reducer/bucket.h"
 #include "../reducer/comm_hook.h"
+#include "../reducer/message.h"
 
 namespace py = pybind11;
 
@@ -29,9 +30,9 @@ class HookRunner {
              int64_t bucket_cap_bytes, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
              int64_t align_bytes = 0)
       : hook_(std::move(hook)), world_size_(group->getSize()) {
-    TORCH_CHECK(hook_, "fastddp HookRunner: hook is None");
-    TORCH_CHECK(!grads.empty(), "fastddp HookRunner: no gradients");
-    TORCH_CHECK(bucket_cap_bytes > 0, "fastddp HookRunner: bucket_cap_bytes must be > 0, got ",
+    FASTDDP_CHECK(hook_, "fastddp HookRunner: hook is None");
+    FASTDDP_CHECK(!grads.empty(), "fastddp HookRunner: no gradients");
+    FASTDDP_CHECK(bucket_cap_bytes > 0, "fastddp HookRunner: bucket_cap_bytes must be > 0, got ",
                 bucket_cap_bytes);
     // Planned over the reversed list, then mapped back to indices into `grads`.
     std::vector<TensorSpec> specs;
@@ -52,10 +53,10 @@ class HookRunner {
   // bucket's hook (torch's powerSGD_hook issues collectives from completion
   // callbacks, which gloo pairs up wrongly across ranks otherwise).
   std::vector<at::Tensor> run(const std::vector<at::Tensor>& grads, bool serialize) {
-    TORCH_CHECK(grads.size() == shapes_.size(), "fastddp HookRunner: ", grads.size(),
+    FASTDDP_CHECK(grads.size() == shapes_.size(), "fastddp HookRunner: ", grads.size(),
                 " gradients for a runner built over ", shapes_.size());
     for (size_t i = 0; i < grads.size(); ++i) {
-      TORCH_CHECK(grads[i].sizes().vec() == shapes_[i], "fastddp HookRunner: gradient ", i,
+      FASTDDP_CHECK(grads[i].sizes().vec() == shapes_[i], "fastddp HookRunner: gradient ", i,
                   " has shape ", grads[i].sizes(), ", the runner was built for ",
                   c10::IntArrayRef(shapes_[i]));
     }
@@ -88,9 +89,9 @@ class HookRunner {
  private:
   void wait(size_t b) {
     const auto& future = buckets_[b].future;
-    TORCH_CHECK(future, "fastddp HookRunner: hook '", hook_->name(), "' returned no future");
+    FASTDDP_CHECK(future, "fastddp HookRunner: hook '", hook_->name(), "' returned no future");
     future->wait();
-    TORCH_CHECK(!future->hasError(), "fastddp HookRunner: bucket ", b, " (hook '", hook_->name(),
+    FASTDDP_CHECK(!future->hasError(), "fastddp HookRunner: bucket ", b, " (hook '", hook_->name(),
                 "') failed: ", future->tryRetrieveErrorMessage());
   }
 

@@ -17,6 +17,7 @@
 #include "../hooks/quant8_ops.h"
 #include "../hooks/registry.h"
 #include "python_hook.h"
+#include "../reducer/message.h"
 
 namespace py = pybind11;
 
@@ -51,7 +52,7 @@ void half_decompress_into(const std::vector<at::Tensor>& srcs,
 }
 
 at::Tensor half_sum_shards(const at::Tensor& shards) {
-  TORCH_CHECK(shards.dim() == 2, "fastddp half_sum_shards: shards must be (count, n), got ",
+  FASTDDP_CHECK(shards.dim() == 2, "fastddp half_sum_shards: shards must be (count, n), got ",
               shards.sizes());
   at::Tensor out = at::empty({shards.size(1)}, shards.options());
   half_sum_shards_into(half_kind_of(shards.scalar_type()), shards.contiguous(), shards.size(0),
@@ -62,7 +63,7 @@ at::Tensor half_sum_shards(const at::Tensor& shards) {
 // (codes, scales[, error]) of a float32 tensor, for tests and benchmarks.
 py::tuple quantize8(const at::Tensor& src, const std::string& format, int64_t block, bool error) {
   const Quant8Format f = quant8_format_from_name(format, "format");
-  TORCH_CHECK(block > 0, "fastddp quant8: block must be positive, got ", block);
+  FASTDDP_CHECK(block > 0, "fastddp quant8: block must be positive, got ", block);
   const at::Tensor flat = src.contiguous().view(-1);
   at::Tensor codes = at::empty({flat.numel()}, flat.options().dtype(at::kByte));
   at::Tensor scales =

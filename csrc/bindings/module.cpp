@@ -8,6 +8,7 @@
 #include "../hooks/allreduce.h"
 #include "../reducer/comm_hook.h"
 #include "../reducer/reducer.h"
+#include "../reducer/message.h"
 
 namespace py = pybind11;
 
@@ -24,13 +25,13 @@ py::tuple compute_bucket_assignment_by_size(const std::vector<at::Tensor>& tenso
                                             const std::vector<size_t>& size_limits,
                                             const std::vector<bool>& expect_sparse_gradient,
                                             const std::vector<int64_t>& tensor_indices) {
-  TORCH_CHECK(expect_sparse_gradient.empty() || expect_sparse_gradient.size() == tensors.size(),
+  FASTDDP_CHECK(expect_sparse_gradient.empty() || expect_sparse_gradient.size() == tensors.size(),
               "fastddp: expect_sparse_gradient has ", expect_sparse_gradient.size(),
               " entries for ", tensors.size(), " tensors");
   std::vector<size_t> order(tensor_indices.begin(), tensor_indices.end());
   std::vector<TensorSpec> specs;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    TORCH_CHECK(!tensors[i].is_sparse(), "fastddp: tensor ", i, " is sparse; no support for "
+    FASTDDP_CHECK(!tensors[i].is_sparse(), "fastddp: tensor ", i, " is sparse; no support for "
                 "sparse tensors");
     const size_t index = order.empty() ? i : order.at(i);
     specs.push_back(spec_of(
@@ -102,6 +103,14 @@ py::dict build_info() {
   info["nvtx"] = false;
 #endif
   info["built_with_torch"] = FASTDDP_TORCH_VERSION;
+  // The compiler and the libstdc++ headers _C was compiled with (`python -m fastddp
+  // --check` sets them beside the libstdc++ loaded at run time).
+  info["compiler"] = __VERSION__;
+#if defined(_GLIBCXX_RELEASE)
+  info["libstdcxx_headers"] = cat("GCC ", _GLIBCXX_RELEASE, " (", __GLIBCXX__, ")");
+#else
+  info["libstdcxx_headers"] = py::none();
+#endif
   return info;
 }
 

@@ -4,6 +4,7 @@
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
 #include <algorithm>
+#include "../reducer/message.h"
 
 namespace fastddp {
 
@@ -54,7 +55,7 @@ at::Tensor PythonCommHook::result_tensor(const c10::IValue& result) {
   // torch answers "Unable to cast 3.0 to Tensor" or takes None for an empty
   // tensor; name the hook and what it gave instead.
   const std::string type = obj == Py_None ? "None" : Py_TYPE(obj)->tp_name;
-  TORCH_CHECK(false, "fastddp: comm hook '", name_, "' completed its future with ", type,
+  FASTDDP_CHECK(false, "fastddp: comm hook '", name_, "' completed its future with ", type,
               "; it must hold the bucket's reduced tensor (a torch.Tensor of the bucket's size, "
               "as bucket.buffer())");
 }
@@ -62,11 +63,11 @@ at::Tensor PythonCommHook::result_tensor(const c10::IValue& result) {
 void PythonCommHook::write_back(Bucket& bucket, const c10::IValue& result,
                                 std::vector<at::Tensor>& dsts) {
   at::Tensor flat = result_tensor(result);
-  TORCH_CHECK(flat.numel() == bucket.flat.numel(), "fastddp: comm hook ", name_,
+  FASTDDP_CHECK(flat.numel() == bucket.flat.numel(), "fastddp: comm hook ", name_,
               " returned a tensor of ", flat.numel(), " elements for a bucket of ",
               bucket.flat.numel(), "; the future must hold the bucket's reduced flat buffer");
   // An integer result would be cast into the gradients, truncated.
-  TORCH_CHECK(at::isFloatingType(flat.scalar_type()) || at::isComplexType(flat.scalar_type()),
+  FASTDDP_CHECK(at::isFloatingType(flat.scalar_type()) || at::isComplexType(flat.scalar_type()),
               "fastddp: comm hook '", name_, "' returned a tensor of ", flat.scalar_type(),
               " for a bucket of ", bucket.flat.scalar_type(), "; it must be floating point");
   if (flat.dim() != 1) flat = flat.reshape({-1});  // torch takes [1, N] too

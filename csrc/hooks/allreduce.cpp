@@ -2,17 +2,18 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include "../reducer/message.h"
 
 namespace fastddp {
 
 AllreduceHook::AllreduceHook(c10::intrusive_ptr<c10d::ProcessGroup> group)
     : group_(std::move(group)) {
-  TORCH_CHECK(group_, "fastddp: AllreduceHook needs a process group");
+  FASTDDP_CHECK(group_, "fastddp: AllreduceHook needs a process group");
   set_divide_factor(group_->getSize());
 }
 
 void AllreduceHook::set_divide_factor(int64_t factor) {
-  TORCH_CHECK(factor > 0, "fastddp: the divide factor must be positive, got ", factor);
+  FASTDDP_CHECK(factor > 0, "fastddp: the divide factor must be positive, got ", factor);
   factor_ = factor;
   inverse_ = at::scalar_tensor(1.0 / static_cast<double>(factor), at::kDouble);
   inverse_.unsafeGetTensorImpl()->set_wrapped_number(true);

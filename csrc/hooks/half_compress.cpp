@@ -12,13 +12,14 @@
 #include "half_ops.h"
 #include "side_stream.h"
 #include "registry.h"
+#include "../reducer/message.h"
 
 namespace fastddp {
 
 HalfCompressHook::HalfCompressHook(c10::intrusive_ptr<c10d::ProcessGroup> group,
                                    HalfCompressOptions options)
     : group_(std::move(group)), options_(options) {
-  TORCH_CHECK(group_, "fastddp: the ", name(), " comm hook needs a process group");
+  FASTDDP_CHECK(group_, "fastddp: the ", name(), " comm hook needs a process group");
   world_size_ = group_->getSize();
   scale_ = 1.0 / world_size_;
 }
@@ -31,7 +32,7 @@ std::string HalfCompressHook::name() const {
 }
 
 void HalfCompressHook::set_divide_factor(int64_t factor) {
-  TORCH_CHECK(factor > 0, "fastddp: the divide factor must be positive, got ", factor);
+  FASTDDP_CHECK(factor > 0, "fastddp: the divide factor must be positive, got ", factor);
   scale_ = 1.0 / static_cast<double>(factor);
 }
 
@@ -72,10 +73,10 @@ void HalfCompressHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& gr
     wire.zero_();
     return;
   }
-  TORCH_CHECK_NOT_IMPLEMENTED(!grad.is_sparse(), "fastddp: the ", name(),
+  FASTDDP_CHECK_NOT_IMPLEMENTED(!grad.is_sparse(), "fastddp: the ", name(),
                               " comm hook does not support sparse gradients");
   const at::Tensor& view = bucket.views[slot];
-  TORCH_CHECK(grad.numel() == numel && grad.device() == view.device(), "fastddp: the ", name(),
+  FASTDDP_CHECK(grad.numel() == numel && grad.device() == view.device(), "fastddp: the ", name(),
               " comm hook got a gradient of ", grad.numel(), " elements on ", grad.device(),
               " for a bucket slot of ", numel, " on ", view.device());
   // The fast path reads the grad in storage order, which is the slot's order
@@ -140,7 +141,7 @@ std::shared_ptr<PipelinedHook::Stage> HalfCompressHook::start(
       // A backend without 16-bit sums (old gloo) refuses at enqueue, on every
       // rank alike: from now on use the float32-accumulation algorithm.
       if (!state->wire.is_cpu()) throw;
-      TORCH_WARN("fastddp: the process group has no ", state->wire.scalar_type(),
+      FASTDDP_WARN("fastddp: the process group has no ", state->wire.scalar_type(),
                  " allreduce (", e.what_without_backtrace(), "); the ", name(),
                  " comm hook sends the same 16-bit payload with float32 sums instead");
       half_allreduce_unsupported_ = true;
@@ -178,10 +179,10 @@ void HalfCompressHook::write_back(Bucket& bucket, const c10::IValue& result,
                                   std::vector<at::Tensor>& dsts) {
   FASTDDP_PROFILE_RANGE("fastddp write-back (decompress)");
   const at::Tensor reduced = hook_result_tensor(result, name());
-  TORCH_CHECK(reduced.scalar_type() == scalar_type_of(options_.kind) &&
+  FASTDDP_CHECK(reduced.scalar_type() == scalar_type_of(options_.kind) &&
                   reduced.numel() >= bucket.flat.numel() && reduced.is_contiguous(),
               "fastddp: the ", name(), " comm hook's result is not its 16-bit wire buffer");
-  TORCH_CHECK(dsts.size() == bucket.views.size(), "fastddp: ", dsts.size(),
+  FASTDDP_CHECK(dsts.size() == bucket.views.size(), "fastddp: ", dsts.size(),
               " write-back destinations for a bucket of ", bucket.views.size());
   std::vector<at::Tensor> srcs, outs;
   for (size_t k = 0; k < dsts.size(); ++k) {

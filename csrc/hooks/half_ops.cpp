@@ -6,6 +6,7 @@
 #include <atomic>
 
 #include "../kernels/half_cast.h"
+#include "../reducer/message.h"
 #include "../reducer/profile_range.h"
 
 #if defined(FASTDDP_WITH_CUDA)
@@ -24,21 +25,21 @@ const char* kind_name(HalfKind kind) {
 }
 
 void check_dense(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.defined(), "fastddp half ops: ", what, " is undefined");
-  TORCH_CHECK(t.is_non_overlapping_and_dense(), "fastddp half ops: ", what,
+  FASTDDP_CHECK(t.defined(), "fastddp half ops: ", what, " is undefined");
+  FASTDDP_CHECK(t.is_non_overlapping_and_dense(), "fastddp half ops: ", what,
               " must be dense and non-overlapping, got strides ", t.strides());
 }
 
 void check_float(const at::Tensor& t, const char* what) {
   check_dense(t, what);
-  TORCH_CHECK(t.scalar_type() == at::kFloat, "fastddp half ops: ", what,
+  FASTDDP_CHECK(t.scalar_type() == at::kFloat, "fastddp half ops: ", what,
               " must be float32, got ", t.scalar_type());
 }
 
 void check_half(const at::Tensor& t, HalfKind kind, const char* what) {
-  TORCH_CHECK(t.defined() && t.is_contiguous(), "fastddp half ops: ", what,
+  FASTDDP_CHECK(t.defined() && t.is_contiguous(), "fastddp half ops: ", what,
               " must be contiguous");
-  TORCH_CHECK(t.scalar_type() == scalar_type_of(kind), "fastddp half ops: ", what, " must be ",
+  FASTDDP_CHECK(t.scalar_type() == scalar_type_of(kind), "fastddp half ops: ", what, " must be ",
               kind_name(kind), ", got ", t.scalar_type());
 }
 
@@ -51,7 +52,7 @@ void* current_stream(const at::Tensor& t) {
 #endif
 
 [[noreturn]] void no_cuda() {
-  TORCH_CHECK_NOT_IMPLEMENTED(false, "fastddp was built without CUDA: half ops on CUDA tensors "
+  FASTDDP_CHECK_NOT_IMPLEMENTED(false, "fastddp was built without CUDA: half ops on CUDA tensors "
                               "need a CUDA build");
 }
 
@@ -64,7 +65,7 @@ c10::ScalarType scalar_type_of(HalfKind kind) {
 HalfKind half_kind_of(c10::ScalarType type) {
   if (type == at::kBFloat16) return HalfKind::kBFloat16;
   if (type == at::kHalf) return HalfKind::kFloat16;
-  TORCH_CHECK(false, "fastddp: expected bfloat16 or float16, got ", type);
+  FASTDDP_CHECK(false, "fastddp: expected bfloat16 or float16, got ", type);
 }
 
 void half_compress_into(HalfKind kind, const at::Tensor& src, double scale,
@@ -73,13 +74,13 @@ void half_compress_into(HalfKind kind, const at::Tensor& src, double scale,
   FASTDDP_PROFILE_RANGE("fastddp compress");
   check_float(src, "src");
   check_half(dst, kind, "dst");
-  TORCH_CHECK(src.numel() == dst.numel() && src.device() == dst.device(),
+  FASTDDP_CHECK(src.numel() == dst.numel() && src.device() == dst.device(),
               "fastddp half_compress: src has ", src.numel(), " elements on ", src.device(),
               ", dst ", dst.numel(), " on ", dst.device());
   float* r = nullptr;
   if (residual != nullptr) {
     check_float(*residual, "residual");
-    TORCH_CHECK(residual->numel() == src.numel() && residual->device() == src.device(),
+    FASTDDP_CHECK(residual->numel() == src.numel() && residual->device() == src.device(),
                 "fastddp half_compress: residual must match src in size and device");
     r = residual->data_ptr<float>();
   }
@@ -96,7 +97,7 @@ void half_compress_into(HalfKind kind, const at::Tensor& src, double scale,
     no_cuda();
 #endif
   }
-  TORCH_CHECK(src.is_cpu(), "fastddp half_compress: unsupported device ", src.device());
+  FASTDDP_CHECK(src.is_cpu(), "fastddp half_compress: unsupported device ", src.device());
   std::atomic<int32_t> bad{0};
   at::parallel_for(0, src.numel(), kGrain, [&](int64_t begin, int64_t end) {
     int32_t chunk_bad = 0;
@@ -110,13 +111,13 @@ void half_compress_into(HalfKind kind, const at::Tensor& src, double scale,
 void half_decompress_many(HalfKind kind, const std::vector<at::Tensor>& srcs,
                           const std::vector<at::Tensor>& dsts) {
   FASTDDP_PROFILE_RANGE("fastddp decompress");
-  TORCH_CHECK(srcs.size() == dsts.size(), "fastddp half_decompress: ", srcs.size(),
+  FASTDDP_CHECK(srcs.size() == dsts.size(), "fastddp half_decompress: ", srcs.size(),
               " sources for ", dsts.size(), " destinations");
   if (srcs.empty()) return;
   for (size_t i = 0; i < srcs.size(); ++i) {
     check_half(srcs[i], kind, "src");
     check_float(dsts[i], "dst");
-    TORCH_CHECK(srcs[i].numel() == dsts[i].numel() && srcs[i].device() == dsts[i].device() &&
+    FASTDDP_CHECK(srcs[i].numel() == dsts[i].numel() && srcs[i].device() == dsts[i].device() &&
                     srcs[i].device() == srcs.front().device(),
                 "fastddp half_decompress: pair ", i, " differs in size or device");
   }
@@ -149,7 +150,7 @@ void half_sum_shards_into(HalfKind kind, const at::Tensor& shards, int64_t count
   FASTDDP_PROFILE_RANGE("fastddp sum shards");
   check_half(shards, kind, "shards");
   check_half(out, kind, "out");
-  TORCH_CHECK(count > 0 && shards.numel() == count * out.numel() &&
+  FASTDDP_CHECK(count > 0 && shards.numel() == count * out.numel() &&
                   shards.device() == out.device(),
               "fastddp half_sum_shards: ", shards.numel(), " shard elements for ", count,
               " rows of ", out.numel());

@@ -11,6 +11,7 @@
 #include "../reducer/profile_range.h"
 #include "pipelined_hook.h"
 #include "side_stream.h"
+#include "../reducer/message.h"
 
 namespace fastddp {
 namespace {
@@ -37,12 +38,12 @@ HierarchicalHook::HierarchicalHook(c10::intrusive_ptr<c10d::ProcessGroup> intra,
                                    c10::intrusive_ptr<c10d::ProcessGroup> inter,
                                    std::shared_ptr<CommHook> inner)
     : intra_(std::move(intra)), inter_(std::move(inter)), inner_(std::move(inner)) {
-  TORCH_CHECK(intra_ && inter_, "fastddp: the hierarchical comm hook needs an intra-node and an "
+  FASTDDP_CHECK(intra_ && inter_, "fastddp: the hierarchical comm hook needs an intra-node and an "
                                 "inter-node process group");
-  TORCH_CHECK(inner_, "fastddp: the hierarchical comm hook needs an inner (inter-node) hook");
+  FASTDDP_CHECK(inner_, "fastddp: the hierarchical comm hook needs an inner (inter-node) hook");
   local_size_ = intra_->getSize();
   node_count_ = inter_->getSize();
-  TORCH_CHECK(local_size_ >= 1 && node_count_ >= 1,
+  FASTDDP_CHECK(local_size_ >= 1 && node_count_ >= 1,
               "fastddp: the hierarchical comm hook got empty groups");
   set_divide_factor(static_cast<int64_t>(local_size_) * node_count_);
 }
@@ -50,7 +51,7 @@ HierarchicalHook::HierarchicalHook(c10::intrusive_ptr<c10d::ProcessGroup> intra,
 std::string HierarchicalHook::name() const { return "hierarchical(" + inner_->name() + ")"; }
 
 void HierarchicalHook::set_divide_factor(int64_t factor) {
-  TORCH_CHECK(factor > 0, "fastddp: the divide factor must be positive, got ", factor);
+  FASTDDP_CHECK(factor > 0, "fastddp: the divide factor must be positive, got ", factor);
   // The inner hook divides by the node count itself.
   scale_ = static_cast<double>(node_count_) / static_cast<double>(factor);
 }
@@ -102,7 +103,7 @@ std::shared_ptr<HierarchicalHook::BucketState> HierarchicalHook::state_for(
 }
 
 void HierarchicalHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) {
-  TORCH_CHECK_NOT_IMPLEMENTED(!bucket.sparse && !(grad.defined() && grad.is_sparse()),
+  FASTDDP_CHECK_NOT_IMPLEMENTED(!bucket.sparse && !(grad.defined() && grad.is_sparse()),
                               "fastddp: the ", name(),
                               " comm hook does not support sparse gradients");
   if (!grad.defined()) {

@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <utility>
 #include <vector>
+#include "../reducer/message.h"
 
 namespace fastddp {
 
@@ -25,7 +26,7 @@ c10::intrusive_ptr<c10::ivalue::Future> PipelinedHook::run(Bucket& bucket, size_
     done = stage->result;
     note_launch(index, nullptr);  // the stage's errors name their collective
   }
-  TORCH_INTERNAL_ASSERT(done, "comm hook '", name(), "' started bucket ", index, " without a future");
+  FASTDDP_INTERNAL_ASSERT(done, "comm hook '", name(), "' started bucket ", index, " without a future");
   if (pending_) {
     std::shared_ptr<Stage> previous = std::move(pending_);
     finish_or_fail(*previous);

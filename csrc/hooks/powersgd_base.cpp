@@ -6,9 +6,11 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <array>
-#include <sstream>
+#include <charconv>
+#include <string_view>
 
 #include "../reducer/profile_range.h"
+#include "../reducer/message.h"
 
 namespace fastddp {
 namespace {
@@ -23,23 +25,46 @@ void clone_tensors(PowerSGDCheckpoint& ck) {
 
 }  // namespace
 
+// "pos k0 k1 ... k623", numpy's Mersenne Twister as PowerSGDState keeps it.
+// std::to_chars/from_chars, not streams (Note [no streams in _C]).
 std::string numpy_rng_state(const NumpyRandomState& rng) {
-  std::ostringstream out;
-  out << rng.pos();
-  for (uint32_t k : rng.key()) out << ' ' << k;
-  return out.str();
+  std::string out = cat(rng.pos());
+  for (uint32_t k : rng.key()) {
+    out.push_back(' ');
+    out += cat(k);
+  }
+  return out;
 }
 
+namespace {
+
+void skip_spaces(std::string_view& text) {
+  while (!text.empty() && (text.front() == ' ' || text.front() == '\t' || text.front() == '\n'))
+    text.remove_prefix(1);
+}
+
+// Reads one decimal number after spaces; false when there is none or it overflows T.
+template <class T>
+bool read_number(std::string_view& text, T& value) {
+  skip_spaces(text);
+  const std::from_chars_result r = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (r.ec != std::errc()) return false;
+  text.remove_prefix(static_cast<size_t>(r.ptr - text.data()));
+  return true;
+}
+
+}  // namespace
+
 void set_numpy_rng_state(NumpyRandomState& rng, const std::string& state) {
-  std::istringstream in(state);
-  int pos = 0;
+  std::string_view text(state);
+  int pos = -1;
   std::array<uint32_t, NumpyRandomState::kN> key{};
-  in >> pos;
-  for (uint32_t& k : key) in >> k;
-  std::string rest;
-  TORCH_CHECK_VALUE(in && !(in >> rest) && pos >= 0 && pos <= NumpyRandomState::kN,
-                    "comm hook 'powersgd': a numpy generator state must be a position in "
-                    "[0, 624] and 624 words");
+  bool ok = read_number(text, pos);
+  for (uint32_t& k : key) ok = ok && read_number(text, k);
+  skip_spaces(text);
+  FASTDDP_CHECK_VALUE(ok && text.empty() && pos >= 0 && pos <= NumpyRandomState::kN,
+                      "comm hook 'powersgd': a numpy generator state must be a position in "
+                      "[0, 624] and 624 words");
   rng.set_state(key, pos);
 }
 
@@ -50,7 +75,7 @@ PowerSGDBase::PowerSGDBase(c10::intrusive_ptr<c10d::ProcessGroup> group, PowerSG
       rng_(rng),
       iter_(options.iter),
       stats_(options.compression_stats_logging_frequency) {
-  TORCH_CHECK(group_, "fastddp: the ", hook_name, " comm hook needs a process group");
+  FASTDDP_CHECK(group_, "fastddp: the ", hook_name, " comm hook needs a process group");
   world_size_ = group_->getSize();
 }
 
@@ -86,7 +111,7 @@ void PowerSGDBase::draw_random_q(const std::vector<at::Tensor>& qs) {
 
 void PowerSGDBase::wait_for_p(c10::ivalue::Future& p_reduced, size_t index) {
   p_reduced.wait();
-  TORCH_CHECK(!p_reduced.hasError(), "fastddp: the ", name(), " comm hook's allreduce of P "
+  FASTDDP_CHECK(!p_reduced.hasError(), "fastddp: the ", name(), " comm hook's allreduce of P "
               "failed for bucket ", index, ": ", p_reduced.tryRetrieveErrorMessage());
 }
 

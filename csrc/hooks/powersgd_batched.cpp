@@ -12,6 +12,7 @@
 #include "powersgd_options.h"
 #include "lowrank.h"
 #include "registry.h"
+#include "../reducer/message.h"
 
 namespace fastddp {
 namespace {
@@ -65,7 +66,7 @@ std::shared_ptr<PipelinedHook::Stage> BatchedPowerSGDHook::start(
   stage->state = bucket_state(bucket, index);
   BucketState& state = *stage->state;
   const int64_t rank = options_.matrix_approximation_rank;
-  TORCH_CHECK_VALUE(rank <= state.side, "fastddp powersgd_batched: bucket ", index, " has ",
+  FASTDDP_CHECK_VALUE(rank <= state.side, "fastddp powersgd_batched: bucket ", index, " has ",
                     state.numel, " elements, a ", state.side, " x ", state.side,
                     " matrix: matrix_approximation_rank (", rank, ") must be at most ",
                     state.side, "; use larger buckets or a smaller rank");

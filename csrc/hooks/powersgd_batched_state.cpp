@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include "powersgd_batched.h"
+#include "../reducer/message.h"
 
 namespace fastddp {
 
@@ -42,7 +43,7 @@ void BatchedPowerSGDHook::adopt_carried(BucketState& s) {
     for (size_t k = 0; k < s.params.size(); ++k) {
       auto it = carried_.errors.find(s.params[k]);
       if (it == carried_.errors.end()) continue;
-      TORCH_CHECK_VALUE(it->second.numel() == s.numels[k], "fastddp powersgd_batched: the saved "
+      FASTDDP_CHECK_VALUE(it->second.numel() == s.numels[k], "fastddp powersgd_batched: the saved "
                         "error of parameter ", s.params[k], " has ", it->second.numel(),
                         " elements, expected ", s.numels[k]);
       s.error.narrow(0, s.offsets[k], s.numels[k]).copy_(it->second.reshape(-1));
@@ -115,7 +116,7 @@ void BatchedPowerSGDHook::carry_buckets(PowerSGDCheckpoint& into) const {
 }
 
 void BatchedPowerSGDHook::check_checkpoint(const PowerSGDCheckpoint& ck) const {
-  TORCH_CHECK_VALUE(ck.qs.empty(), "fastddp powersgd_batched: the checkpoint has per-parameter "
+  FASTDDP_CHECK_VALUE(ck.qs.empty(), "fastddp powersgd_batched: the checkpoint has per-parameter "
                     "Qs (a \"powersgd\" hook's); this hook keeps one Q per bucket (bucket_qs)");
 }
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "orthogonalize.h"
+#include "../reducer/message.h"
 
 namespace fastddp {
 namespace {
@@ -116,7 +117,7 @@ PowerSGDWork make_powersgd_work(const PowerSGDPlan& plan, const PowerSGDOptions&
 }
 
 void powersgd_orthogonalize(at::Tensor& matrices, double epsilon) {
-  TORCH_CHECK(matrices.dim() == 3 && matrices.size(2) <= matrices.size(1),
+  FASTDDP_CHECK(matrices.dim() == 3 && matrices.size(2) <= matrices.size(1),
               "fastddp powersgd_orthogonalize: matrices must be (batch, n, r) with r <= n, got ",
               matrices.sizes());
   if (fused_orthogonalize(matrices, epsilon)) return;

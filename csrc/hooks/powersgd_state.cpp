@@ -5,6 +5,7 @@
 
 
 #include "powersgd.h"
+#include "../reducer/message.h"
 
 namespace fastddp {
 
@@ -71,7 +72,7 @@ void PowerSGDHook::adopt_carried(BucketState& s, const PowerSGDPlan& plan, bool&
     for (const PowerSGDMatrix& mat : group) {
       auto it = carried_.qs.find(s.params[mat.slot]);
       if (it == carried_.qs.end()) continue;
-      TORCH_CHECK_VALUE(it->second.numel() == mat.m * mat.r,
+      FASTDDP_CHECK_VALUE(it->second.numel() == mat.m * mat.r,
                         "fastddp powersgd: the saved Q of parameter ", s.params[mat.slot],
                         " has ", it->second.numel(), " elements, expected ", mat.m, " x ", mat.r);
       s.qs_after_draw.emplace_back(mat.q_offset, it->second);

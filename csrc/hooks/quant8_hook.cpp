@@ -11,12 +11,13 @@
 #include "quant8_ops.h"
 #include "registry.h"
 #include "side_stream.h"
+#include "../reducer/message.h"
 
 namespace fastddp {
 
 Quant8Hook::Quant8Hook(c10::intrusive_ptr<c10d::ProcessGroup> group, Quant8Options options)
     : group_(std::move(group)), options_(options) {
-  TORCH_CHECK(group_, "fastddp: the ", name(), " comm hook needs a process group");
+  FASTDDP_CHECK(group_, "fastddp: the ", name(), " comm hook needs a process group");
   world_size_ = group_->getSize();
   scale_ = 1.0 / world_size_;
 }
@@ -30,13 +31,13 @@ std::string Quant8Hook::name() const {
 }
 
 void Quant8Hook::set_divide_factor(int64_t factor) {
-  TORCH_CHECK(factor > 0, "fastddp: the divide factor must be positive, got ", factor);
+  FASTDDP_CHECK(factor > 0, "fastddp: the divide factor must be positive, got ", factor);
   scale_ = 1.0 / static_cast<double>(factor);
 }
 
 void Quant8Hook::on_new_buckets(const std::vector<Bucket>& buckets) {
   for (const Bucket& b : buckets) {
-    TORCH_CHECK_NOT_IMPLEMENTED(
+    FASTDDP_CHECK_NOT_IMPLEMENTED(
         b.sparse || b.flat.scalar_type() == at::kFloat, "fastddp: the ", name(),
         " comm hook compresses float32 gradients only; this model has a bucket of ",
         b.flat.scalar_type(), " (use the bf16 hook, or keep those parameters float32)");
@@ -51,9 +52,9 @@ int64_t Quant8Hook::padded_numel(int64_t numel) const {
 
 std::shared_ptr<Quant8Hook::BucketState>& Quant8Hook::state_for(const Bucket& bucket) {
   std::shared_ptr<BucketState>& state = states_[bucket.flat.unsafeGetTensorImpl()];
-  TORCH_CHECK_NOT_IMPLEMENTED(!bucket.sparse, "fastddp: the ", name(),
+  FASTDDP_CHECK_NOT_IMPLEMENTED(!bucket.sparse, "fastddp: the ", name(),
                               " comm hook does not support sparse gradients");
-  TORCH_CHECK_NOT_IMPLEMENTED(bucket.flat.scalar_type() == at::kFloat, "fastddp: the ", name(),
+  FASTDDP_CHECK_NOT_IMPLEMENTED(bucket.flat.scalar_type() == at::kFloat, "fastddp: the ", name(),
                               " comm hook compresses float32 gradients only, got a bucket of ",
                               bucket.flat.scalar_type());
   const int64_t padded = padded_numel(bucket.flat.numel());
@@ -104,10 +105,10 @@ void Quant8Hook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) {
     s.has_grad[slot] = 0;
     return;
   }
-  TORCH_CHECK_NOT_IMPLEMENTED(!grad.is_sparse(), "fastddp: the ", name(),
+  FASTDDP_CHECK_NOT_IMPLEMENTED(!grad.is_sparse(), "fastddp: the ", name(),
                               " comm hook does not support sparse gradients");
   const at::Tensor& view = bucket.views[slot];
-  TORCH_CHECK(grad.numel() == numel && grad.device() == view.device(), "fastddp: the ", name(),
+  FASTDDP_CHECK(grad.numel() == numel && grad.device() == view.device(), "fastddp: the ", name(),
               " comm hook got a gradient of ", grad.numel(), " elements on ", grad.device(),
               " for a bucket slot of ", numel, " on ", view.device());
   // The staging slot is laid out as the bucket slot (storage order), so a
@@ -183,10 +184,10 @@ void Quant8Hook::write_back(Bucket& bucket, const c10::IValue& result,
   FASTDDP_PROFILE_RANGE("fastddp write-back (dequantize8)");
   const at::Tensor gathered = hook_result_tensor(result, name());
   const BucketState& s = *state_for(bucket);
-  TORCH_CHECK(gathered.scalar_type() == at::kByte && gathered.is_contiguous() &&
+  FASTDDP_CHECK(gathered.scalar_type() == at::kByte && gathered.is_contiguous() &&
                   gathered.numel() == s.wire.numel(),
               "fastddp: the ", name(), " comm hook's result is not its 8-bit wire buffer");
-  TORCH_CHECK(dsts.size() == bucket.views.size(), "fastddp: ", dsts.size(),
+  FASTDDP_CHECK(dsts.size() == bucket.views.size(), "fastddp: ", dsts.size(),
               " write-back destinations for a bucket of ", bucket.views.size());
   const int64_t numel = bucket.flat.numel();
   for (int64_t r = 0; r < world_size_ && r * s.shard < numel; ++r) {

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "../kernels/quant8.h"
+#include "../reducer/message.h"
 #include "../reducer/profile_range.h"
 
 #if defined(FASTDDP_WITH_CUDA)
@@ -20,19 +21,19 @@ namespace {
 int64_t grain_blocks(int64_t block) { return std::max<int64_t>(1, (int64_t{1} << 16) / block); }
 
 void check_block(int64_t block) {
-  TORCH_CHECK(block > 0 && block <= kernels::kQuant8MaxBlock,
+  FASTDDP_CHECK(block > 0 && block <= kernels::kQuant8MaxBlock,
               "fastddp quant8: block must be in [1, ", kernels::kQuant8MaxBlock, "], got ",
               block);
 }
 
 void check_tensor(const at::Tensor& t, at::ScalarType type, const char* what) {
-  TORCH_CHECK(t.defined() && t.is_contiguous(), "fastddp quant8: ", what, " must be contiguous");
-  TORCH_CHECK(t.scalar_type() == type, "fastddp quant8: ", what, " must be ", type, ", got ",
+  FASTDDP_CHECK(t.defined() && t.is_contiguous(), "fastddp quant8: ", what, " must be contiguous");
+  FASTDDP_CHECK(t.scalar_type() == type, "fastddp quant8: ", what, " must be ", type, ", got ",
               t.scalar_type());
 }
 
 void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* what) {
-  TORCH_CHECK(a.device() == b.device(), "fastddp quant8: ", what, " is on ", b.device(),
+  FASTDDP_CHECK(a.device() == b.device(), "fastddp quant8: ", what, " is on ", b.device(),
               ", expected ", a.device());
 }
 
@@ -43,7 +44,7 @@ void* current_stream(const at::Tensor& t) {
 #endif
 
 [[noreturn]] void no_cuda() {
-  TORCH_CHECK_NOT_IMPLEMENTED(false, "fastddp was built without CUDA: 8-bit quantization of "
+  FASTDDP_CHECK_NOT_IMPLEMENTED(false, "fastddp was built without CUDA: 8-bit quantization of "
                               "CUDA tensors needs a CUDA build");
 }
 
@@ -53,7 +54,7 @@ Quant8Format quant8_format_from_name(const std::string& name, const std::string&
   if (name == "int8") return Quant8Format::kInt8;
   if (name == "e4m3") return Quant8Format::kFp8E4M3;
   if (name == "e5m2") return Quant8Format::kFp8E5M2;
-  TORCH_CHECK_VALUE(false, what, " must be 'int8', 'e4m3' or 'e5m2', got '", name, "'");
+  FASTDDP_CHECK_VALUE(false, what, " must be 'int8', 'e4m3' or 'e5m2', got '", name, "'");
 }
 
 std::string quant8_format_name(Quant8Format format) {
@@ -77,7 +78,7 @@ void quantize8_into(Quant8Format format, const at::Tensor& src, int64_t block,
   check_tensor(scales, at::kFloat, "scales");
   const int64_t n = src.numel();
   const int64_t blocks = quant8_num_blocks(n, block);
-  TORCH_CHECK(codes.numel() == n && scales.numel() == blocks, "fastddp quantize8: ", n,
+  FASTDDP_CHECK(codes.numel() == n && scales.numel() == blocks, "fastddp quantize8: ", n,
               " values need ", n, " codes and ", blocks, " scales, got ", codes.numel(), " and ",
               scales.numel());
   check_same_device(src, codes, "codes");
@@ -86,7 +87,7 @@ void quantize8_into(Quant8Format format, const at::Tensor& src, int64_t block,
   if (err != nullptr) {
     check_tensor(*err, at::kFloat, "err");
     check_same_device(src, *err, "err");
-    TORCH_CHECK(err->numel() == n, "fastddp quantize8: err must have ", n, " elements");
+    FASTDDP_CHECK(err->numel() == n, "fastddp quantize8: err must have ", n, " elements");
     e = err->data_ptr<float>();
   }
   const float* s = src.const_data_ptr<float>();
@@ -101,7 +102,7 @@ void quantize8_into(Quant8Format format, const at::Tensor& src, int64_t block,
     no_cuda();
 #endif
   }
-  TORCH_CHECK(src.is_cpu(), "fastddp quantize8: unsupported device ", src.device());
+  FASTDDP_CHECK(src.is_cpu(), "fastddp quantize8: unsupported device ", src.device());
   at::parallel_for(0, blocks, grain_blocks(block), [&](int64_t b0, int64_t b1) {
     kernels::quantize8_cpu(format, s, n, block, c, sc, e, b0, b1);
   });
@@ -115,7 +116,7 @@ void dequantize8_into(Quant8Format format, const at::Tensor& codes, const at::Te
   check_tensor(scales, at::kFloat, "scales");
   check_tensor(dst, at::kFloat, "dst");
   const int64_t n = dst.numel();
-  TORCH_CHECK(n <= codes.numel() && scales.numel() == quant8_num_blocks(codes.numel(), block),
+  FASTDDP_CHECK(n <= codes.numel() && scales.numel() == quant8_num_blocks(codes.numel(), block),
               "fastddp dequantize8: ", codes.numel(), " codes need ",
               quant8_num_blocks(codes.numel(), block), " scales (got ", scales.numel(),
               ") and at most as many outputs (got ", n, ")");
@@ -133,7 +134,7 @@ void dequantize8_into(Quant8Format format, const at::Tensor& codes, const at::Te
     no_cuda();
 #endif
   }
-  TORCH_CHECK(codes.is_cpu(), "fastddp dequantize8: unsupported device ", codes.device());
+  FASTDDP_CHECK(codes.is_cpu(), "fastddp dequantize8: unsupported device ", codes.device());
   at::parallel_for(0, quant8_num_blocks(n, block), grain_blocks(block),
                    [&](int64_t b0, int64_t b1) {
                      kernels::dequantize8_cpu(format, c, sc, n, block, d, b0, b1);
@@ -149,13 +150,13 @@ void sum_shards8_into(Quant8Format format, const at::Tensor& shards, int64_t cou
   check_tensor(out_scales, at::kFloat, "out_scales");
   const int64_t blocks = quant8_num_blocks(n, block);
   const int64_t shard_bytes = n + 4 * blocks;
-  TORCH_CHECK(count > 0 && n % 4 == 0 && shards.numel() == count * shard_bytes &&
+  FASTDDP_CHECK(count > 0 && n % 4 == 0 && shards.numel() == count * shard_bytes &&
                   out_codes.numel() == n && out_scales.numel() == blocks,
               "fastddp sum_shards8: ", count, " shards of ", n, " values (a multiple of 4) "
               "need ", count * shard_bytes, " bytes, ", n, " codes and ", blocks,
               " scales out; got ", shards.numel(), ", ", out_codes.numel(), " and ",
               out_scales.numel());
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(shards.const_data_ptr()) % 4 == 0,
+  FASTDDP_CHECK(reinterpret_cast<uintptr_t>(shards.const_data_ptr()) % 4 == 0,
               "fastddp sum_shards8: shards must be 4-byte aligned");
   check_same_device(shards, out_codes, "out_codes");
   check_same_device(shards, out_scales, "out_scales");
@@ -172,7 +173,7 @@ void sum_shards8_into(Quant8Format format, const at::Tensor& shards, int64_t cou
     no_cuda();
 #endif
   }
-  TORCH_CHECK(shards.is_cpu(), "fastddp sum_shards8: unsupported device ", shards.device());
+  FASTDDP_CHECK(shards.is_cpu(), "fastddp sum_shards8: unsupported device ", shards.device());
   at::parallel_for(0, blocks, grain_blocks(block), [&](int64_t b0, int64_t b1) {
     kernels::sum_shards8_cpu(format, s, shard_bytes, count, n, block, c, sc, b0, b1);
   });

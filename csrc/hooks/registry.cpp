@@ -6,7 +6,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <mutex>
-#include <sstream>
+#include "../reducer/message.h"
 
 namespace fastddp {
 namespace {
@@ -38,7 +38,7 @@ const HookOption* HookOptions::find(const std::string& key) const {
 bool HookOptions::get_bool(const std::string& key, bool fallback) const {
   const HookOption* v = find(key);
   if (v == nullptr) return fallback;
-  TORCH_CHECK(std::holds_alternative<bool>(*v), "comm hook '", hook_, "': option '", key,
+  FASTDDP_CHECK(std::holds_alternative<bool>(*v), "comm hook '", hook_, "': option '", key,
               "' must be a bool, got ", type_name(*v));
   return std::get<bool>(*v);
 }
@@ -46,7 +46,7 @@ bool HookOptions::get_bool(const std::string& key, bool fallback) const {
 int64_t HookOptions::get_int(const std::string& key, int64_t fallback) const {
   const HookOption* v = find(key);
   if (v == nullptr) return fallback;
-  TORCH_CHECK(std::holds_alternative<int64_t>(*v), "comm hook '", hook_, "': option '", key,
+  FASTDDP_CHECK(std::holds_alternative<int64_t>(*v), "comm hook '", hook_, "': option '", key,
               "' must be an int, got ", type_name(*v));
   return std::get<int64_t>(*v);
 }
@@ -55,7 +55,7 @@ double HookOptions::get_double(const std::string& key, double fallback) const {
   const HookOption* v = find(key);
   if (v == nullptr) return fallback;
   if (std::holds_alternative<int64_t>(*v)) return static_cast<double>(std::get<int64_t>(*v));
-  TORCH_CHECK(std::holds_alternative<double>(*v), "comm hook '", hook_, "': option '", key,
+  FASTDDP_CHECK(std::holds_alternative<double>(*v), "comm hook '", hook_, "': option '", key,
               "' must be a float, got ", type_name(*v));
   return std::get<double>(*v);
 }
@@ -64,15 +64,14 @@ std::string HookOptions::get_choice(const std::string& key, const std::string& f
                                     const std::vector<std::string>& choices) const {
   const HookOption* v = find(key);
   if (v == nullptr) return fallback;
-  std::ostringstream allowed;
-  for (size_t i = 0; i < choices.size(); ++i) allowed << (i ? ", " : "") << "'" << choices[i] << "'";
-  TORCH_CHECK(std::holds_alternative<std::string>(*v), "comm hook '", hook_, "': option '", key,
-              "' must be one of ", allowed.str(), ", got a ", type_name(*v));
+  const std::string allowed = join(choices, ", ", "'");
+  FASTDDP_CHECK(std::holds_alternative<std::string>(*v), "comm hook '", hook_, "': option '", key,
+              "' must be one of ", allowed, ", got a ", type_name(*v));
   const std::string& s = std::get<std::string>(*v);
   for (const std::string& c : choices) {
     if (c == s) return s;
   }
-  TORCH_CHECK(false, "comm hook '", hook_, "': option '", key, "' must be one of ", allowed.str(),
+  FASTDDP_CHECK(false, "comm hook '", hook_, "': option '", key, "' must be one of ", allowed,
               ", got '", s, "'");
 }
 
@@ -81,18 +80,16 @@ void HookOptions::check_known(const std::vector<std::string>& known) const {
     bool found = false;
     for (const std::string& k : known) found = found || k == key;
     if (found) continue;
-    std::ostringstream names;
-    for (size_t i = 0; i < known.size(); ++i) names << (i ? ", " : "") << known[i];
-    TORCH_CHECK(false, "comm hook '", hook_, "' has no option '", key, "' (it takes: ",
-                known.empty() ? "none" : names.str(), ")");
+    FASTDDP_CHECK(false, "comm hook '", hook_, "' has no option '", key, "' (it takes: ",
+                known.empty() ? "none" : join(known, ", "), ")");
   }
 }
 
 void register_comm_hook_factory(const std::string& name, CommHookFactory factory) {
-  TORCH_CHECK(!name.empty() && factory, "fastddp: a comm hook needs a name and a factory");
+  FASTDDP_CHECK(!name.empty() && factory, "fastddp: a comm hook needs a name and a factory");
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
-  TORCH_CHECK(r.factories.count(name) == 0, "fastddp: a comm hook named '", name,
+  FASTDDP_CHECK(r.factories.count(name) == 0, "fastddp: a comm hook named '", name,
               "' is already registered");
   r.factories.emplace(name, std::move(factory));
 }
@@ -100,22 +97,22 @@ void register_comm_hook_factory(const std::string& name, CommHookFactory factory
 std::shared_ptr<CommHook> create_comm_hook(const std::string& name,
                                            const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                            const std::map<std::string, HookOption>& options) {
-  TORCH_CHECK(group, "fastddp: comm hook '", name, "' needs a process group");
+  FASTDDP_CHECK(group, "fastddp: comm hook '", name, "' needs a process group");
   CommHookFactory factory;
   {
     Registry& r = registry();
     std::lock_guard<std::mutex> lock(r.mutex);
     auto it = r.factories.find(name);
     if (it == r.factories.end()) {
-      std::ostringstream known;
-      for (const auto& [n, f] : r.factories) known << " '" << n << "'";
-      TORCH_CHECK(false, "fastddp: no comm hook named '", name, "' is registered (known:",
-                  known.str(), ")");
+      std::string known;
+      for (const auto& [n, f] : r.factories) known += cat(" '", n, "'");
+      FASTDDP_CHECK(false, "fastddp: no comm hook named '", name, "' is registered (known:",
+                  known, ")");
     }
     factory = it->second;
   }
   std::shared_ptr<CommHook> hook = factory(group, HookOptions(name, options));
-  TORCH_CHECK(hook, "fastddp: the factory of comm hook '", name, "' returned no hook");
+  FASTDDP_CHECK(hook, "fastddp: the factory of comm hook '", name, "' returned no hook");
   return hook;
 }
 

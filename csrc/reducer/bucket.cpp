@@ -7,6 +7,7 @@
 #include <map>
 #include <string>
 #include <utility>
+#include "message.h"
 
 namespace fastddp {
 
@@ -77,7 +78,7 @@ int64_t lay_out(Bucket& bucket, const std::vector<at::Tensor>& params, int64_t a
 std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
                                  const std::vector<std::vector<size_t>>& plan,
                                  const std::vector<bool>& sparse, int64_t align_bytes) {
-  TORCH_CHECK(align_bytes >= 0 && (align_bytes & (align_bytes - 1)) == 0,
+  FASTDDP_CHECK(align_bytes >= 0 && (align_bytes & (align_bytes - 1)) == 0,
               "fastddp: the bucket alignment must be 0 or a power of two, got ", align_bytes);
   std::vector<Bucket> buckets(plan.size());
   // Per (device, dtype): the dense buckets and each one's start in the buffer.
@@ -86,10 +87,10 @@ std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
   std::map<std::pair<std::string, c10::ScalarType>, int64_t> group_numel;
   for (size_t b = 0; b < plan.size(); ++b) {
     Bucket& bucket = buckets[b];
-    TORCH_CHECK(!plan[b].empty(), "fastddp: bucket ", b, " of the plan is empty");
+    FASTDDP_CHECK(!plan[b].empty(), "fastddp: bucket ", b, " of the plan is empty");
     const at::Tensor& first = params.at(plan[b].front());
     if (!sparse.empty() && sparse.at(plan[b].front())) {
-      TORCH_CHECK(plan[b].size() == 1, "fastddp: bucket ", b, " holds parameter ",
+      FASTDDP_CHECK(plan[b].size() == 1, "fastddp: bucket ", b, " holds parameter ",
                   plan[b].front(), ", which gets sparse gradients, and ", plan[b].size() - 1,
                   " others; a sparse gradient needs a bucket of its own");
       bucket.sparse = true;
@@ -102,7 +103,7 @@ std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
     }
     for (size_t index : plan[b]) {
       const at::Tensor& p = params.at(index);
-      TORCH_CHECK(p.scalar_type() == first.scalar_type() && p.device() == first.device(),
+      FASTDDP_CHECK(p.scalar_type() == first.scalar_type() && p.device() == first.device(),
                   "fastddp: bucket ", b, " mixes ", first.scalar_type(), " on ", first.device(),
                   " with ", p.scalar_type(), " on ", p.device(), " (parameter ", index, ")");
       bucket.params.push_back(index);

@@ -8,6 +8,7 @@
 
 #include "../kernels/nonfinite.h"
 #include "nonfinite_guard.h"
+#include "message.h"
 
 #if defined(FASTDDP_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>
@@ -137,23 +138,23 @@ at::Tensor hook_result_tensor(const c10::IValue& result, const std::string& hook
   if (result.isTensor()) return result.toTensor();
   if (result.isTensorList()) {
     auto list = result.toTensorList();
-    TORCH_CHECK(list.size() >= 1, "fastddp: comm hook '", hook_name,
+    FASTDDP_CHECK(list.size() >= 1, "fastddp: comm hook '", hook_name,
                 "' completed with an empty list of tensors");
     return list.get(0);
   }
   if (result.isList()) {
     auto list = result.toListRef();
-    TORCH_CHECK(!list.empty() && list[0].isTensor(), "fastddp: comm hook '", hook_name,
+    FASTDDP_CHECK(!list.empty() && list[0].isTensor(), "fastddp: comm hook '", hook_name,
                 "' must complete its future with a tensor or a list of tensors");
     return list[0].toTensor();
   }
-  TORCH_CHECK(false, "fastddp: comm hook '", hook_name,
+  FASTDDP_CHECK(false, "fastddp: comm hook '", hook_name,
               "' must complete its future with a tensor (the reduced bucket), got ",
               result.tagKind());
 }
 
 void copy_flat_to_grads(Bucket& bucket, const at::Tensor& flat, std::vector<at::Tensor>& dsts) {
-  TORCH_CHECK(flat.dim() == 1 && flat.numel() == bucket.flat.numel(),
+  FASTDDP_CHECK(flat.dim() == 1 && flat.numel() == bucket.flat.numel(),
               "fastddp: a comm hook returned a tensor of shape ", flat.sizes(),
               " for a bucket of ", bucket.flat.numel(), " elements");
   const bool in_place = flat.data_ptr() == bucket.flat.data_ptr() &&

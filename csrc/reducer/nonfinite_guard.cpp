@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include "message.h"
 
 namespace fastddp {
 
@@ -19,7 +20,7 @@ void NonFiniteGuard::note(size_t param, bool nonfinite) {
 }
 
 int32_t* NonFiniteGuard::device_flag(size_t param, const at::Tensor& like) {
-  TORCH_CHECK(param < num_params_, "fastddp: parameter index ", param, " out of range");
+  FASTDDP_CHECK(param < num_params_, "fastddp: parameter index ", param, " out of range");
   if (!flags_.defined() || flags_.device() != like.device()) {
     flags_ = at::zeros({static_cast<int64_t>(num_params_)},
                        like.options().dtype(at::kInt));

@@ -10,6 +10,7 @@
 #include "device_timeline.h"
 #include "nonfinite_guard.h"
 #include "profile_range.h"
+#include "message.h"
 
 namespace fastddp {
 
@@ -22,10 +23,10 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
       group_(std::move(group)),
       hook_(std::move(hook)),
       options_(std::move(options)) {
-  TORCH_CHECK(group_, "fastddp: Reducer needs a process group");
-  TORCH_CHECK(hook_, "fastddp: Reducer needs a comm hook");
-  TORCH_CHECK(!params_.empty(), "fastddp: Reducer needs at least one parameter");
-  TORCH_CHECK(names_.size() == params_.size(), "fastddp: ", params_.size(), " parameters but ",
+  FASTDDP_CHECK(group_, "fastddp: Reducer needs a process group");
+  FASTDDP_CHECK(hook_, "fastddp: Reducer needs a comm hook");
+  FASTDDP_CHECK(!params_.empty(), "fastddp: Reducer needs at least one parameter");
+  FASTDDP_CHECK(names_.size() == params_.size(), "fastddp: ", params_.size(), " parameters but ",
               names_.size(), " names");
   rank_ = group_->getRank();
   world_size_ = group_->getSize();
@@ -33,19 +34,19 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   std::vector<size_t> seen(params_.size(), 0);
   for (const auto& bucket : plan) {
     for (size_t index : bucket) {
-      TORCH_CHECK(index < params_.size(), "fastddp: bucket plan names parameter ", index,
+      FASTDDP_CHECK(index < params_.size(), "fastddp: bucket plan names parameter ", index,
                   " of ", params_.size());
       ++seen[index];
     }
   }
   for (size_t i = 0; i < params_.size(); ++i) {
-    TORCH_CHECK(seen[i] == 1, "fastddp: parameter '", names_[i], "' appears ", seen[i],
+    FASTDDP_CHECK(seen[i] == 1, "fastddp: parameter '", names_[i], "' appears ", seen[i],
                 " times in the bucket plan; every parameter must be in exactly one bucket");
-    TORCH_CHECK(params_[i].requires_grad(), "fastddp: parameter '", names_[i],
+    FASTDDP_CHECK(params_[i].requires_grad(), "fastddp: parameter '", names_[i],
                 "' does not require grad and must not be given to the reducer");
   }
   if (options_.expect_sparse.empty()) options_.expect_sparse.assign(params_.size(), false);
-  TORCH_CHECK(options_.expect_sparse.size() == params_.size(), "fastddp: expect_sparse has ",
+  FASTDDP_CHECK(options_.expect_sparse.size() == params_.size(), "fastddp: expect_sparse has ",
               options_.expect_sparse.size(), " entries for ", params_.size(), " parameters");
   buckets_ = make_buckets(params_, plan, options_.expect_sparse, options_.align_bytes);
   check_hook_supports(*hook_);
@@ -76,7 +77,7 @@ void Reducer::install_hooks() {
   for (size_t i = 0; i < params_.size(); ++i) {
     // `auto`: the pointer type changed in torch 2.13 (see GradAccumulatorPtr).
     auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
-    TORCH_CHECK(accumulator, "fastddp: parameter '", names_[i], "' has no grad accumulator");
+    FASTDDP_CHECK(accumulator, "fastddp: parameter '", names_[i], "' has no grad accumulator");
     // Plain C++ called by the autograd engine: no GIL, no Python object. Compiled
     // autograd cannot trace it: it asks for compiled_args first, which raises a
     // message naming the setting rather than torch's generic "compiled_args nyi"
@@ -89,7 +90,7 @@ void Reducer::install_hooks() {
               return outputs;
             },
             [](auto&) {
-              TORCH_CHECK_NOT_IMPLEMENTED(
+              FASTDDP_CHECK_NOT_IMPLEMENTED(
                   false,
                   "fastddp.DistributedDataParallel: backward under compiled autograd is not "
                   "supported: fastddp's reducer hooks are C++ autograd hooks that compiled "
@@ -148,7 +149,7 @@ void Reducer::reset_iteration() {
 
 void Reducer::set_divide_factor(int64_t factor) {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(factor > 0 && factor <= world_size_, "fastddp: divide factor ", factor,
+  FASTDDP_CHECK(factor > 0 && factor <= world_size_, "fastddp: divide factor ", factor,
               " is not between 1 and the world size ", world_size_);
   divide_factor_ = factor;
 }
@@ -175,7 +176,7 @@ void Reducer::handle_grad_ready(size_t index) {
     });
   }
   if (phase_ == Phase::kIdle) return;
-  TORCH_CHECK(phase_ != Phase::kReduced, "fastddp: parameter '", names_[index],
+  FASTDDP_CHECK(phase_ != Phase::kReduced, "fastddp: parameter '", names_[index],
               "' received a gradient after this iteration's gradients were already reduced. "
               "DistributedDataParallel reduces once per forward: a second backward through the "
               "same forward output is not supported. Run the forward again, or do the extra "
@@ -192,7 +193,7 @@ void Reducer::handle_grad_ready(size_t index) {
     for (size_t unused : unused_) mark_ready(unused);
   }
   if (options_.static_graph) {
-    TORCH_CHECK(hooks_left_[index] > 0,
+    FASTDDP_CHECK(hooks_left_[index] > 0,
                 "Your training graph has changed in this iteration, e.g., one parameter is "
                 "unused in first iteration, but then got used in the second iteration. this is "
                 "not compatible with static_graph set to True. Parameter '",
@@ -212,11 +213,11 @@ void Reducer::mark_ready(size_t index) {
   at::Tensor& view = bucket.views[slot];
   grad_slot_.with_grad(params_[index], [&](at::Tensor& grad) {
     if (grad.defined()) {
-      TORCH_CHECK(grad.is_sparse() == bucket.sparse, "fastddp: parameter '", names_[index],
+      FASTDDP_CHECK(grad.is_sparse() == bucket.sparse, "fastddp: parameter '", names_[index],
                   "' produced a ", grad.is_sparse() ? "sparse" : "dense", " gradient, but ",
                   bucket.sparse ? "sparse" : "dense", " gradients were expected (they are "
                   "expected sparse for nn.Embedding / nn.EmbeddingBag with sparse=True)");
-      TORCH_CHECK(grad.scalar_type() == view.scalar_type() && grad.device() == view.device(),
+      FASTDDP_CHECK(grad.scalar_type() == view.scalar_type() && grad.device() == view.device(),
                   "fastddp: parameter '", names_[index], "' got a gradient of ",
                   grad.scalar_type(), " on ", grad.device(), ", expected ", view.scalar_type(),
                   " on ", view.device());
@@ -225,7 +226,7 @@ void Reducer::mark_ready(size_t index) {
     if (grad.defined() && grad.requires_grad()) {
       // backward(create_graph=True): torch's reducer reduces the values and
       // leaves the higher-order graph rank-local; so do we, with its warning.
-      TORCH_WARN_ONCE(
+      FASTDDP_WARN_ONCE(
           "Using DistributedDataParallel with create_graph=True  is not well-supported. The "
           "higher-order gradient will  not be synchronized across ranks, and backpropagation  "
           "through all_reduce operations will not occur. If you require  DDP to work with "
@@ -260,13 +261,13 @@ void Reducer::launch_ready_buckets() {
       bucket.future = hook_->run(bucket, next_bucket_, next_bucket_ + 1 == buckets_.size());
     } catch (const c10::Error& e) {
       // A collective refused at enqueue (a peer already gone): name the bucket.
-      TORCH_CHECK(false, "fastddp: the reduction of bucket ", next_bucket_, " (comm hook '",
+      FASTDDP_CHECK(false, "fastddp: the reduction of bucket ", next_bucket_, " (comm hook '",
                   hook_->name(), "') failed on rank ", rank_, ": ", e.what_without_backtrace());
     } catch (const std::runtime_error& e) {
-      TORCH_CHECK(false, "fastddp: the reduction of bucket ", next_bucket_, " (comm hook '",
+      FASTDDP_CHECK(false, "fastddp: the reduction of bucket ", next_bucket_, " (comm hook '",
                   hook_->name(), "') failed on rank ", rank_, ": ", e.what());
     }
-    TORCH_CHECK(bucket.future, "fastddp: comm hook '", hook_->name(), "' returned no future");
+    FASTDDP_CHECK(bucket.future, "fastddp: comm hook '", hook_->name(), "' returned no future");
     stats_.timings[next_bucket_].launched_us = elapsed_us();
     timeline_->mark(next_bucket_, DeviceTimeline::kLaunched);
     ++next_bucket_;
@@ -331,7 +332,7 @@ void Reducer::finalize_backward() {
       }
       if (bucket.future->hasError()) {
         const char* what = hook_->launched_collective(b);
-        TORCH_CHECK(false, "fastddp: the reduction of bucket ", b, " (comm hook '", hook_->name(),
+        FASTDDP_CHECK(false, "fastddp: the reduction of bucket ", b, " (comm hook '", hook_->name(),
                     "') failed on rank ", rank_, ": ", what ? what : "",
                     what ? " failed: " : "", bucket.future->tryRetrieveErrorMessage());
       }
@@ -402,7 +403,7 @@ void Reducer::write_back(Bucket& bucket, const c10::IValue& result) {
     bucket.sparse_grad.reset();
     if (check_usage && globally_unused(index)) return;
     at::Tensor reduced = hook_->result_tensor(result);
-    TORCH_CHECK(reduced.is_sparse() && reduced.sizes() == params_[index].sizes(),
+    FASTDDP_CHECK(reduced.is_sparse() && reduced.sizes() == params_[index].sizes(),
                 "fastddp: comm hook '", hook_->name(), "' returned a ",
                 reduced.is_sparse() ? "sparse" : "dense", " tensor of shape ", reduced.sizes(),
                 " for the sparse gradient of parameter '", names_[index], "' (shape ",
@@ -425,7 +426,7 @@ void Reducer::write_back(Bucket& bucket, const c10::IValue& result) {
           grad = view;
           replaced = true;
         }
-        TORCH_CHECK(grad.is_alias_of(view), "fastddp: the gradient of parameter '",
+        FASTDDP_CHECK(grad.is_alias_of(view), "fastddp: the gradient of parameter '",
                     names_[index],
                     "' is not its bucket view although gradient_as_bucket_view=True; it was "
                     "replaced during backward (by another hook?).");

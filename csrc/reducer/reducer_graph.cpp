@@ -4,10 +4,10 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/function.h>
 
-#include <sstream>
 #include <unordered_set>
 
 #include "reducer.h"
+#include "message.h"
 
 namespace fastddp {
 namespace {
@@ -106,7 +106,7 @@ std::vector<size_t> Reducer::search_unused_parameters(
     if (seen.count(grad_accumulators_[i].get()) == 0) unused.push_back(i);
   }
   if (unused.empty()) {
-    TORCH_WARN_ONCE(
+    FASTDDP_WARN_ONCE(
         "find_unused_parameters=True was specified in DDP constructor, but did not find any "
         "unused parameters in the forward pass. This flag results in an extra traversal of the "
         "autograd graph every iteration,  which can adversely affect performance. If your model "
@@ -141,13 +141,13 @@ void Reducer::ensure_prior_reduction_finished() const {
         "`forward` outputs participate in computing loss. You can fix this by " +
         outputs_in_loss;
   }
-  std::ostringstream indices;
+  std::vector<std::string> indices;
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (!ready_[i]) indices << (indices.tellp() > 0 ? ", " : "") << i;
+    if (!ready_[i]) indices.push_back(cat(i));
   }
-  TORCH_CHECK(false, message, "\nParameters which did not receive grad for rank ", rank_, ": ",
+  FASTDDP_CHECK(false, message, "\nParameters which did not receive grad for rank ", rank_, ": ",
               unready_params(), "\nParameter indices which did not receive grad for rank ", rank_,
-              ": ", indices.str());
+              ": ", join(indices, ", "));
 }
 
 void Reducer::check_not_ready(size_t index) const {
@@ -177,21 +177,18 @@ void Reducer::check_not_ready(size_t index) const {
         "_set_static_graph() as a workaround if this module graph does not change during "
         "training loop.";
   }
-  TORCH_CHECK(false, message, "\nParameter at index ", index, " with name ", names_[index],
+  FASTDDP_CHECK(false, message, "\nParameter at index ", index, " with name ", names_[index],
               " has been marked as ready twice. This means that multiple autograd engine  hooks "
               "have fired for this particular parameter during this iteration (rank ",
               rank_, ").");
 }
 
 std::string Reducer::unready_params() const {
-  std::ostringstream out;
-  bool first = true;
+  std::vector<std::string> names;
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (ready_[i]) continue;
-    out << (first ? "" : ", ") << names_[i];
-    first = false;
+    if (!ready_[i]) names.push_back(names_[i]);
   }
-  return out.str();
+  return join(names, ", ");
 }
 
 }  // namespace fastddp

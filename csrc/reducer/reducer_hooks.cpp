@@ -3,17 +3,18 @@
 // that it can take the buckets' gradients, and its name.
 #include "nonfinite_guard.h"
 #include "reducer.h"
+#include "message.h"
 
 namespace fastddp {
 
 void Reducer::set_comm_hook(std::shared_ptr<CommHook> hook) {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(hook, "fastddp: set_comm_hook needs a hook");
+  FASTDDP_CHECK(hook, "fastddp: set_comm_hook needs a hook");
   if (phase_ == Phase::kExpecting && num_ready_ > 0) {
     // The backward in flight cannot finish reducing (this call comes from
     // inside it): fail it, so that the next forward starts afresh.
     try {
-      TORCH_CHECK(false, "fastddp: a comm hook cannot be changed while a backward is reducing");
+      FASTDDP_CHECK(false, "fastddp: a comm hook cannot be changed while a backward is reducing");
     } catch (...) {
       fail_iteration(std::current_exception());
       throw;
@@ -29,7 +30,7 @@ void Reducer::set_comm_hook(std::shared_ptr<CommHook> hook) {
 void Reducer::check_hook_supports(const CommHook& hook) const {
   if (hook.supports_sparse()) return;
   for (const Bucket& bucket : buckets_) {
-    TORCH_CHECK_NOT_IMPLEMENTED(!bucket.sparse, "fastddp: the comm hook '", hook.name(),
+    FASTDDP_CHECK_NOT_IMPLEMENTED(!bucket.sparse, "fastddp: the comm hook '", hook.name(),
                                 "' does not support sparse gradients, and parameter '",
                                 names_[bucket.params[0]],
                                 "' gets them (sparse=True); use the default allreduce or a "

@@ -5,6 +5,7 @@
 
 #include "nonfinite_guard.h"
 #include "reducer.h"
+#include "message.h"
 
 namespace fastddp {
 
@@ -33,7 +34,7 @@ void Reducer::shadow_backward() {
   if (nonfinite_) nonfinite_->begin_step();  // the training ranks' guard collective
   for (size_t b = 0; b < futures.size(); ++b) {
     futures[b]->wait();
-    TORCH_CHECK(!futures[b]->hasError(), "fastddp: join: the shadow reduction of bucket ", b,
+    FASTDDP_CHECK(!futures[b]->hasError(), "fastddp: join: the shadow reduction of bucket ", b,
                 " failed on rank ", rank_, ": ", futures[b]->tryRetrieveErrorMessage());
   }
   if (nonfinite_) check_finite_gradients();

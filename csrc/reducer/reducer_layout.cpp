@@ -6,6 +6,7 @@
 
 #include "device_timeline.h"
 #include "reducer.h"
+#include "message.h"
 
 namespace fastddp {
 
@@ -48,7 +49,7 @@ std::vector<std::vector<size_t>> Reducer::broadcast_plan(
   } catch (const std::exception& e) {
     // A dead or stuck peer: say which collective of the forward failed.
     const auto* error = dynamic_cast<const c10::Error*>(&e);
-    TORCH_CHECK(false, "fastddp: the broadcast of rank 0's bucket plan (comm hook '",
+    FASTDDP_CHECK(false, "fastddp: the broadcast of rank 0's bucket plan (comm hook '",
                 hook_->name(), "') failed on rank ", rank_, ": ",
                 error ? error->what_without_backtrace() : e.what());
   }
@@ -137,7 +138,7 @@ void Reducer::check_parameters_unchanged() const {
     const auto [b, slot] = locator_[i];
     const at::Tensor& view = buckets_[b].views[slot];
     const at::Tensor& p = params_[i];
-    TORCH_CHECK(p.scalar_type() == view.scalar_type() && p.device() == view.device() &&
+    FASTDDP_CHECK(p.scalar_type() == view.scalar_type() && p.device() == view.device() &&
                     p.sizes() == view.sizes(),
                 "fastddp: parameter '", names_[i], "' is now ", p.scalar_type(), " on ",
                 p.device(), " of shape ", p.sizes(), ", but DistributedDataParallel was built for ",

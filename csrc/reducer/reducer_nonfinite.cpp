@@ -1,10 +1,9 @@
 // The reducer's side of check_for_nan_in_grad (Note [non-finite guard]).
 #include <c10/util/Exception.h>
 
-#include <sstream>
-
 #include "nonfinite_guard.h"
 #include "reducer.h"
+#include "message.h"
 
 namespace fastddp {
 
@@ -14,22 +13,19 @@ void Reducer::check_finite_gradients() {
   const std::vector<NonFiniteGuard::Finding> found = nonfinite_->wait();
   if (found.empty()) return;
   drop_hook_state_ = true;  // fail_iteration drops it once the step's futures are done
-  std::ostringstream out;
-  out << "fastddp: non-finite gradient (NaN or Inf) ";
-  for (size_t i = 0; i < found.size(); ++i) {
-    const auto& f = found[i];
+  std::vector<std::string> where;
+  for (const auto& f : found) {
     const std::string name = f.param < names_.size() ? names_[f.param] : "?";
-    out << (i == 0 ? "" : "; ") << "in parameter '" << name << "' on rank " << f.rank
-        << " at step " << f.step;
+    where.push_back(cat("in parameter '", name, "' on rank ", f.rank, " at step ", f.step));
   }
-  out << " (check_for_nan_in_grad=True). No averaged gradient was written to param.grad "
-         "this step, so the non-finite values did not reach other ranks' .grad"
-      << (options_.gradient_as_bucket_view
-              ? " (but with gradient_as_bucket_view=True .grad is the bucket itself and holds "
-                "the reduced values)"
-              : "")
-      << "; zero the gradients before the next backward.";
-  TORCH_CHECK(false, out.str());
+  FASTDDP_CHECK(false, "fastddp: non-finite gradient (NaN or Inf) ", join(where, "; "),
+                " (check_for_nan_in_grad=True). No averaged gradient was written to param.grad "
+                "this step, so the non-finite values did not reach other ranks' .grad",
+                options_.gradient_as_bucket_view
+                    ? " (but with gradient_as_bucket_view=True .grad is the bucket itself and "
+                      "holds the reduced values)"
+                    : "",
+                "; zero the gradients before the next backward.");
 }
 
 }  // namespace fastddp

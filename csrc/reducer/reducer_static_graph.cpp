@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/engine.h>
 
 #include "reducer.h"
+#include "message.h"
 
 namespace fastddp {
 
@@ -25,7 +26,7 @@ void Reducer::queue_delayed_reduce() {
 void Reducer::delay_all_reduce() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    TORCH_CHECK(options_.static_graph && num_iterations_ <= 1,
+    FASTDDP_CHECK(options_.static_graph && num_iterations_ <= 1,
                 "fastddp: reducer._delay_all_reduce() belongs to the first iteration of "
                 "static_graph=True training");
     if (delayed_reduce_queued_ || phase_ != Phase::kExpecting) return;  // done or queued
@@ -54,7 +55,7 @@ void Reducer::reduce_all_delayed() {
 
 void Reducer::set_static_graph() {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(num_iterations_ == 0,
+  FASTDDP_CHECK(num_iterations_ == 0,
               "set_static_graph() should be called before training loop starts and after "
               "DistributedDataParallel is constructed.");
   options_.static_graph = true;

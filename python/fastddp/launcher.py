@@ -3,6 +3,7 @@
     torchrun --nproc_per_node=N -m fastddp [--hook NAME] [--bucket-cap-mb X] [--report]
              [--emulate-link BANDWIDTH[,LATENCY]] [--advise [--advise-out DIR]]
              [--] train.py [script args ...]
+    python -m fastddp --check      (the install's self-check, fastddp.selfcheck)
 
 Launcher options come before the script path; everything after it belongs to the script.
 """
@@ -15,6 +16,7 @@ import sys
 
 from fastddp.link import parse_link
 from fastddp.patch import HookUnavailableError, parse_hook_spec, patch
+from fastddp.selfcheck import main as self_check
 
 _DESCRIPTION = """\
 Runs a training script unmodified, with torch.nn.parallel.DistributedDataParallel (and
@@ -64,6 +66,7 @@ environment:
                       with start_powerSGD_iter=2); bf16-fp32acc has no torch equivalent.
 
 examples:
+  python -m fastddp --check      (check this install: every hook against torch DDP)
   torchrun --nproc_per_node=8 -m fastddp --hook bf16 --bucket-cap-mb 100 train.py --epochs 1
   FASTDDP_DISABLE=1 torchrun --nproc_per_node=8 -m fastddp --hook bf16 train.py
   torchrun --nproc_per_node=4 -m fastddp --emulate-link 3GB/s,20us --report train.py
@@ -103,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--advise", action="store_true",
                         help="change nothing; at exit print (rank 0) which --hook the cost "
                              "model predicts fastest on this run's link, and save it")
+    parser.add_argument("--check", action="store_true",
+                        help="check this install and exit: print the environment, then train "
+                             "three steps with every hook against torch DDP on the CPU and on "
+                             "each GPU (about a minute); exit status 0 if all passed")
     parser.add_argument("--advise-out", metavar="DIR", default=None,
                         help="folder for fastddp_advice.md and .json (default: the current "
                              "directory); needs --advise")
@@ -135,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     if options.advise_out is not None and not options.advise:
         parser.error("--advise-out needs --advise")
+    if options.check:
+        if script is not None or own != ["--check"]:
+            parser.error("--check takes no other option and no script")
+        return self_check()
     if script is None:
         parser.print_usage(sys.stderr)
         print("python -m fastddp: error: no training script given", file=sys.stderr)

@@ -70,6 +70,7 @@ def test_logging_data_for_a_direct_group(world):
 
 
 def test_error_logged_as_torch(world):
+    pytest.importorskip("expecttest", reason="torch's common_distributed imports expecttest")
     world.check(s.error_logged)
 
 

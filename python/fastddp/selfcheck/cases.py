@@ -1,0 +1,163 @@
+"""The self-check's cases: each hook fastddp runs natively, with the reference it must meet.
+
+Two kinds of reference, neither of them fastddp's own code:
+- "torch": torch DDP running torch's own hook (or no hook) runs a copy of the same model on
+  the same batches, from the same parameters at every step; the averaged gradients must
+  agree.
+- "mean": where torch has no such hook (fp32 sums, error feedback, 8-bit wires), every step's
+  averaged gradient must lie within the wire format's error of the exact float32 mean,
+  computed by torch (``dist.all_reduce`` of each rank's local gradients).
+"""
+
+# No `from __future__ import annotations`: torch DDP checks a hook's annotations as objects.
+from dataclasses import dataclass
+from typing import Any, Callable
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+from fastddp import hooks
+
+# torch's minimum with error feedback and warm start; the third step is compressed.
+PSGD_START = 2
+STEPS = 3
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """What |fastddp - reference| may be, element by element: floor + rel * |reference| +
+    of_max * max|reference| over the scope ("tensor": the parameter's gradient, "model":
+    all of them, for wire formats whose blocks span parameters). All zero: bit for bit."""
+    rel: float = 0.0
+    of_max: float = 0.0
+    floor: float = 0.0
+    scope: str = "tensor"
+
+
+# torch's hook and fastddp's run the same roundings in the same order.
+EXACT = Tolerance()
+# torch's fp16 hooks cast, then divide by the world size in float16, which rounds a second
+# time where the quotient is subnormal; fastddp scales in float32 and rounds once. A summand
+# may then differ by one subnormal step (2^-24), and the float16 sum of the two ranks' values
+# may round to the neighbour: one unit in its last place, 2^-10 of its magnitude where it is
+# normal, one more subnormal step where it is not.
+FP16_TWIN = Tolerance(rel=2.0 ** -10, floor=2 * 2.0 ** -24)
+# The same algorithm, but fastddp fuses the orthogonalization and the low-rank products,
+# which round differently in float32: 1e-4 of the gradient's largest magnitude (the test
+# suite's bound, tests/python/powersgd_scenarios.py).
+POWERSGD = Tolerance(of_max=1e-4)
+
+# Unit roundoff u of each wire format (half the spacing of values just below a power of
+# two): bf16 keeps 8 significant bits, fp16 11, e4m3 4, e5m2 3; int8 codes round to half
+# of absmax/127 of their block of 256 values, which spans parameters.
+_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "e4m3": 2.0 ** -4, "e5m2": 2.0 ** -3,
+             "int8": 0.5 / 127}
+
+
+def of_exact_mean(wire: str) -> Tolerance:
+    """Against the exact float32 mean: each rank's value rounded once to the wire (u), the
+    sum rounded again (u), and with error feedback last step's residual (at most u) added
+    in: 4u of the largest magnitude, per tensor (16-bit) or per bucket (8-bit blocks)."""
+    return Tolerance(of_max=4 * _ROUNDOFF[wire],
+                     scope="model" if wire in ("int8", "e4m3", "e5m2") else "tensor")
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str              # the row's label: how a user registers it
+    reference: str         # "torch" (torch DDP with torch's hook) or "mean" (exact mean)
+    tolerance: Tolerance
+    # (model's process group) -> (state, hook) for fastddp's register_comm_hook, or None
+    fastddp_hook: Callable[[dist.ProcessGroup], tuple[Any, Any] | None]
+    # the same for torch DDP ("torch" references only)
+    torch_hook: Callable[[dist.ProcessGroup], tuple[Any, Any] | None] | None = None
+    ranks: int | None = None  # None: any world; hierarchical reduction needs 2 x 2
+
+
+def _none(group: dist.ProcessGroup) -> None:
+    return None
+
+
+def _state_hook(hook: Any) -> Callable[[dist.ProcessGroup], tuple[Any, Any]]:
+    return lambda group: (None, hook)
+
+
+def _fixed_batched_powerSGD_hook(state: psgd.PowerSGDState, bucket: dist.GradBucket
+                                 ) -> torch.futures.Future[torch.Tensor]:
+    """torch's batched_powerSGD_hook as it is meant to run: it hands _orthogonalize its 2-D
+    Q and P, which asserts a 3-D batch (since pytorch/pytorch#75157), so as shipped it raises
+    AssertionError at its first compressed step. Here the 2-D matrix is a batch of one, and
+    the result is waited for inside (the hook orthogonalizes P in a callback)."""
+    def orthogonalize_2d(matrices: torch.Tensor, epsilon: float = 0) -> None:
+        original(matrices.unsqueeze(0) if matrices.dim() == 2 else matrices, epsilon)
+
+    original = psgd._orthogonalize
+    with mock.patch.object(psgd, "_orthogonalize", orthogonalize_2d):
+        value = psgd.batched_powerSGD_hook(state, bucket).wait()
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(value)
+    return done
+
+
+def _powersgd(hook: Any, rank: int) -> Callable[[dist.ProcessGroup], tuple[Any, Any]]:
+    """torch's PowerSGD hook with a fresh PowerSGDState (its default seed: both sides draw
+    the same random Q)."""
+    def make(group: dist.ProcessGroup) -> tuple[Any, Any]:
+        state = psgd.PowerSGDState(process_group=group, matrix_approximation_rank=rank,
+                                   start_powerSGD_iter=PSGD_START)
+        return state, hook
+    return make
+
+
+def _torch_case(name: str, fastddp_hook, torch_hook=None, tolerance: Tolerance = EXACT) -> Case:
+    return Case(name, "torch", tolerance, fastddp_hook, torch_hook or fastddp_hook)
+
+
+def all_cases() -> list[Case]:
+    """Every native hook and every torch hook fastddp maps to one, in the table's order."""
+    fp16 = _state_hook(dh.fp16_compress_hook)
+    return [
+        _torch_case("(no hook)", _none),
+        _torch_case("torch allreduce_hook", _state_hook(dh.allreduce_hook)),
+        _torch_case("fastddp.hooks.allreduce()", _state_hook(hooks.allreduce()),
+                    _state_hook(dh.allreduce_hook)),
+        _torch_case("torch bf16_compress_hook", _state_hook(dh.bf16_compress_hook)),
+        _torch_case("torch bf16_compress_wrapper(allreduce_hook)",
+                    _state_hook(dh.bf16_compress_wrapper(dh.allreduce_hook))),
+        _torch_case("fastddp.hooks.bf16()", _state_hook(hooks.bf16()),
+                    _state_hook(dh.bf16_compress_hook)),
+        _torch_case("torch fp16_compress_hook", fp16, tolerance=FP16_TWIN),
+        _torch_case("torch fp16_compress_wrapper(allreduce_hook)",
+                    _state_hook(dh.fp16_compress_wrapper(dh.allreduce_hook)),
+                    tolerance=FP16_TWIN),
+        _torch_case("fastddp.hooks.fp16()", _state_hook(hooks.fp16()), fp16, FP16_TWIN),
+        _torch_case("torch powerSGD_hook + PowerSGDState(rank 2)",
+                    _powersgd(psgd.powerSGD_hook, 2), tolerance=POWERSGD),
+        _torch_case("torch batched_powerSGD_hook + PowerSGDState(rank 2)",
+                    _powersgd(psgd.batched_powerSGD_hook, 2),
+                    _powersgd(_fixed_batched_powerSGD_hook, 2), POWERSGD),
+        _torch_case("fastddp.hooks.powersgd(2)",
+                    _state_hook(hooks.powersgd(2, start_powerSGD_iter=PSGD_START)),
+                    _powersgd(psgd.powerSGD_hook, 2), POWERSGD),
+        _torch_case("fastddp.hooks.batched_powersgd(2)",
+                    _state_hook(hooks.batched_powersgd(2, start_powerSGD_iter=PSGD_START)),
+                    _powersgd(_fixed_batched_powerSGD_hook, 2), POWERSGD),
+        Case('fastddp.hooks.bf16(accumulate="fp32")', "mean", of_exact_mean("bf16"),
+             _state_hook(hooks.bf16(accumulate="fp32"))),
+        Case("fastddp.hooks.bf16(error_feedback=True)", "mean", of_exact_mean("bf16"),
+             _state_hook(hooks.bf16(error_feedback=True))),
+        Case('fastddp.hooks.fp16(accumulate="fp32")', "mean", of_exact_mean("fp16"),
+             _state_hook(hooks.fp16(accumulate="fp32"))),
+        Case("fastddp.hooks.int8()", "mean", of_exact_mean("int8"), _state_hook(hooks.int8())),
+        Case('fastddp.hooks.fp8("e4m3")', "mean", of_exact_mean("e4m3"),
+             _state_hook(hooks.fp8("e4m3"))),
+        Case('fastddp.hooks.fp8("e5m2")', "mean", of_exact_mean("e5m2"),
+             _state_hook(hooks.fp8("e5m2"))),
+        # Two "nodes" of two ranks: float32 inside a node, bf16 between the nodes.
+        Case("fastddp.hooks.hierarchical(bf16(), local_size=2)", "mean",
+             of_exact_mean("bf16"),
+             lambda group: (None, hooks.hierarchical(hooks.bf16(), local_size=2)), ranks=4),
+    ]
