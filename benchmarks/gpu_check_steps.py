@@ -115,6 +115,21 @@ def pytest_verdict(output: str, figures: dict) -> str | None:
     return None
 
 
+def selfcheck_figures(output: str) -> dict:
+    """`python -m fastddp --check`: its table's rows that passed, all of them, its verdict."""
+    lines = output.splitlines()
+    start = next((i + 1 for i, line in enumerate(lines) if line.startswith("hook ")), len(lines))
+    rows = []
+    for line in lines[start:]:
+        if not line.strip():
+            break
+        rows.append(line)
+    ok = sum(1 for line in rows if "  ok: " in line)
+    last = next((line for line in reversed(lines) if line.startswith("fastddp self-check")),
+                "no verdict line")
+    return {"summary": f"{ok}/{len(rows)} rows ok; {last}", "ok": ok, "rows": len(rows)}
+
+
 def world1_figures(output: str) -> dict:
     found = json_figures(output)
     cases = found.get("cases", {})
@@ -235,6 +250,9 @@ def default_steps(out_dir: Path, python: str = sys.executable) -> list[Step]:
         Step("build", [python, here, "build"], 420,
              "pip install --no-build-isolation -e . if _C is missing, lacks CUDA or was "
              "built against another torch", note="MAX_JOBS: $MAX_JOBS, else all cores"),
+        Step("self-check", [python, "-m", "fastddp", "--check"], 120,
+             "python -m fastddp --check: the environment, the build's libstdc++, every hook "
+             "against torch DDP on the CPU and on each GPU", figures=selfcheck_figures),
         Step("pytest-gpu",
              [python, "-m", "pytest", "-m", "gpu", "tests/python", "-q", "-p",
               "no:cacheprovider", "-rfEs", "--deselect",

@@ -21,7 +21,7 @@ from gpu_check_steps import Step  # noqa: E402
 
 PY = sys.executable
 # The steps the check promises (README): none may silently drop out of the list.
-PROMISED = ["env", "build", "pytest-gpu", "nccl-world1", "sanitizer-memcheck",
+PROMISED = ["env", "build", "self-check", "pytest-gpu", "nccl-world1", "sanitizer-memcheck",
             "sanitizer-racecheck", "kernels", "powersgd-hook", "article"]
 
 
@@ -165,6 +165,28 @@ KERNELS = """\
 | (24, 1024, 1) | 7.5 | 14.6 | 1.95x | 26.2 |
 | (24, 4096, 8) | 32.3 | 29.9 | 0.93x | 24.4 |
 """
+
+
+# Lines of real `python -m fastddp --check` outputs on this CPU machine (the FAIL and the
+# ValueError rows from runs of a draft whose fp16 and hierarchical cases were wrong).
+SELF_CHECK = """\
+  module check      ok: uses the shared libstdc++
+
+hook                                                 where            against         s  result
+(no hook)                                            cpu, gloo x2     torch DDP    1.20  ok: equal
+torch fp16_compress_hook                             cpu, gloo x2     torch DDP    0.09  ok: 0.86 of the allowed difference
+fastddp.hooks.fp16()                                 cpu, gloo x4     torch DDP    0.65  FAIL: 20 of the allowed difference
+fastddp.hooks.hierarchical(bf16(), local_size=1)     cpu, gloo x2     exact mean   0.00  ValueError: fastddp.hooks.hierarchical: local_size=1: with fewer than 2 ranks per node
+fastddp.hooks.int8()                                 cpu, gloo x2     exact mean   0.04  ok: 0.82 of the allowed difference
+
+fastddp self-check FAILED (2 of them, 18 s):
+"""
+
+
+def test_self_check_figures():
+    f = steps.selfcheck_figures(SELF_CHECK)
+    assert (f["ok"], f["rows"]) == (3, 5)
+    assert f["summary"] == "3/5 rows ok; fastddp self-check FAILED (2 of them, 18 s):"
 
 
 def test_kernel_figures():
