@@ -16,6 +16,14 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.14.1
 MAX_JOBS ?= 2
 SUDO := $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
+# ccache keeps compiled objects by content, so that the sdist check (tests/python/test_sdist.py)
+# builds the same sources again in seconds: the compilers are ccache's (its masquerade folder
+# first on PATH, nvcc through torch's PYTORCH_NVCC), paths under the checkout relative
+# (CCACHE_BASEDIR), the build folder not hashed. tests/python/sdist_build.py sets the same.
+NVCC_PATH := $(firstword $(wildcard $(CUDA_HOME)/bin/nvcc /usr/local/cuda/bin/nvcc) \
+  $(shell command -v nvcc 2>/dev/null))
+CCACHE_ENV := PATH=/usr/lib/ccache:$$PATH CCACHE_BASEDIR=$(CURDIR) CCACHE_NOHASHDIR=1 \
+  $(if $(NVCC_PATH),PYTORCH_NVCC="ccache $(NVCC_PATH)")
 BUILD_STAMP := build/.fastddp-built
 SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 STACKS_REQUIREMENTS := tests/stacks/requirements.txt
@@ -26,11 +34,14 @@ STACKS_REQUIREMENTS := tests/stacks/requirements.txt
 install: deps $(BUILD_STAMP)
 
 deps:
-	@command -v cmake >/dev/null && command -v ninja >/dev/null && [ -f /usr/include/catch2/catch.hpp ] \
-	  || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq catch2 cmake ninja-build; }
+	@command -v cmake >/dev/null && command -v ninja >/dev/null && command -v ccache >/dev/null \
+	  && [ -f /usr/include/catch2/catch.hpp ] \
+	  || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq catch2 cmake ninja-build ccache; }
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH_SPEC)"
-	@$(PYTHON) -c "import setuptools, wheel, pytest" 2>/dev/null \
-	  || $(PYTHON) -m pip install -q setuptools wheel pytest
+	@# -I: not the checkout's build/ folder as the `build` package
+	@$(PYTHON) -I -c "import setuptools as s, wheel, pytest, build.__main__, sys; \
+	  sys.exit(int(s.__version__.split('.')[0]) < 77)" 2>/dev/null \
+	  || $(PYTHON) -m pip install -q "setuptools>=77" wheel pytest build
 	@$(PYTHON) -c "import matplotlib" 2>/dev/null || $(PYTHON) -m pip install -q matplotlib
 	@# torch's own test modules (tests/torch_ddp) import these; the torch wheel does not
 	@$(PYTHON) -c "import expecttest, numpy" 2>/dev/null \
@@ -51,7 +62,8 @@ deps-stacks:
 
 $(BUILD_STAMP): $(SOURCES)
 	@mkdir -p build
-	MAX_JOBS=$(MAX_JOBS) $(PYTHON) -m pip install --no-build-isolation -v -e . > build/pip-install.log 2>&1 \
+	$(CCACHE_ENV) MAX_JOBS=$(MAX_JOBS) $(PYTHON) -m pip install --no-build-isolation -v -e . \
+	  > build/pip-install.log 2>&1 \
 	  || { tail -n 80 build/pip-install.log; exit 1; }
 	@grep -E '\[fastddp setup\]' build/pip-install.log || true
 	@$(PYTHON) -c "import fastddp; print('[make] fastddp build:', fastddp.build_info())"

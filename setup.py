@@ -15,7 +15,12 @@ import os
 import shutil
 import sys
 
+import setuptools
 from setuptools import setup
+
+if int(setuptools.__version__.split(".")[0]) < 77:  # pragma: no cover - a message for people
+    sys.exit(f"fastddp needs setuptools>=77 (its license is an SPDX expression, PEP 639); "
+             f"this is setuptools {setuptools.__version__}: pip install -U 'setuptools>=77'")
 
 
 def _guess_cuda_home() -> None:
@@ -59,6 +64,7 @@ def _load_libstdcxx():
 
 
 libstdcxx = _load_libstdcxx()
+VERSION = "0.1.0"
 # A short default keeps a GPU-less build fast; H100/H200 are sm_90.
 DEFAULT_ARCH_LIST = "9.0"
 
@@ -101,6 +107,24 @@ def sources(with_cuda: bool) -> list[str]:
         if path.endswith((".cpp", ".cu")) and (with_cuda or not is_cuda):
             found.append(path)
     return found
+
+
+def build_stamp(with_cuda: bool) -> str:
+    """What fastddp/_compat.py checks before loading _C (csrc/bindings/build_stamp.cpp)."""
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "visible GPUs") if with_cuda else "none"
+    cuda = torch.version.cuda if with_cuda else "none"
+    return f"fastddp-build-stamp:torch={torch.__version__};cuda={cuda};arch={arch};"
+
+
+def local_version() -> str:
+    """0.1.0+torch2.14cu130: the torch and CUDA a wheel was built for, in its name, as other
+    torch extensions do. Plain for a source distribution, and for a build from one (pip
+    installing an sdist compares the built version with the sdist's)."""
+    if "sdist" in sys.argv or os.path.exists(os.path.join(HERE, "PKG-INFO")):
+        return VERSION
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    cuda = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+    return f"{VERSION}+torch{major}.{minor}{cuda}"
 
 
 def nvtx_include() -> str | None:
@@ -147,6 +171,9 @@ def make_extension():
     kwargs["extra_link_args"] = libstdcxx.link_args()
     say(f"libstdc++: {kwargs['extra_link_args'][0] if kwargs['extra_link_args'] else 'none loaded'}"
         " (the one torch loaded)")
+    stamp = build_stamp(with_cuda)
+    macros.append(("FASTDDP_BUILD_STAMP", f'"{stamp}"'))
+    say(f"stamp: {stamp}")
     srcs = sources(with_cuda)
     say(f"sources: {' '.join(srcs)}")
     return ext_type(
@@ -179,6 +206,7 @@ class BuildExtension(cpp_extension.BuildExtension):
 
 
 setup(
+    version=local_version(),
     ext_modules=[make_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

@@ -1,11 +1,15 @@
 """fastddp: torch DistributedDataParallel with a C++/CUDA reducer."""
 
-from fastddp._build import build_info
-from fastddp import hooks
-from fastddp.ddp import DistributedDataParallel
-from fastddp.link import Link
-from fastddp.link_emulator import EmulatedLinkGroup
-from fastddp.patch import patch
+from fastddp import _compat
+
+_compat.load()  # before anything imports _C: a module built for another torch is refused
+
+from fastddp._build import build_info  # noqa: E402
+from fastddp import hooks  # noqa: E402
+from fastddp.ddp import DistributedDataParallel  # noqa: E402
+from fastddp.link import Link  # noqa: E402
+from fastddp.link_emulator import EmulatedLinkGroup  # noqa: E402
+from fastddp.patch import patch  # noqa: E402
 
 __all__ = ["DistributedDataParallel", "EmulatedLinkGroup", "Link", "build_info", "hooks", "patch"]
 __version__ = "0.1.0"

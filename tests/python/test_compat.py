@@ -1,0 +1,68 @@
+"""A fastddp._C built for another torch is refused at import with an ImportError that names
+both versions and the command that rebuilds it (fastddp/_compat.py), not an undefined-symbol
+error."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import torch
+
+import fastddp
+from fastddp import _C, _compat
+
+PACKAGE = os.path.dirname(os.path.abspath(fastddp.__file__))
+
+
+def test_the_installed_module_carries_the_running_torch():
+    stamp = _compat.read_stamp(_C.__file__)
+    assert stamp["torch"] == torch.__version__
+    assert stamp["cuda"] == (torch.version.cuda if fastddp.build_info()["cuda"] else "none")
+    assert stamp["arch"] == fastddp.build_info()["torch_cuda_arch_list"]
+
+
+def test_another_torch_is_refused_with_both_versions_and_the_command():
+    why = _compat.refusal({"torch": "2.11.0+cu130", "cuda": "13.0"}, "2.14.1+cu130", "13.0",
+                          gpu_visible=False)
+    assert "built against torch 2.11.0+cu130, but torch 2.14.1+cu130 is installed" in why
+    assert "pip install --no-build-isolation" in why
+
+
+def test_a_cpu_build_is_refused_only_where_cuda_is_wanted():
+    cpu_build = {"torch": "2.14.1+cu130", "cuda": "none"}
+    assert _compat.refusal(cpu_build, "2.14.1+cu130", "13.0", gpu_visible=False) is None
+    assert _compat.refusal(cpu_build, "2.14.1+cu130", None, gpu_visible=True) is None
+    why = _compat.refusal(cpu_build, "2.14.1+cu130", "13.0", gpu_visible=True)
+    assert "built without CUDA" in why and "CUDA 13.0" in why
+    same = {"torch": "2.14.1+cu130", "cuda": "13.0"}
+    assert _compat.refusal(same, "2.14.1+cu130", "13.0", gpu_visible=True) is None
+
+
+def test_import_refuses_a_module_stamped_for_another_torch(tmp_path):
+    # The package as installed, with a _C of the same file name that only carries a stamp for
+    # torch 2.11: importing it would fail with an unreadable error, the stamp check first.
+    copy = tmp_path / "fastddp"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("_C*.so", "__pycache__"))
+    stamp = b"fastddp-build-stamp:torch=2.11.0+cu130;cuda=13.0;arch=9.0;"
+    (copy / os.path.basename(_C.__file__)).write_bytes(b"\0not a module\0" + stamp + b"\0")
+    done = subprocess.run([sys.executable, "-c", "import fastddp"], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()
+    assert last[-2].startswith("ImportError: fastddp._C was built against torch 2.11.0+cu130, "
+                               f"but torch {torch.__version__} is installed"), done.stderr
+    assert last[-1].strip().startswith("pip install --no-build-isolation"), done.stderr
+
+
+def test_a_module_that_fails_to_load_says_how_to_rebuild(tmp_path):
+    # A module with no stamp at all (older, or truncated) that the loader rejects.
+    copy = tmp_path / "fastddp"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("_C*.so", "__pycache__"))
+    (copy / os.path.basename(_C.__file__)).write_bytes(b"\x7fELF truncated")
+    done = subprocess.run([sys.executable, "-c", "import fastddp"], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    assert done.returncode == 1
+    assert "cannot be loaded under torch" in done.stderr and "Rebuilding it" in done.stderr
