@@ -28,7 +28,7 @@ BUILD_STAMP := build/.fastddp-built
 SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 STACKS_REQUIREMENTS := tests/stacks/requirements.txt
 
-.PHONY: install deps deps-stacks test test-cpp test-python test-torch-ddp test-torch-ddp-suite \
+.PHONY: install deps deps-stacks deps-compat test test-cpp test-python test-torch-ddp test-torch-ddp-suite \
   run bench gpu-check clean
 
 install: deps $(BUILD_STAMP)
@@ -69,7 +69,22 @@ $(BUILD_STAMP): $(SOURCES)
 	@$(PYTHON) -c "import fastddp; print('[make] fastddp build:', fastddp.build_info())"
 	@touch $@
 
-test: install deps-stacks test-cpp test-python test-torch-ddp
+# torch 2.11 (the oldest torch fastddp claims) in a venv of its own, for
+# tests/python/test_compat.py: a _C built against this torch must be refused there with a
+# clear ImportError. --no-deps: the CUDA libraries come from this environment's site-packages
+# (a .pth at the end of its path), so only torch's own 530 MB wheel is downloaded.
+COMPAT_VENV := build/torch-2.11-venv
+COMPAT_TORCH := torch==2.11.0
+deps-compat:
+	@[ -x $(COMPAT_VENV)/bin/python ] && $(COMPAT_VENV)/bin/python -c "import torch" 2>/dev/null \
+	  || { $(PYTHON) -m venv $(COMPAT_VENV) \
+	       && $(COMPAT_VENV)/bin/pip install -q --no-deps "$(COMPAT_TORCH)" \
+	       && $(COMPAT_VENV)/bin/pip install -q typing-extensions sympy networkx jinja2 fsspec filelock \
+	       && $(PYTHON) -c "import site; print(site.getsitepackages()[0])" \
+	          > $$($(COMPAT_VENV)/bin/python -c "import site; print(site.getsitepackages()[0])")/zz_outer.pth; }
+	@$(COMPAT_VENV)/bin/python -c "import torch; print('[make] compat venv: torch', torch.__version__)"
+
+test: install deps-stacks deps-compat test-cpp test-python test-torch-ddp
 
 test-cpp:
 	cmake -S . -B build/cpp -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import fastddp
@@ -66,3 +67,27 @@ def test_a_module_that_fails_to_load_says_how_to_rebuild(tmp_path):
                           env=dict(os.environ, PYTHONPATH=str(tmp_path)))
     assert done.returncode == 1
     assert "cannot be loaded under torch" in done.stderr and "Rebuilding it" in done.stderr
+
+
+COMPAT_VENV = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "build", "torch-2.11-venv", "bin", "python")
+
+
+@pytest.mark.skipif(not os.path.exists(COMPAT_VENV),
+                    reason="needs torch 2.11 in build/torch-2.11-venv (make deps-compat)")
+def test_the_real_module_under_torch_2_11_is_refused():
+    # This very _C (built against the torch running the suite) imported under torch 2.11:
+    # without the stamp check, undefined symbol: _ZN3c10... (see the second command).
+    python_dir = os.path.dirname(PACKAGE)
+    done = subprocess.run([COMPAT_VENV, "-c", "import torch; print(torch.__version__); "
+                           "import fastddp"], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=python_dir))
+    older = done.stdout.split()[0]
+    assert older.startswith("2.11.") and done.returncode == 1, done.stdout + done.stderr
+    assert (f"ImportError: fastddp._C was built against torch {torch.__version__}, but torch "
+            f"{older} is installed") in done.stderr, done.stderr
+    raw = subprocess.run([COMPAT_VENV, "-c", "import torch, importlib.util as u; "
+                          f"s = u.spec_from_file_location('fastddp._C', {_C.__file__!r}); "
+                          "s.loader.exec_module(u.module_from_spec(s))"],
+                         capture_output=True, text=True, timeout=300)
+    assert "undefined symbol" in raw.stderr, raw.stderr
