@@ -23,6 +23,7 @@ from fastddp._introspection import bucket_sizes, comm_stats, logging_data
 from fastddp._join import _JoinHook, announce_backward_sync, sync_buffers
 from fastddp._module_sync import (broadcast_tensors, verify_bucket_layout,
                                   verify_param_shapes)
+from fastddp._optim_in_backward import InBackwardOptimizers
 from fastddp._options import bucket_align_bytes, world1_reducer_requested
 from fastddp._reducer_proxy import ReducerProxy
 from fastddp.auto import AutoHook, AutoTuner
@@ -119,6 +120,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.mixed_precision = None
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
+        self._lazy_init_ran = False  # as torch: optimizers in backward are found at forward 1
+        self._in_backward: InBackwardOptimizers | None = None
         if forward_sync_buffers is not None:
             self.forward_sync_buffers, init_sync_buffers = forward_sync_buffers, True
         else:
@@ -214,6 +217,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     @_compile.nonrecursive_disable
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         _compile.skip_this_frame_from_now_on()
+        if not self._lazy_init_ran:
+            self._lazy_init_ran = True
+            self._in_backward = InBackwardOptimizers.find(self._module_parameters)
         state = ()  # stays empty without a reducer (world size 1): nothing to do around the call
         if self._reducer is not None or self.device_ids:
             inputs, kwargs, state = self._before_module(inputs, kwargs)
@@ -227,6 +233,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             output = self.module(*inputs, **kwargs)
         finally:
             torch_ddp._active_ddp_module = previous
+        if self._in_backward is not None:  # read after the module, as _after_module does
+            self._in_backward.set_sync(torch.is_grad_enabled() and self.require_backward_grad_sync)
         return self._after_module(output, state) if state else output
 
     @_compile.eager
@@ -418,8 +426,10 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         by __setstate__ (torch.save(model), copy.deepcopy, pickle)."""
         self._check_default_group()
         attrs = copy.copy(self.__dict__)
-        for native in ("process_group", "_reducer", "_native_hook", "reducer", "_auto"):
+        for native in ("process_group", "_reducer", "_native_hook", "reducer", "_auto",
+                       "_in_backward"):
             attrs.pop(native, None)
+        attrs["_lazy_init_ran"] = False  # the copy finds its own optimizers in backward
         return attrs
 
     def __setstate__(self, state: dict) -> None:
@@ -428,6 +438,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._reducer = None
         self._native_hook = None
         self._auto = None
+        self._in_backward = None
         self.reducer = ReducerProxy(self)
         self.require_forward_param_sync = True
         self.require_backward_grad_sync = True
