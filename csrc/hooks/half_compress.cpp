@@ -13,6 +13,7 @@
 #include "side_stream.h"
 #include "registry.h"
 #include "../reducer/message.h"
+#include "collectives.h"
 
 namespace fastddp {
 
@@ -61,6 +62,12 @@ at::Tensor& HalfCompressHook::residual_for(size_t param, const at::Tensor& like,
     r = at::zeros({numel}, like.options());
   }
   return r;
+}
+
+std::vector<at::Tensor> HalfCompressHook::step_state() {
+  std::vector<at::Tensor> tensors;
+  for (const auto& [param, residual] : residuals_) tensors.push_back(residual);
+  return tensors;
 }
 
 void HalfCompressHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) {
@@ -154,8 +161,7 @@ std::shared_ptr<PipelinedHook::Stage> HalfCompressHook::start(
   }
   auto stage = std::make_shared<HalfStage>();
   stage->state = state;
-  std::vector<int64_t> even_splits;
-  stage->alltoall = group_->alltoall_base(s.recv, s.wire, even_splits, even_splits);
+  stage->alltoall = all_to_all_even(*group_, s.recv, s.wire);
   stage->result = make_result(s.wire);
   return stage;
 }
@@ -169,7 +175,7 @@ void HalfCompressHook::finish(Stage& base) {
   stage.alltoall.reset();
   half_sum_shards_into(options_.kind, s.recv, world_size_, s.shard_sum);
   record_current_stream({s.wire, s.recv, s.shard_sum});
-  c10::intrusive_ptr<c10d::Work> work = group_->_allgather_base(s.wire, s.shard_sum);
+  c10::intrusive_ptr<c10d::Work> work = all_gather_into(*group_, s.wire, s.shard_sum);
   at::Tensor wire = s.wire;
   complete_after(work->getFuture(), stage.result, "allgather of the summed 16-bit shards",
                  [wire]() { return c10::IValue(wire); });

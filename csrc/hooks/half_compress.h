@@ -53,7 +53,7 @@ class HalfCompressHook : public PipelinedHook {
   std::string name() const override;
   void on_new_buckets(const std::vector<Bucket>& buckets) override;
   void copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) override;
-  void drop_state_after_nonfinite() override { residuals_.clear(); }
+  std::vector<at::Tensor> step_state() override;  // the residuals
   void write_back(Bucket& bucket, const c10::IValue& result,
                   std::vector<at::Tensor>& dsts) override;
   int64_t wire_bytes(const Bucket& bucket) const override;

@@ -12,6 +12,7 @@
 #include "pipelined_hook.h"
 #include "side_stream.h"
 #include "../reducer/message.h"
+#include "collectives.h"
 
 namespace fastddp {
 namespace {
@@ -129,10 +130,9 @@ c10::intrusive_ptr<c10::ivalue::Future> HierarchicalHook::run(Bucket& bucket, si
   BucketState& s = *stage.state;
   if (!s.padded.is_same(bucket.flat)) s.padded.narrow(0, 0, stage.numel).copy_(bucket.flat);
   if (s.shards.defined()) {
-    std::vector<int64_t> even_splits;
-    stage.reduce_scatter = intra_->alltoall_base(s.shards, s.padded, even_splits, even_splits);
+    stage.reduce_scatter = all_to_all_even(*intra_, s.shards, s.padded);
   } else {
-    stage.reduce_scatter = intra_->_reduce_scatter_base(s.shard, s.padded);
+    stage.reduce_scatter = reduce_scatter_into(*intra_, s.shard, s.padded);
   }
   note_launch(index, nullptr);  // errors name their collective themselves
   c10::intrusive_ptr<c10::ivalue::Future> done = stage.result;
@@ -210,7 +210,7 @@ void HierarchicalHook::start_allgather(Stage& stage) {
       throw collective_failure("the inter-node hook " + inner_->name() + "'s write-back", e);
     }
     record_current_stream({s.shard, s.padded});
-    c10::intrusive_ptr<c10d::Work> work = intra_->_allgather_base(s.padded, s.shard);
+    c10::intrusive_ptr<c10d::Work> work = all_gather_into(*intra_, s.padded, s.shard);
     const at::Tensor out = s.padded.narrow(0, 0, stage.numel);
     complete_with(work->getFuture(), stage.result,
                   "allgather of the reduced shards inside the node", out);

@@ -68,7 +68,7 @@ class HierarchicalHook : public CommHook {
                                               bool is_last) override;
   void set_divide_factor(int64_t factor) override;
   void abandon_step() override;
-  void drop_state_after_nonfinite() override { inner_->drop_state_after_nonfinite(); }
+  std::vector<at::Tensor> step_state() override { return inner_->step_state(); }
   // The inner hook's bytes for this rank's shard: what crosses the inter-node
   // link. The intra-node bytes are intra_wire_bytes().
   int64_t wire_bytes(const Bucket& bucket) const override;

@@ -174,6 +174,13 @@ c10::IValue PowerSGDHook::decompress(BucketState& state, std::vector<PowerSGDBat
   return c10::IValue(input);
 }
 
+void PowerSGDHook::bucket_step_state(std::vector<at::Tensor>& into) const {
+  for (const auto& [index, state] : states_) {
+    into.push_back(state->error);     // undefined without error feedback: skipped
+    into.push_back(state->q_memory);  // undefined without warm start
+  }
+}
+
 namespace {
 
 std::shared_ptr<CommHook> make_powersgd(const c10::intrusive_ptr<c10d::ProcessGroup>& group,

@@ -143,11 +143,11 @@ PowerSGDCheckpoint PowerSGDBase::state_dict() const {
   return ck;
 }
 
-void PowerSGDBase::drop_state_after_nonfinite() {
+std::vector<at::Tensor> PowerSGDBase::step_state() {
   std::lock_guard<std::mutex> lock(mutex_);
-  drop_buckets();
-  carried_ = PowerSGDCheckpoint{};
-  carried_has_qs_ = false;
+  std::vector<at::Tensor> tensors;
+  bucket_step_state(tensors);
+  return tensors;
 }
 
 void PowerSGDBase::load_state_dict(const PowerSGDCheckpoint& ck) {

@@ -132,6 +132,13 @@ void BatchedPowerSGDHook::finish(Stage& base) {
                  });
 }
 
+void BatchedPowerSGDHook::bucket_step_state(std::vector<at::Tensor>& into) const {
+  for (const auto& [index, state] : states_) {
+    if (options_.use_error_feedback) into.push_back(state->error);
+    if (options_.warm_start) into.push_back(state->q);
+  }
+}
+
 namespace {
 
 std::shared_ptr<CommHook> make_powersgd_batched(

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -12,8 +13,27 @@
 #include "registry.h"
 #include "side_stream.h"
 #include "../reducer/message.h"
+#include "collectives.h"
 
 namespace fastddp {
+
+namespace {
+
+// The indices of [0, padded) that no slot of `bucket` covers, on its device.
+at::Tensor uncovered_places(const Bucket& bucket, int64_t padded) {
+  std::vector<char> covered(static_cast<size_t>(padded), 0);
+  for (size_t k = 0; k < bucket.views.size(); ++k) {
+    std::fill_n(covered.begin() + bucket.offsets[k], bucket.numels[k], 1);
+  }
+  std::vector<int64_t> places;
+  for (int64_t i = 0; i < padded; ++i) {
+    if (!covered[static_cast<size_t>(i)]) places.push_back(i);
+  }
+  if (places.empty()) return at::Tensor();
+  return at::tensor(places, at::kLong).to(bucket.flat.device());
+}
+
+}  // namespace
 
 Quant8Hook::Quant8Hook(c10::intrusive_ptr<c10d::ProcessGroup> group, Quant8Options options)
     : group_(std::move(group)), options_(options) {
@@ -70,6 +90,7 @@ std::shared_ptr<Quant8Hook::BucketState>& Quant8Hook::state_for(const Bucket& bu
     s.recv = at::empty({world_size_ * s.shard_bytes}, bytes);
     s.reduced = at::empty({s.shard_bytes}, bytes);
     s.has_grad.assign(bucket.views.size(), 0);
+    s.uncovered = uncovered_places(bucket, padded);
   }
   return state;
 }
@@ -92,6 +113,12 @@ at::Tensor& Quant8Hook::residual_for(size_t param, const at::Tensor& like, int64
     r = at::zeros({numel}, like.options());
   }
   return r;
+}
+
+std::vector<at::Tensor> Quant8Hook::step_state() {
+  std::vector<at::Tensor> tensors;
+  for (const auto& [param, residual] : residuals_) tensors.push_back(residual);
+  return tensors;
 }
 
 void Quant8Hook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) {
@@ -142,6 +169,10 @@ std::shared_ptr<PipelinedHook::Stage> Quant8Hook::start(
   (void)done;
   std::shared_ptr<BucketState> state = state_for(bucket);
   BucketState& s = *state;
+  // No copy-in writes the padding or the gaps between aligned slots, and a
+  // block with a NaN quantizes (and its error feeds back) to NaN throughout:
+  // zero them each step (one launch), or one bad step would poison every later one.
+  if (s.uncovered.defined()) s.staging.index_fill_(0, s.uncovered, 0);
   for (int64_t r = 0; r < world_size_; ++r) {
     const at::Tensor shard = s.staging.narrow(0, r * s.shard, s.shard);
     quantize8_into(options_.format, shard, kBlock, codes_of(s.wire, r, s), scales_of(s.wire, r, s),
@@ -158,8 +189,7 @@ std::shared_ptr<PipelinedHook::Stage> Quant8Hook::start(
   }
   auto stage = std::make_shared<Quant8Stage>();
   stage->state = state;
-  std::vector<int64_t> even_splits;
-  stage->alltoall = group_->alltoall_base(s.recv, s.wire, even_splits, even_splits);
+  stage->alltoall = all_to_all_even(*group_, s.recv, s.wire);
   stage->result = make_result(s.staging);
   return stage;
 }
@@ -173,7 +203,7 @@ void Quant8Hook::finish(Stage& base) {
   sum_shards8_into(options_.format, s.recv, world_size_, s.shard, kBlock, codes_of(s.reduced, 0, s),
                    scales_of(s.reduced, 0, s));
   record_current_stream({s.wire, s.recv, s.reduced});
-  c10::intrusive_ptr<c10d::Work> work = group_->_allgather_base(s.wire, s.reduced);
+  c10::intrusive_ptr<c10d::Work> work = all_gather_into(*group_, s.wire, s.reduced);
   at::Tensor wire = s.wire;
   complete_after(work->getFuture(), stage.result, "allgather of the summed 8-bit shards",
                  [wire]() { return c10::IValue(wire); });

@@ -35,7 +35,11 @@
 //        input - dequantize(quantize(input)) of the first quantization and adds
 //        it to the next step's scaled gradient; keyed by parameter index, so it
 //        survives the bucket rebuild; a parameter without a gradient this step
-//        keeps its residual; drop_state_after_nonfinite() clears them all.
+//        keeps its residual; they are the hook's step_state (Note [a bad
+//        step leaves no trace]). The staging buffer's padding and the gaps
+//        between aligned slots are zeroed before each quantization: a block
+//        holding a NaN quantizes to NaN throughout, and those places are
+//        written by no copy-in.
 //        The second quantization's error is not fed back (it is shared by all
 //        ranks and would need a second residual per shard).
 #pragma once
@@ -72,7 +76,7 @@ class Quant8Hook : public PipelinedHook {
   std::string name() const override;
   void on_new_buckets(const std::vector<Bucket>& buckets) override;
   void copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) override;
-  void drop_state_after_nonfinite() override { residuals_.clear(); }
+  std::vector<at::Tensor> step_state() override;
   void write_back(Bucket& bucket, const c10::IValue& result,
                   std::vector<at::Tensor>& dsts) override;
   int64_t wire_bytes(const Bucket& bucket) const override;
@@ -94,6 +98,9 @@ class Quant8Hook : public PipelinedHook {
     at::Tensor recv;          // uint8, world * shard_bytes: the alltoall's output
     at::Tensor reduced;       // uint8, shard_bytes: this rank's re-quantized shard sum
     std::vector<char> has_grad;  // per slot: copy_in got a gradient this step
+    // The staging places no slot covers (padding, gaps between aligned slots),
+    // zeroed before each quantization; undefined when there are none.
+    at::Tensor uncovered;
   };
   struct Quant8Stage;
 

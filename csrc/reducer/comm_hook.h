@@ -78,11 +78,12 @@ class CommHook {
   // never start (a pipelined hook's second collective).
   virtual void abandon_step() {}
 
-  // check_for_nan_in_grad found a non-finite gradient this step (on some
-  // rank), after every future of the step completed: state that this step
-  // fed with it (error-feedback residuals, PowerSGD's memories) is dropped,
-  // so that later steps do not inherit NaN. See Note [non-finite guard].
-  virtual void drop_state_after_nonfinite() {}
+  // The tensors of state that a step updates in place from its gradients
+  // (error-feedback residuals, PowerSGD's memories): the reducer copies them
+  // before a synchronized backward and puts them back when the step's averaged
+  // gradients are not all finite (Note [a bad step leaves no trace],
+  // reducer/step_state.h). Called between steps only. Empty: no state.
+  virtual std::vector<at::Tensor> step_state() { return {}; }
 
   // Whether run() and write_back() accept sparse buckets (see Bucket::sparse):
   // copy_in then stores the gradient in bucket.sparse_grad, run() reduces it,

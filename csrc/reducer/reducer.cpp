@@ -145,6 +145,9 @@ void Reducer::reset_iteration() {
   if (options_.static_graph) hooks_left_ = expected_hooks_;
   hook_->set_divide_factor(divide_factor_ > 0 ? divide_factor_ : world_size_);
   if (nonfinite_) nonfinite_->begin_step();
+  // Note [a bad step leaves no trace]: the hook's state as it is before this step.
+  reduced_.clear();
+  step_state_.snapshot(hook_->step_state());
 }
 
 void Reducer::set_divide_factor(int64_t factor) {
@@ -345,6 +348,11 @@ void Reducer::finalize_backward() {
       timeline_->mark(b, DeviceTimeline::kDone);
     }
     if (track_usage() && used_work_ && !used_map_reduced_) used_work_->wait();
+    if (!step_state_.empty()) {  // Note [a bad step leaves no trace]
+      const at::NoGradGuard no_grad;
+      step_state_.keep_if_finite(hook_->step_state(), reduced_);
+      reduced_.clear();
+    }
   } catch (...) {
     fail_iteration(std::current_exception());
     throw;
@@ -384,10 +392,11 @@ void Reducer::fail_iteration(const std::exception_ptr& error) {
     if (bucket.future) bucket.future->wait();  // its error, if any, is this step's
     bucket.future.reset();
   }
-  if (drop_hook_state_) {
-    hook_->drop_state_after_nonfinite();
+  if (drop_hook_state_) {  // check_for_nan_in_grad: the state from before the step
+    step_state_.restore(hook_->step_state());
     drop_hook_state_ = false;
   }
+  reduced_.clear();
   phase_ = Phase::kIdle;
   divide_factor_ = 0;
   grad_slot_.reset();
@@ -445,6 +454,10 @@ void Reducer::write_back(Bucket& bucket, const c10::IValue& result) {
   // require grad (create_graph=True).
   const at::NoGradGuard no_grad;
   hook_->write_back(bucket, result, dsts);
+  if (step_state_.empty()) return;
+  for (const at::Tensor& dst : dsts) {
+    if (dst.defined()) reduced_.push_back(dst);  // checked once all are in
+  }
 }
 
 void Reducer::note_backward_start() {

@@ -44,6 +44,7 @@
 #include "bucket.h"
 #include "comm_hook.h"
 #include "grad_slot.h"
+#include "step_state.h"
 
 namespace c10d {
 class ProcessGroup;
@@ -261,6 +262,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::unique_ptr<DeviceTimeline> timeline_;  // the same points on the device's clock
   std::unique_ptr<NonFiniteGuard> nonfinite_;  // check_for_nan_in_grad only
   bool drop_hook_state_ = false;  // the failing step was non-finite
+  // Note [a bad step leaves no trace]: the hook's state before this step, and
+  // the averaged gradients its write-backs produced.
+  StepState step_state_;
+  std::vector<at::Tensor> reduced_;
   std::string last_error_;
   std::chrono::steady_clock::time_point backward_start_;
   double last_ready_us_ = 0;

@@ -12,7 +12,7 @@ void Reducer::check_finite_gradients() {
   nonfinite_->launch(*group_, device, num_iterations_);
   const std::vector<NonFiniteGuard::Finding> found = nonfinite_->wait();
   if (found.empty()) return;
-  drop_hook_state_ = true;  // fail_iteration drops it once the step's futures are done
+  drop_hook_state_ = true;  // fail_iteration restores it once the step's futures are done
   std::vector<std::string> where;
   for (const auto& f : found) {
     const std::string name = f.param < names_.size() ? names_[f.param] : "?";

@@ -1,0 +1,68 @@
+#include "step_state.h"
+
+#include <ATen/ATen.h>
+
+#include <limits>
+#include <unordered_map>
+
+namespace fastddp {
+
+void StepState::snapshot(const std::vector<at::Tensor>& tensors) {
+  std::vector<Saved> next;
+  next.reserve(tensors.size());
+  // Reuse last step's copies of the same tensors: no allocation per step.
+  std::unordered_map<const c10::TensorImpl*, at::Tensor> old;
+  for (Saved& s : saved_) old.emplace(s.live.unsafeGetTensorImpl(), std::move(s.copy));
+  for (const at::Tensor& t : tensors) {
+    if (!t.defined()) continue;
+    auto it = old.find(t.unsafeGetTensorImpl());
+    at::Tensor copy = it != old.end() ? it->second : at::Tensor();
+    if (!copy.defined() || copy.sizes() != t.sizes() || copy.strides() != t.strides() ||
+        copy.scalar_type() != t.scalar_type() || copy.device() != t.device()) {
+      copy = at::empty_like(t, at::MemoryFormat::Preserve);
+    }
+    copy.copy_(t);
+    next.push_back({t, copy});
+  }
+  saved_ = std::move(next);
+}
+
+at::Tensor all_finite(const std::vector<at::Tensor>& tensors) {
+  // The largest magnitude of each tensor (one fused launch per dtype and
+  // device on CUDA): NaN or Inf if it holds one, finite otherwise (no sum of
+  // squares to overflow on large finite values).
+  const std::vector<at::Tensor> maxima =
+      at::_foreach_norm(tensors, std::numeric_limits<double>::infinity());
+  return at::stack(maxima).isfinite().all();
+}
+
+void StepState::keep_if_finite(const std::vector<at::Tensor>& tensors,
+                               const std::vector<at::Tensor>& reduced) {
+  if (tensors.empty() || reduced.empty()) return;
+  const at::Tensor keep = all_finite(reduced);
+  if (keep.is_cpu() && keep.item<bool>()) return;  // no device: a branch costs nothing
+  select(tensors, keep);
+}
+
+void StepState::restore(const std::vector<at::Tensor>& tensors) {
+  if (tensors.empty()) return;
+  select(tensors, at::zeros({}, tensors.front().options().dtype(at::kBool)));
+}
+
+void StepState::select(const std::vector<at::Tensor>& tensors, const at::Tensor& keep) {
+  std::unordered_map<const c10::TensorImpl*, const at::Tensor*> copies;
+  for (const Saved& s : saved_) copies.emplace(s.live.unsafeGetTensorImpl(), &s.copy);
+  for (const at::Tensor& t : tensors) {
+    if (!t.defined()) continue;
+    const at::Tensor flag = keep.to(t.device());
+    auto it = copies.find(t.unsafeGetTensorImpl());
+    if (it != copies.end()) {
+      at::Tensor out = t;  // the same tensor, written in place
+      at::where_out(out, flag, t, *it->second);
+    } else {
+      t.masked_fill_(flag.logical_not(), 0);  // made this step: as if never made
+    }
+  }
+}
+
+}  // namespace fastddp

@@ -1,0 +1,141 @@
+"""One overflow step under torch.amp.GradScaler leaves no trace in a hook's state (Note [a bad
+step leaves no trace] in csrc/reducer/step_state.h).
+
+The reference is torch's own definition of a skipped step: GradScaler skips the optimizer
+step of an iteration whose gradients overflowed and halves its scale. So the same training
+in which that iteration never ran (no forward, no backward; the scale halved by hand, as
+the scaler would have) must end with the same parameters, bit for bit: the overflow step
+may change nothing but the scale. Without the state's restore, error feedback and PowerSGD
+keep the NaN and every later step overflows too.
+
+Scenarios for a harness world (gloo; hierarchical hooks on 4 ranks as 2 x 2)."""
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+import fastddp
+from scenarios import vector_batch
+
+BAD_STEP = 4  # after PowerSGD's start (2): its memories exist and are used
+INIT_SCALE = 2.0 ** 12
+
+
+def make_hook(name: str):
+    """(state, hook) to register, by name."""
+    h = fastddp.hooks
+    made = {
+        "bf16_ef": lambda: h.bf16(error_feedback=True),
+        "fp16_ef": lambda: h.fp16(error_feedback=True),
+        "bf16_fp32_ef": lambda: h.bf16(accumulate="fp32", error_feedback=True),
+        "int8": lambda: h.int8(),
+        "fp8_e4m3": lambda: h.fp8("e4m3"),
+        "fp8_e5m2": lambda: h.fp8("e5m2"),
+        "powersgd": lambda: h.powersgd(2, start_powerSGD_iter=2),
+        "batched_powersgd": lambda: h.batched_powersgd(2, start_powerSGD_iter=2),
+        "hier_int8": lambda: h.hierarchical(h.int8(), local_size=2),
+        "hier_bf16_ef": lambda: h.hierarchical(h.bf16(error_feedback=True), local_size=2),
+        "hier_powersgd": lambda: h.hierarchical(h.powersgd(2, start_powerSGD_iter=2),
+                                                local_size=2),
+    }
+    if name == "torch_powersgd":  # torch's own, through torch's API (run natively)
+        return psgd.PowerSGDState(None, matrix_approximation_rank=2,
+                                  start_powerSGD_iter=2), psgd.powerSGD_hook
+    return None, made[name]()
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.ReLU(),
+                         nn.Linear(32, 4))
+
+
+def _wrap(module: nn.Module, hook: str) -> fastddp.DistributedDataParallel:
+    # About one bucket per layer: the bad step can be put in the first or the last.
+    model = fastddp.DistributedDataParallel(module, bucket_cap_mb=0.002)
+    model.register_comm_hook(*make_hook(hook))
+    return model
+
+
+def _inject(model, where: str, ranks: str):
+    """A tensor hook that makes this rank's gradient of one parameter infinite at BAD_STEP:
+    in the bucket reduced first or last, or every parameter (where="all"). Returns a
+    function of the step that arms it."""
+    mine = ranks == "all" or dist.get_rank() == dist.get_world_size() - 1
+    plan = model.bucket_plan()
+    names = {"first": plan[0][:1], "last": plan[-1][:1]}.get(where, sum(plan, []))
+    armed = {"on": False}
+    params = dict(model.module.named_parameters())
+    for name in names:
+        params[name].register_hook(lambda g: g * float("inf") if armed["on"] else g)
+
+    def arm(step: int) -> None:
+        armed["on"] = mine and step == BAD_STEP
+    return arm
+
+
+def scaler_run(hook: str, where: str = "all", ranks: str = "one", steps: int = 9) -> dict:
+    """A GradScaler run with one overflow at BAD_STEP against the same run without that
+    iteration. Returns whether the parameters are equal bit for bit, the steps the scaler
+    took after the bad one, and the final scales."""
+    base = _model()
+    runs = {}
+    for kind in ("overflow", "skipped"):
+        model = _wrap(copy.deepcopy(base), hook)
+        arm = _inject(model, where, ranks) if kind == "overflow" else (lambda step: None)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+        taken = []
+        for step in range(steps):
+            if kind == "skipped" and step == BAD_STEP:
+                scaler.update(new_scale=scaler.get_scale() * scaler.get_backoff_factor())
+                continue
+            arm(step)
+            inputs, target = vector_batch(step)
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(F.mse_loss(model(inputs), target)).backward()
+            before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            taken.append(scaler.get_scale() >= before)  # halved: the step was skipped
+        runs[kind] = (model, taken, scaler.get_scale())
+    (fast, taken, scale), (ref, ref_taken, ref_scale) = runs["overflow"], runs["skipped"]
+    return {"equal": all(torch.equal(a, b) for a, b in zip(fast.parameters(),
+                                                            ref.parameters())),
+            "taken_after": taken[BAD_STEP + 1:], "scales": (scale, ref_scale),
+            "finite": all(bool(p.isfinite().all()) for p in fast.parameters())}
+
+
+def long_run(hook: str, steps: int = 200, every: int = 5) -> dict:
+    """Overflows every `every`-th step for `steps` steps against the same hook without any:
+    both final losses (on a fixed batch, averaged over the ranks)."""
+    base = _model()
+    losses = {}
+    for kind in ("overflows", "clean"):
+        model = _wrap(copy.deepcopy(base), hook)
+        bad = {"on": False}
+        for p in model.module.parameters():
+            p.register_hook(lambda g: g * float("inf") if bad["on"] else g)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        # growth_interval=4: the scale doubles after the 4 good steps between two injected
+        # overflows and halves at the next, so it stays put (injected overflows do not
+        # come from a too-large scale; with the default 2000 it would fall 40 times).
+        scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=4)
+        for step in range(steps):
+            bad["on"] = kind == "overflows" and step % every == every - 1 and (
+                dist.get_rank() == 0)
+            inputs, target = vector_batch(step % 16)
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(F.mse_loss(model(inputs), target)).backward()
+            scaler.step(opt)
+            scaler.update()
+        with torch.no_grad():
+            inputs, target = vector_batch(1000)
+            loss = F.mse_loss(model.module(inputs), target).reshape(1)
+        dist.all_reduce(loss)
+        losses[kind] = loss.item() / dist.get_world_size()
+    return losses
