@@ -189,6 +189,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("last_unused_parameters", &Reducer::last_unused_parameters, nogil())
       .def("comm_stats", &fastddp::comm_stats_dict)
       .def("last_error", &Reducer::last_error, nogil())
+      .def("set_track_finite", &Reducer::set_track_finite, py::arg("on"), nogil())
+      .def("last_step_finite", &Reducer::last_step_finite, nogil())
       .def_property_readonly("hook_name",
                              [](const Reducer& r) {
                                py::gil_scoped_release release;

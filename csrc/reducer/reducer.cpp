@@ -147,6 +147,7 @@ void Reducer::reset_iteration() {
   if (nonfinite_) nonfinite_->begin_step();
   // Note [a bad step leaves no trace]: the hook's state as it is before this step.
   reduced_.clear();
+  last_finite_ = at::Tensor();
   step_state_.snapshot(hook_->step_state());
 }
 
@@ -348,9 +349,11 @@ void Reducer::finalize_backward() {
       timeline_->mark(b, DeviceTimeline::kDone);
     }
     if (track_usage() && used_work_ && !used_map_reduced_) used_work_->wait();
-    if (!step_state_.empty()) {  // Note [a bad step leaves no trace]
+    if (!reduced_.empty()) {  // Note [a bad step leaves no trace]
       const at::NoGradGuard no_grad;
-      step_state_.keep_if_finite(hook_->step_state(), reduced_);
+      const at::Tensor finite = all_finite(reduced_);
+      step_state_.keep_if_finite(hook_->step_state(), finite);
+      if (track_finite_) last_finite_ = finite;
       reduced_.clear();
     }
   } catch (...) {
@@ -454,7 +457,7 @@ void Reducer::write_back(Bucket& bucket, const c10::IValue& result) {
   // require grad (create_graph=True).
   const at::NoGradGuard no_grad;
   hook_->write_back(bucket, result, dsts);
-  if (step_state_.empty()) return;
+  if (step_state_.empty() && !track_finite_) return;
   for (const at::Tensor& dst : dsts) {
     if (dst.defined()) reduced_.push_back(dst);  // checked once all are in
   }

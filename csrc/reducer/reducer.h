@@ -37,6 +37,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -163,6 +164,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // The message of the last error raised in a backward ("" if none), for
   // torch's logging-data keys has_error / error.
   std::string last_error() const;
+  // Whether each synchronized step checks its averaged gradients for NaN/Inf
+  // even when the hook has no state (auto's tuning, which must not time a
+  // step whose gradients overflowed), and that check's last result: nullopt
+  // when it is off or no step finished since. Reading it waits for the device.
+  void set_track_finite(bool on);
+  std::optional<bool> last_step_finite() const;
 
   // Called by the output sink's backward (reducer_graph.cpp).
   void on_output_grad();
@@ -266,6 +273,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // the averaged gradients its write-backs produced.
   StepState step_state_;
   std::vector<at::Tensor> reduced_;
+  bool track_finite_ = false;
+  at::Tensor last_finite_;  // 0-dim bool, the last step's check (set_track_finite)
   std::string last_error_;
   std::chrono::steady_clock::time_point backward_start_;
   double last_ready_us_ = 0;

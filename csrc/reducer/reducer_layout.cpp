@@ -107,6 +107,18 @@ std::vector<int64_t> Reducer::last_unused_parameters() const {
   return std::vector<int64_t>(unused_.begin(), unused_.end());
 }
 
+void Reducer::set_track_finite(bool on) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  track_finite_ = on;
+  last_finite_ = at::Tensor();
+}
+
+std::optional<bool> Reducer::last_step_finite() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!last_finite_.defined()) return std::nullopt;
+  return last_finite_.item<bool>();
+}
+
 std::string Reducer::last_error() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return last_error_;

@@ -36,12 +36,10 @@ at::Tensor all_finite(const std::vector<at::Tensor>& tensors) {
   return at::stack(maxima).isfinite().all();
 }
 
-void StepState::keep_if_finite(const std::vector<at::Tensor>& tensors,
-                               const std::vector<at::Tensor>& reduced) {
-  if (tensors.empty() || reduced.empty()) return;
-  const at::Tensor keep = all_finite(reduced);
-  if (keep.is_cpu() && keep.item<bool>()) return;  // no device: a branch costs nothing
-  select(tensors, keep);
+void StepState::keep_if_finite(const std::vector<at::Tensor>& tensors, const at::Tensor& finite) {
+  if (tensors.empty()) return;
+  if (finite.is_cpu() && finite.item<bool>()) return;  // no device: a branch costs nothing
+  select(tensors, finite);
 }
 
 void StepState::restore(const std::vector<at::Tensor>& tensors) {

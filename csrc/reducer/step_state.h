@@ -33,10 +33,9 @@ class StepState {
   // Whether the last snapshot had anything to protect.
   bool empty() const { return saved_.empty(); }
   // After the write-back: `tensors` (the hook's state now) keep this step's
-  // values where `reduced` (the averaged gradients) are all finite, else take
-  // back the snapshot's.
-  void keep_if_finite(const std::vector<at::Tensor>& tensors,
-                      const std::vector<at::Tensor>& reduced);
+  // values where `finite` (all_finite of the averaged gradients) is true, else
+  // take back the snapshot's.
+  void keep_if_finite(const std::vector<at::Tensor>& tensors, const at::Tensor& finite);
   // After a failed step (check_for_nan_in_grad): the snapshot's values back.
   void restore(const std::vector<at::Tensor>& tensors);
 

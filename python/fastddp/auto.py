@@ -38,7 +38,10 @@ decides, and its decisions reach the others as one small broadcast on the model'
 group (the trial list, then the choice). No step is lost or doubled: a switch happens
 between two steps, each step is reduced by exactly one configuration. While tuning, reading
 ``comm_stats()`` waits for the previous step's reduction (on a GPU, a host sync per step);
-once chosen, a forward costs one attribute check.
+once chosen, a forward costs one attribute check. While tuning, the reducer also checks each
+step's averaged gradients for NaN/Inf (a max-norm per gradient): a step that overflowed
+(GradScaler skips it) gives no figure, as its hooks keep no trace of it (Note [a bad step
+leaves no trace]); the tuning then takes one step more.
 
 Note [auto on several nodes]: with ranks on two or more nodes (torchrun's LOCAL_WORLD_SIZE,
 or ``local_size=`` / ``groups=(intra, inter)`` as for fastddp.hooks.hierarchical), the
@@ -199,6 +202,8 @@ class AutoTuner:
         self._wanted = spec.samples
         self._skip = spec.warmup
         self._last: tuple[int, int, float] | None = None  # (reducer id, its steps, time)
+        # The reducer told to check each step's gradients for NaN/Inf while tuning.
+        self._checked_reducer: int | None = None
         self.error: str | None = None
         self.link: str | None = None  # rank 0: the link the model used
 
@@ -220,10 +225,15 @@ class AutoTuner:
         now = time.perf_counter()
         stats = self.ddp.comm_stats()
         reducer = id(self.ddp._reducer)
+        if self._checked_reducer != reducer:  # a new reducer (a rebuild) checks too
+            self._checked_reducer = reducer
+            self.ddp._reducer.set_track_finite(True)
         last, self._last = self._last, (reducer, stats["steps"], now)
         if last is None or last[:2] != (reducer, stats["steps"] - 1):
             return  # no synchronized step completed since the last forward seen
         self.step += 1
+        if self.ddp._reducer.last_step_finite() is False:
+            return  # an overflow (GradScaler skips that step): no figure from it
         if self._skip > 0:
             self._skip -= 1
             return
@@ -383,6 +393,7 @@ class AutoTuner:
         self.choice = self.names[self._broadcast([index])[0]]
         self.chosen_at_step = self.step
         self._switch(self.choice, fresh=True)
+        self.ddp._reducer.set_track_finite(False)  # tuned: no check per step from here
         self._natives.clear()
         if self.rank0 and self.spec.verbose:
             print(self.log_line(), flush=True)

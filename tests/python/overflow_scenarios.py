@@ -10,6 +10,7 @@ keep the NaN and every later step overflows too.
 
 Scenarios for a harness world (gloo; hierarchical hooks on 4 ranks as 2 x 2)."""
 
+import contextlib
 import copy
 
 import torch
@@ -29,6 +30,10 @@ def make_hook(name: str):
     """(state, hook) to register, by name."""
     h = fastddp.hooks
     made = {
+        "allreduce": h.allreduce,
+        "bf16": h.bf16,
+        "fp16": h.fp16,
+        "bf16_fp32": lambda: h.bf16(accumulate="fp32"),
         "bf16_ef": lambda: h.bf16(error_feedback=True),
         "fp16_ef": lambda: h.fp16(error_feedback=True),
         "bf16_fp32_ef": lambda: h.bf16(accumulate="fp32", error_feedback=True),
@@ -54,9 +59,11 @@ def _model() -> nn.Module:
                          nn.Linear(32, 4))
 
 
-def _wrap(module: nn.Module, hook: str) -> fastddp.DistributedDataParallel:
+def _wrap(module: nn.Module, hook: str, device: str = "cpu") -> fastddp.DistributedDataParallel:
     # About one bucket per layer: the bad step can be put in the first or the last.
-    model = fastddp.DistributedDataParallel(module, bucket_cap_mb=0.002)
+    ids = [torch.device(device).index or 0] if device != "cpu" else None
+    model = fastddp.DistributedDataParallel(module.to(device), bucket_cap_mb=0.002,
+                                            device_ids=ids)
     model.register_comm_hook(*make_hook(hook))
     return model
 
@@ -78,26 +85,32 @@ def _inject(model, where: str, ranks: str):
     return arm
 
 
-def scaler_run(hook: str, where: str = "all", ranks: str = "one", steps: int = 9) -> dict:
+def scaler_run(hook: str, where: str = "all", ranks: str = "one", steps: int = 9,
+               device: str = "cpu") -> dict:
     """A GradScaler run with one overflow at BAD_STEP against the same run without that
     iteration. Returns whether the parameters are equal bit for bit, the steps the scaler
-    took after the bad one, and the final scales."""
+    took after the bad one, and the final scales. On CUDA the forward runs under float16
+    autocast, as fp16 training does."""
+    autocast = (torch.autocast("cuda", dtype=torch.float16) if device != "cpu"
+                else contextlib.nullcontext())
     base = _model()
     runs = {}
     for kind in ("overflow", "skipped"):
-        model = _wrap(copy.deepcopy(base), hook)
+        model = _wrap(copy.deepcopy(base), hook, device)
         arm = _inject(model, where, ranks) if kind == "overflow" else (lambda step: None)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+        scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=INIT_SCALE)
         taken = []
         for step in range(steps):
             if kind == "skipped" and step == BAD_STEP:
                 scaler.update(new_scale=scaler.get_scale() * scaler.get_backoff_factor())
                 continue
             arm(step)
-            inputs, target = vector_batch(step)
+            inputs, target = vector_batch(step, device=device)
             opt.zero_grad(set_to_none=True)
-            scaler.scale(F.mse_loss(model(inputs), target)).backward()
+            with autocast:
+                loss = F.mse_loss(model(inputs).float(), target)
+            scaler.scale(loss).backward()
             before = scaler.get_scale()
             scaler.step(opt)
             scaler.update()
@@ -139,3 +152,33 @@ def long_run(hook: str, steps: int = 200, every: int = 5) -> dict:
         dist.all_reduce(loss)
         losses[kind] = loss.item() / dist.get_world_size()
     return losses
+
+
+def auto_run(overflow_at: int | None, steps: int = 12) -> dict:
+    """fastddp.hooks.auto tuning under GradScaler, with one overflow (every parameter, last
+    rank) at `overflow_at` or none: the step of auto's first switch (a trial or its choice,
+    a step count that timing does not change), the steps the scaler took, finiteness."""
+    model = fastddp.DistributedDataParallel(_model())
+    model.register_comm_hook(None, fastddp.hooks.auto("any", warmup=1, samples=3,
+                                                      verbose=False))
+    bad = {"on": False}
+    for p in model.module.parameters():
+        p.register_hook(lambda g: g * float("inf") if bad["on"] else g)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+    taken = []
+    for step in range(steps):
+        bad["on"] = step == overflow_at and dist.get_rank() == dist.get_world_size() - 1
+        inputs, target = vector_batch(step)
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(F.mse_loss(model(inputs), target)).backward()
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        taken.append(scaler.get_scale() >= before)
+    summary = model.auto_choice()
+    # history[0] is the installation at step 0; the next entry is the first switch.
+    return {"first_switch": summary["history"][1][0] if len(summary["history"]) > 1 else None,
+            "history": summary["history"],
+            "taken": taken,
+            "finite": all(bool(p.isfinite().all()) for p in model.parameters())}

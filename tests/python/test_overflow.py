@@ -5,25 +5,35 @@ iteration, and every later step is taken."""
 import pytest
 
 import overflow_scenarios as s
+from harness import World
 
 STATEFUL = ["bf16_ef", "fp16_ef", "bf16_fp32_ef", "int8", "fp8_e4m3", "fp8_e5m2", "powersgd",
             "batched_powersgd", "torch_powersgd"]
 HIERARCHICAL = ["hier_int8", "hier_bf16_ef", "hier_powersgd"]
+# No state to keep: the same must hold, with nothing to put back.
+STATELESS = ["allreduce", "bf16", "fp16", "bf16_fp32"]
 # Where the overflow is: every parameter on one rank, every parameter on every rank, one
 # parameter of the bucket reduced first, one of the bucket reduced last (one rank).
 PLACES = [("all", "one"), ("all", "all"), ("first", "one"), ("last", "one")]
 
 
-def both(world, hook: str) -> None:
+@pytest.fixture(scope="module")
+def nccl_world1():
+    world = World(1, backend="nccl")
+    yield world
+    world.close()
+
+
+def both(world, hook: str, **kwargs) -> None:
     for where, ranks in PLACES:
-        for r in world.check(s.scaler_run, hook=hook, where=where, ranks=ranks):
+        for r in world.check(s.scaler_run, hook=hook, where=where, ranks=ranks, **kwargs):
             what = f"{hook}, overflow in {where} on {ranks} rank(s): {r}"
             # Every step after the bad one is taken (the scale is never halved again).
             assert r["taken_after"] == [True] * len(r["taken_after"]), what
             assert r["equal"] and r["finite"] and r["scales"][0] == r["scales"][1], what
 
 
-@pytest.mark.parametrize("hook", STATEFUL)
+@pytest.mark.parametrize("hook", STATEFUL + STATELESS)
 def test_one_overflow_leaves_no_trace(world, hook):
     both(world, hook)
 
@@ -42,3 +52,22 @@ def test_overflow_every_fifth_step_keeps_learning(world, hook):
     # loss ends within 10% of the run without overflows (the issue's bound; the skipped
     # steps are lost progress, nothing more).
     assert r["overflows"] == pytest.approx(r["clean"], rel=0.10), r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hook", STATEFUL)
+def test_one_overflow_leaves_no_trace_on_cuda(nccl_world1, hook):
+    # float16 autocast and GradScaler on CUDA, NCCL at world size 1 (a registered hook
+    # builds the reducer there, as torch runs hooks at world size 1).
+    both(nccl_world1, hook, device="cuda")
+
+
+def test_auto_takes_no_figure_from_an_overflow_step(world):
+    clean = world.check(s.auto_run, overflow_at=None)
+    # Step 2 is one of the 3 sampled (after 1 warm-up step): it gives no figure, so the
+    # sampling ends one step later, and every step after it is taken.
+    bad = world.check(s.auto_run, overflow_at=2)
+    for c, b in zip(clean, bad):
+        assert c["first_switch"] is not None and b["first_switch"] == c["first_switch"] + 1, (c, b)
+        assert b["taken"][:2] + b["taken"][3:] == [True] * 11 and not b["taken"][2], b
+        assert c["finite"] and b["finite"]

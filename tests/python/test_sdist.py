@@ -77,6 +77,17 @@ def test_the_build_log_has_no_deprecation_warning(sdist):
     assert "Deprecat" not in log and "deprecat" not in log, log
 
 
+def test_the_checkouts_build_log_has_no_deprecation_warning():
+    # make install's log of `pip install -e .`: the compiler's warnings too (ccache replays
+    # them), e.g. torch's deprecated collective names (csrc/hooks/collectives.h).
+    log = os.path.join(ROOT, "build", "pip-install.log")
+    if not os.path.exists(log):
+        pytest.skip("_C was not built by make install here (no build/pip-install.log)")
+    with open(log) as f:
+        found = [line for line in f if "deprecat" in line.lower()]
+    assert not found, "".join(found[:10])
+
+
 def test_sdist_builds_in_a_fresh_environment_and_passes_the_check(sdist, tmp_path):
     path, _ = sdist
     shutil.rmtree(SDIST_CHECK, ignore_errors=True)
