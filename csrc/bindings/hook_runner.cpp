@@ -33,7 +33,7 @@ class HookRunner {
     FASTDDP_CHECK(hook_, "fastddp HookRunner: hook is None");
     FASTDDP_CHECK(!grads.empty(), "fastddp HookRunner: no gradients");
     FASTDDP_CHECK(bucket_cap_bytes > 0, "fastddp HookRunner: bucket_cap_bytes must be > 0, got ",
-                bucket_cap_bytes);
+                  bucket_cap_bytes);
     // Planned over the reversed list, then mapped back to indices into `grads`.
     std::vector<TensorSpec> specs;
     for (size_t i = grads.size(); i-- > 0;) specs.push_back(spec_of(grads[i], false));
@@ -54,11 +54,11 @@ class HookRunner {
   // callbacks, which gloo pairs up wrongly across ranks otherwise).
   std::vector<at::Tensor> run(const std::vector<at::Tensor>& grads, bool serialize) {
     FASTDDP_CHECK(grads.size() == shapes_.size(), "fastddp HookRunner: ", grads.size(),
-                " gradients for a runner built over ", shapes_.size());
+                  " gradients for a runner built over ", shapes_.size());
     for (size_t i = 0; i < grads.size(); ++i) {
       FASTDDP_CHECK(grads[i].sizes().vec() == shapes_[i], "fastddp HookRunner: gradient ", i,
-                  " has shape ", grads[i].sizes(), ", the runner was built for ",
-                  c10::IntArrayRef(shapes_[i]));
+                    " has shape ", grads[i].sizes(), ", the runner was built for ",
+                    c10::IntArrayRef(shapes_[i]));
     }
     hook_->set_divide_factor(world_size_);
     for (size_t b = 0; b < buckets_.size(); ++b) {
@@ -92,7 +92,7 @@ class HookRunner {
     FASTDDP_CHECK(future, "fastddp HookRunner: hook '", hook_->name(), "' returned no future");
     future->wait();
     FASTDDP_CHECK(!future->hasError(), "fastddp HookRunner: bucket ", b, " (hook '", hook_->name(),
-                "') failed: ", future->tryRetrieveErrorMessage());
+                  "') failed: ", future->tryRetrieveErrorMessage());
   }
 
   std::shared_ptr<CommHook> hook_;

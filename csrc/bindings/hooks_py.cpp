@@ -53,7 +53,7 @@ void half_decompress_into(const std::vector<at::Tensor>& srcs,
 
 at::Tensor half_sum_shards(const at::Tensor& shards) {
   FASTDDP_CHECK(shards.dim() == 2, "fastddp half_sum_shards: shards must be (count, n), got ",
-              shards.sizes());
+                shards.sizes());
   at::Tensor out = at::empty({shards.size(1)}, shards.options());
   half_sum_shards_into(half_kind_of(shards.scalar_type()), shards.contiguous(), shards.size(0),
                        out);

@@ -26,13 +26,13 @@ py::tuple compute_bucket_assignment_by_size(const std::vector<at::Tensor>& tenso
                                             const std::vector<bool>& expect_sparse_gradient,
                                             const std::vector<int64_t>& tensor_indices) {
   FASTDDP_CHECK(expect_sparse_gradient.empty() || expect_sparse_gradient.size() == tensors.size(),
-              "fastddp: expect_sparse_gradient has ", expect_sparse_gradient.size(),
-              " entries for ", tensors.size(), " tensors");
+                "fastddp: expect_sparse_gradient has ", expect_sparse_gradient.size(),
+                " entries for ", tensors.size(), " tensors");
   std::vector<size_t> order(tensor_indices.begin(), tensor_indices.end());
   std::vector<TensorSpec> specs;
   for (size_t i = 0; i < tensors.size(); ++i) {
     FASTDDP_CHECK(!tensors[i].is_sparse(), "fastddp: tensor ", i, " is sparse; no support for "
-                "sparse tensors");
+                  "sparse tensors");
     const size_t index = order.empty() ? i : order.at(i);
     specs.push_back(spec_of(
         tensors[i], !expect_sparse_gradient.empty() && expect_sparse_gradient.at(index)));

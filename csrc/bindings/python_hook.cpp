@@ -56,20 +56,20 @@ at::Tensor PythonCommHook::result_tensor(const c10::IValue& result) {
   // tensor; name the hook and what it gave instead.
   const std::string type = obj == Py_None ? "None" : Py_TYPE(obj)->tp_name;
   FASTDDP_CHECK(false, "fastddp: comm hook '", name_, "' completed its future with ", type,
-              "; it must hold the bucket's reduced tensor (a torch.Tensor of the bucket's size, "
-              "as bucket.buffer())");
+                "; it must hold the bucket's reduced tensor (a torch.Tensor of the bucket's size, "
+                "as bucket.buffer())");
 }
 
 void PythonCommHook::write_back(Bucket& bucket, const c10::IValue& result,
                                 std::vector<at::Tensor>& dsts) {
   at::Tensor flat = result_tensor(result);
   FASTDDP_CHECK(flat.numel() == bucket.flat.numel(), "fastddp: comm hook ", name_,
-              " returned a tensor of ", flat.numel(), " elements for a bucket of ",
-              bucket.flat.numel(), "; the future must hold the bucket's reduced flat buffer");
+                " returned a tensor of ", flat.numel(), " elements for a bucket of ",
+                bucket.flat.numel(), "; the future must hold the bucket's reduced flat buffer");
   // An integer result would be cast into the gradients, truncated.
   FASTDDP_CHECK(at::isFloatingType(flat.scalar_type()) || at::isComplexType(flat.scalar_type()),
-              "fastddp: comm hook '", name_, "' returned a tensor of ", flat.scalar_type(),
-              " for a bucket of ", bucket.flat.scalar_type(), "; it must be floating point");
+                "fastddp: comm hook '", name_, "' returned a tensor of ", flat.scalar_type(),
+                " for a bucket of ", bucket.flat.scalar_type(), "; it must be floating point");
   if (flat.dim() != 1) flat = flat.reshape({-1});  // torch takes [1, N] too
   if (flat.scalar_type() != bucket.flat.scalar_type() || flat.device() != bucket.flat.device()) {
     flat = flat.to(bucket.flat.options());  // e.g. torch's compress wrappers return 16-bit

@@ -81,11 +81,11 @@ void HalfCompressHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& gr
     return;
   }
   FASTDDP_CHECK_NOT_IMPLEMENTED(!grad.is_sparse(), "fastddp: the ", name(),
-                              " comm hook does not support sparse gradients");
+                                " comm hook does not support sparse gradients");
   const at::Tensor& view = bucket.views[slot];
   FASTDDP_CHECK(grad.numel() == numel && grad.device() == view.device(), "fastddp: the ", name(),
-              " comm hook got a gradient of ", grad.numel(), " elements on ", grad.device(),
-              " for a bucket slot of ", numel, " on ", view.device());
+                " comm hook got a gradient of ", grad.numel(), " elements on ", grad.device(),
+                " for a bucket slot of ", numel, " on ", view.device());
   // The fast path reads the grad in storage order, which is the slot's order
   // when the grad has the view's strides (always under gradient_as_bucket_view).
   at::Tensor src = grad;
@@ -149,8 +149,8 @@ std::shared_ptr<PipelinedHook::Stage> HalfCompressHook::start(
       // rank alike: from now on use the float32-accumulation algorithm.
       if (!state->wire.is_cpu()) throw;
       FASTDDP_WARN("fastddp: the process group has no ", state->wire.scalar_type(),
-                 " allreduce (", e.what_without_backtrace(), "); the ", name(),
-                 " comm hook sends the same 16-bit payload with float32 sums instead");
+                   " allreduce (", e.what_without_backtrace(), "); the ", name(),
+                   " comm hook sends the same 16-bit payload with float32 sums instead");
       half_allreduce_unsupported_ = true;
     }
   }
@@ -187,9 +187,9 @@ void HalfCompressHook::write_back(Bucket& bucket, const c10::IValue& result,
   const at::Tensor reduced = hook_result_tensor(result, name());
   FASTDDP_CHECK(reduced.scalar_type() == scalar_type_of(options_.kind) &&
                   reduced.numel() >= bucket.flat.numel() && reduced.is_contiguous(),
-              "fastddp: the ", name(), " comm hook's result is not its 16-bit wire buffer");
+                "fastddp: the ", name(), " comm hook's result is not its 16-bit wire buffer");
   FASTDDP_CHECK(dsts.size() == bucket.views.size(), "fastddp: ", dsts.size(),
-              " write-back destinations for a bucket of ", bucket.views.size());
+                " write-back destinations for a bucket of ", bucket.views.size());
   std::vector<at::Tensor> srcs, outs;
   for (size_t k = 0; k < dsts.size(); ++k) {
     const at::Tensor src = reduced.narrow(0, bucket.offsets[k], bucket.numels[k]);

@@ -27,20 +27,20 @@ const char* kind_name(HalfKind kind) {
 void check_dense(const at::Tensor& t, const char* what) {
   FASTDDP_CHECK(t.defined(), "fastddp half ops: ", what, " is undefined");
   FASTDDP_CHECK(t.is_non_overlapping_and_dense(), "fastddp half ops: ", what,
-              " must be dense and non-overlapping, got strides ", t.strides());
+                " must be dense and non-overlapping, got strides ", t.strides());
 }
 
 void check_float(const at::Tensor& t, const char* what) {
   check_dense(t, what);
   FASTDDP_CHECK(t.scalar_type() == at::kFloat, "fastddp half ops: ", what,
-              " must be float32, got ", t.scalar_type());
+                " must be float32, got ", t.scalar_type());
 }
 
 void check_half(const at::Tensor& t, HalfKind kind, const char* what) {
   FASTDDP_CHECK(t.defined() && t.is_contiguous(), "fastddp half ops: ", what,
-              " must be contiguous");
+                " must be contiguous");
   FASTDDP_CHECK(t.scalar_type() == scalar_type_of(kind), "fastddp half ops: ", what, " must be ",
-              kind_name(kind), ", got ", t.scalar_type());
+                kind_name(kind), ", got ", t.scalar_type());
 }
 
 uint16_t* half_ptr(const at::Tensor& t) { return static_cast<uint16_t*>(t.data_ptr()); }
@@ -53,7 +53,7 @@ void* current_stream(const at::Tensor& t) {
 
 [[noreturn]] void no_cuda() {
   FASTDDP_CHECK_NOT_IMPLEMENTED(false, "fastddp was built without CUDA: half ops on CUDA tensors "
-                              "need a CUDA build");
+                                "need a CUDA build");
 }
 
 }  // namespace
@@ -75,13 +75,13 @@ void half_compress_into(HalfKind kind, const at::Tensor& src, double scale,
   check_float(src, "src");
   check_half(dst, kind, "dst");
   FASTDDP_CHECK(src.numel() == dst.numel() && src.device() == dst.device(),
-              "fastddp half_compress: src has ", src.numel(), " elements on ", src.device(),
-              ", dst ", dst.numel(), " on ", dst.device());
+                "fastddp half_compress: src has ", src.numel(), " elements on ", src.device(),
+                ", dst ", dst.numel(), " on ", dst.device());
   float* r = nullptr;
   if (residual != nullptr) {
     check_float(*residual, "residual");
     FASTDDP_CHECK(residual->numel() == src.numel() && residual->device() == src.device(),
-                "fastddp half_compress: residual must match src in size and device");
+                  "fastddp half_compress: residual must match src in size and device");
     r = residual->data_ptr<float>();
   }
   const float* s = src.data_ptr<float>();
@@ -112,14 +112,14 @@ void half_decompress_many(HalfKind kind, const std::vector<at::Tensor>& srcs,
                           const std::vector<at::Tensor>& dsts) {
   FASTDDP_PROFILE_RANGE("fastddp decompress");
   FASTDDP_CHECK(srcs.size() == dsts.size(), "fastddp half_decompress: ", srcs.size(),
-              " sources for ", dsts.size(), " destinations");
+                " sources for ", dsts.size(), " destinations");
   if (srcs.empty()) return;
   for (size_t i = 0; i < srcs.size(); ++i) {
     check_half(srcs[i], kind, "src");
     check_float(dsts[i], "dst");
     FASTDDP_CHECK(srcs[i].numel() == dsts[i].numel() && srcs[i].device() == dsts[i].device() &&
                     srcs[i].device() == srcs.front().device(),
-                "fastddp half_decompress: pair ", i, " differs in size or device");
+                  "fastddp half_decompress: pair ", i, " differs in size or device");
   }
   if (srcs.front().is_cuda()) {
 #if defined(FASTDDP_WITH_CUDA)
@@ -152,8 +152,8 @@ void half_sum_shards_into(HalfKind kind, const at::Tensor& shards, int64_t count
   check_half(out, kind, "out");
   FASTDDP_CHECK(count > 0 && shards.numel() == count * out.numel() &&
                   shards.device() == out.device(),
-              "fastddp half_sum_shards: ", shards.numel(), " shard elements for ", count,
-              " rows of ", out.numel());
+                "fastddp half_sum_shards: ", shards.numel(), " shard elements for ", count,
+                " rows of ", out.numel());
   const int64_t n = out.numel();
   const uint16_t* s = half_ptr(shards);
   uint16_t* o = half_ptr(out);

@@ -45,7 +45,7 @@ HierarchicalHook::HierarchicalHook(c10::intrusive_ptr<c10d::ProcessGroup> intra,
   local_size_ = intra_->getSize();
   node_count_ = inter_->getSize();
   FASTDDP_CHECK(local_size_ >= 1 && node_count_ >= 1,
-              "fastddp: the hierarchical comm hook got empty groups");
+                "fastddp: the hierarchical comm hook got empty groups");
   set_divide_factor(static_cast<int64_t>(local_size_) * node_count_);
 }
 
@@ -105,8 +105,8 @@ std::shared_ptr<HierarchicalHook::BucketState> HierarchicalHook::state_for(
 
 void HierarchicalHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) {
   FASTDDP_CHECK_NOT_IMPLEMENTED(!bucket.sparse && !(grad.defined() && grad.is_sparse()),
-                              "fastddp: the ", name(),
-                              " comm hook does not support sparse gradients");
+                                "fastddp: the ", name(),
+                                " comm hook does not support sparse gradients");
   if (!grad.defined()) {
     bucket.views[slot].zero_();
     return;

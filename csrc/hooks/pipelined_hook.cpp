@@ -26,7 +26,8 @@ c10::intrusive_ptr<c10::ivalue::Future> PipelinedHook::run(Bucket& bucket, size_
     done = stage->result;
     note_launch(index, nullptr);  // the stage's errors name their collective
   }
-  FASTDDP_INTERNAL_ASSERT(done, "comm hook '", name(), "' started bucket ", index, " without a future");
+  FASTDDP_INTERNAL_ASSERT(done, "comm hook '", name(), "' started bucket ", index,
+                          " without a future");
   if (pending_) {
     std::shared_ptr<Stage> previous = std::move(pending_);
     finish_or_fail(*previous);

@@ -112,7 +112,7 @@ void PowerSGDBase::draw_random_q(const std::vector<at::Tensor>& qs) {
 void PowerSGDBase::wait_for_p(c10::ivalue::Future& p_reduced, size_t index) {
   p_reduced.wait();
   FASTDDP_CHECK(!p_reduced.hasError(), "fastddp: the ", name(), " comm hook's allreduce of P "
-              "failed for bucket ", index, ": ", p_reduced.tryRetrieveErrorMessage());
+                "failed for bucket ", index, ": ", p_reduced.tryRetrieveErrorMessage());
 }
 
 std::vector<double> PowerSGDBase::compression_stats() const {

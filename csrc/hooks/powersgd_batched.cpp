@@ -67,9 +67,9 @@ std::shared_ptr<PipelinedHook::Stage> BatchedPowerSGDHook::start(
   BucketState& state = *stage->state;
   const int64_t rank = options_.matrix_approximation_rank;
   FASTDDP_CHECK_VALUE(rank <= state.side, "fastddp powersgd_batched: bucket ", index, " has ",
-                    state.numel, " elements, a ", state.side, " x ", state.side,
-                    " matrix: matrix_approximation_rank (", rank, ") must be at most ",
-                    state.side, "; use larger buckets or a smaller rank");
+                      state.numel, " elements, a ", state.side, " x ", state.side,
+                      " matrix: matrix_approximation_rank (", rank, ") must be at most ",
+                      state.side, "; use larger buckets or a smaller rank");
   {
     std::lock_guard<std::mutex> lock(mutex_);
     const int64_t esize = static_cast<int64_t>(bucket.flat.element_size());

@@ -44,8 +44,8 @@ void BatchedPowerSGDHook::adopt_carried(BucketState& s) {
       auto it = carried_.errors.find(s.params[k]);
       if (it == carried_.errors.end()) continue;
       FASTDDP_CHECK_VALUE(it->second.numel() == s.numels[k], "fastddp powersgd_batched: the saved "
-                        "error of parameter ", s.params[k], " has ", it->second.numel(),
-                        " elements, expected ", s.numels[k]);
+                          "error of parameter ", s.params[k], " has ", it->second.numel(),
+                          " elements, expected ", s.numels[k]);
       s.error.narrow(0, s.offsets[k], s.numels[k]).copy_(it->second.reshape(-1));
       carried_.errors.erase(it);
     }
@@ -117,7 +117,7 @@ void BatchedPowerSGDHook::carry_buckets(PowerSGDCheckpoint& into) const {
 
 void BatchedPowerSGDHook::check_checkpoint(const PowerSGDCheckpoint& ck) const {
   FASTDDP_CHECK_VALUE(ck.qs.empty(), "fastddp powersgd_batched: the checkpoint has per-parameter "
-                    "Qs (a \"powersgd\" hook's); this hook keeps one Q per bucket (bucket_qs)");
+                      "Qs (a \"powersgd\" hook's); this hook keeps one Q per bucket (bucket_qs)");
 }
 
 }  // namespace fastddp

@@ -118,8 +118,8 @@ PowerSGDWork make_powersgd_work(const PowerSGDPlan& plan, const PowerSGDOptions&
 
 void powersgd_orthogonalize(at::Tensor& matrices, double epsilon) {
   FASTDDP_CHECK(matrices.dim() == 3 && matrices.size(2) <= matrices.size(1),
-              "fastddp powersgd_orthogonalize: matrices must be (batch, n, r) with r <= n, got ",
-              matrices.sizes());
+                "fastddp powersgd_orthogonalize: matrices must be (batch, n, r) with r <= n, got ",
+                matrices.sizes());
   if (fused_orthogonalize(matrices, epsilon)) return;
   const int64_t rank = matrices.size(2);
   const auto dtype = matrices.scalar_type();

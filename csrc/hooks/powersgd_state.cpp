@@ -73,8 +73,8 @@ void PowerSGDHook::adopt_carried(BucketState& s, const PowerSGDPlan& plan, bool&
       auto it = carried_.qs.find(s.params[mat.slot]);
       if (it == carried_.qs.end()) continue;
       FASTDDP_CHECK_VALUE(it->second.numel() == mat.m * mat.r,
-                        "fastddp powersgd: the saved Q of parameter ", s.params[mat.slot],
-                        " has ", it->second.numel(), " elements, expected ", mat.m, " x ", mat.r);
+                          "fastddp powersgd: the saved Q of parameter ", s.params[mat.slot],
+                          " has ", it->second.numel(), " elements, expected ", mat.m, " x ", mat.r);
       s.qs_after_draw.emplace_back(mat.q_offset, it->second);
       carried_.qs.erase(it);
     }

@@ -73,10 +73,10 @@ int64_t Quant8Hook::padded_numel(int64_t numel) const {
 std::shared_ptr<Quant8Hook::BucketState>& Quant8Hook::state_for(const Bucket& bucket) {
   std::shared_ptr<BucketState>& state = states_[bucket.flat.unsafeGetTensorImpl()];
   FASTDDP_CHECK_NOT_IMPLEMENTED(!bucket.sparse, "fastddp: the ", name(),
-                              " comm hook does not support sparse gradients");
+                                " comm hook does not support sparse gradients");
   FASTDDP_CHECK_NOT_IMPLEMENTED(bucket.flat.scalar_type() == at::kFloat, "fastddp: the ", name(),
-                              " comm hook compresses float32 gradients only, got a bucket of ",
-                              bucket.flat.scalar_type());
+                                " comm hook compresses float32 gradients only, got a bucket of ",
+                                bucket.flat.scalar_type());
   const int64_t padded = padded_numel(bucket.flat.numel());
   if (!state || state->staging.numel() != padded) {
     state = std::make_shared<BucketState>();
@@ -133,11 +133,11 @@ void Quant8Hook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) {
     return;
   }
   FASTDDP_CHECK_NOT_IMPLEMENTED(!grad.is_sparse(), "fastddp: the ", name(),
-                              " comm hook does not support sparse gradients");
+                                " comm hook does not support sparse gradients");
   const at::Tensor& view = bucket.views[slot];
   FASTDDP_CHECK(grad.numel() == numel && grad.device() == view.device(), "fastddp: the ", name(),
-              " comm hook got a gradient of ", grad.numel(), " elements on ", grad.device(),
-              " for a bucket slot of ", numel, " on ", view.device());
+                " comm hook got a gradient of ", grad.numel(), " elements on ", grad.device(),
+                " for a bucket slot of ", numel, " on ", view.device());
   // The staging slot is laid out as the bucket slot (storage order), so a
   // grad with the view's strides is read straight; others go through the view.
   at::Tensor src = grad;
@@ -216,9 +216,9 @@ void Quant8Hook::write_back(Bucket& bucket, const c10::IValue& result,
   const BucketState& s = *state_for(bucket);
   FASTDDP_CHECK(gathered.scalar_type() == at::kByte && gathered.is_contiguous() &&
                   gathered.numel() == s.wire.numel(),
-              "fastddp: the ", name(), " comm hook's result is not its 8-bit wire buffer");
+                "fastddp: the ", name(), " comm hook's result is not its 8-bit wire buffer");
   FASTDDP_CHECK(dsts.size() == bucket.views.size(), "fastddp: ", dsts.size(),
-              " write-back destinations for a bucket of ", bucket.views.size());
+                " write-back destinations for a bucket of ", bucket.views.size());
   const int64_t numel = bucket.flat.numel();
   for (int64_t r = 0; r < world_size_ && r * s.shard < numel; ++r) {
     const int64_t len = std::min(s.shard, numel - r * s.shard);

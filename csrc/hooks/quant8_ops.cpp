@@ -22,19 +22,19 @@ int64_t grain_blocks(int64_t block) { return std::max<int64_t>(1, (int64_t{1} <<
 
 void check_block(int64_t block) {
   FASTDDP_CHECK(block > 0 && block <= kernels::kQuant8MaxBlock,
-              "fastddp quant8: block must be in [1, ", kernels::kQuant8MaxBlock, "], got ",
-              block);
+                "fastddp quant8: block must be in [1, ", kernels::kQuant8MaxBlock, "], got ",
+                block);
 }
 
 void check_tensor(const at::Tensor& t, at::ScalarType type, const char* what) {
   FASTDDP_CHECK(t.defined() && t.is_contiguous(), "fastddp quant8: ", what, " must be contiguous");
   FASTDDP_CHECK(t.scalar_type() == type, "fastddp quant8: ", what, " must be ", type, ", got ",
-              t.scalar_type());
+                t.scalar_type());
 }
 
 void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* what) {
   FASTDDP_CHECK(a.device() == b.device(), "fastddp quant8: ", what, " is on ", b.device(),
-              ", expected ", a.device());
+                ", expected ", a.device());
 }
 
 #if defined(FASTDDP_WITH_CUDA)
@@ -45,7 +45,7 @@ void* current_stream(const at::Tensor& t) {
 
 [[noreturn]] void no_cuda() {
   FASTDDP_CHECK_NOT_IMPLEMENTED(false, "fastddp was built without CUDA: 8-bit quantization of "
-                              "CUDA tensors needs a CUDA build");
+                                "CUDA tensors needs a CUDA build");
 }
 
 }  // namespace
@@ -79,8 +79,8 @@ void quantize8_into(Quant8Format format, const at::Tensor& src, int64_t block,
   const int64_t n = src.numel();
   const int64_t blocks = quant8_num_blocks(n, block);
   FASTDDP_CHECK(codes.numel() == n && scales.numel() == blocks, "fastddp quantize8: ", n,
-              " values need ", n, " codes and ", blocks, " scales, got ", codes.numel(), " and ",
-              scales.numel());
+                " values need ", n, " codes and ", blocks, " scales, got ", codes.numel(), " and ",
+                scales.numel());
   check_same_device(src, codes, "codes");
   check_same_device(src, scales, "scales");
   float* e = nullptr;
@@ -117,9 +117,9 @@ void dequantize8_into(Quant8Format format, const at::Tensor& codes, const at::Te
   check_tensor(dst, at::kFloat, "dst");
   const int64_t n = dst.numel();
   FASTDDP_CHECK(n <= codes.numel() && scales.numel() == quant8_num_blocks(codes.numel(), block),
-              "fastddp dequantize8: ", codes.numel(), " codes need ",
-              quant8_num_blocks(codes.numel(), block), " scales (got ", scales.numel(),
-              ") and at most as many outputs (got ", n, ")");
+                "fastddp dequantize8: ", codes.numel(), " codes need ",
+                quant8_num_blocks(codes.numel(), block), " scales (got ", scales.numel(),
+                ") and at most as many outputs (got ", n, ")");
   check_same_device(codes, scales, "scales");
   check_same_device(codes, dst, "dst");
   const uint8_t* c = codes.const_data_ptr<uint8_t>();
@@ -152,12 +152,12 @@ void sum_shards8_into(Quant8Format format, const at::Tensor& shards, int64_t cou
   const int64_t shard_bytes = n + 4 * blocks;
   FASTDDP_CHECK(count > 0 && n % 4 == 0 && shards.numel() == count * shard_bytes &&
                   out_codes.numel() == n && out_scales.numel() == blocks,
-              "fastddp sum_shards8: ", count, " shards of ", n, " values (a multiple of 4) "
-              "need ", count * shard_bytes, " bytes, ", n, " codes and ", blocks,
-              " scales out; got ", shards.numel(), ", ", out_codes.numel(), " and ",
-              out_scales.numel());
+                "fastddp sum_shards8: ", count, " shards of ", n, " values (a multiple of 4) "
+                "need ", count * shard_bytes, " bytes, ", n, " codes and ", blocks,
+                " scales out; got ", shards.numel(), ", ", out_codes.numel(), " and ",
+                out_scales.numel());
   FASTDDP_CHECK(reinterpret_cast<uintptr_t>(shards.const_data_ptr()) % 4 == 0,
-              "fastddp sum_shards8: shards must be 4-byte aligned");
+                "fastddp sum_shards8: shards must be 4-byte aligned");
   check_same_device(shards, out_codes, "out_codes");
   check_same_device(shards, out_scales, "out_scales");
   const uint8_t* s = shards.const_data_ptr<uint8_t>();

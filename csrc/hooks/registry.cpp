@@ -39,7 +39,7 @@ bool HookOptions::get_bool(const std::string& key, bool fallback) const {
   const HookOption* v = find(key);
   if (v == nullptr) return fallback;
   FASTDDP_CHECK(std::holds_alternative<bool>(*v), "comm hook '", hook_, "': option '", key,
-              "' must be a bool, got ", type_name(*v));
+                "' must be a bool, got ", type_name(*v));
   return std::get<bool>(*v);
 }
 
@@ -47,7 +47,7 @@ int64_t HookOptions::get_int(const std::string& key, int64_t fallback) const {
   const HookOption* v = find(key);
   if (v == nullptr) return fallback;
   FASTDDP_CHECK(std::holds_alternative<int64_t>(*v), "comm hook '", hook_, "': option '", key,
-              "' must be an int, got ", type_name(*v));
+                "' must be an int, got ", type_name(*v));
   return std::get<int64_t>(*v);
 }
 
@@ -56,7 +56,7 @@ double HookOptions::get_double(const std::string& key, double fallback) const {
   if (v == nullptr) return fallback;
   if (std::holds_alternative<int64_t>(*v)) return static_cast<double>(std::get<int64_t>(*v));
   FASTDDP_CHECK(std::holds_alternative<double>(*v), "comm hook '", hook_, "': option '", key,
-              "' must be a float, got ", type_name(*v));
+                "' must be a float, got ", type_name(*v));
   return std::get<double>(*v);
 }
 
@@ -66,13 +66,13 @@ std::string HookOptions::get_choice(const std::string& key, const std::string& f
   if (v == nullptr) return fallback;
   const std::string allowed = join(choices, ", ", "'");
   FASTDDP_CHECK(std::holds_alternative<std::string>(*v), "comm hook '", hook_, "': option '", key,
-              "' must be one of ", allowed, ", got a ", type_name(*v));
+                "' must be one of ", allowed, ", got a ", type_name(*v));
   const std::string& s = std::get<std::string>(*v);
   for (const std::string& c : choices) {
     if (c == s) return s;
   }
   FASTDDP_CHECK(false, "comm hook '", hook_, "': option '", key, "' must be one of ", allowed,
-              ", got '", s, "'");
+                ", got '", s, "'");
 }
 
 void HookOptions::check_known(const std::vector<std::string>& known) const {
@@ -81,7 +81,7 @@ void HookOptions::check_known(const std::vector<std::string>& known) const {
     for (const std::string& k : known) found = found || k == key;
     if (found) continue;
     FASTDDP_CHECK(false, "comm hook '", hook_, "' has no option '", key, "' (it takes: ",
-                known.empty() ? "none" : join(known, ", "), ")");
+                  known.empty() ? "none" : join(known, ", "), ")");
   }
 }
 
@@ -90,7 +90,7 @@ void register_comm_hook_factory(const std::string& name, CommHookFactory factory
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   FASTDDP_CHECK(r.factories.count(name) == 0, "fastddp: a comm hook named '", name,
-              "' is already registered");
+                "' is already registered");
   r.factories.emplace(name, std::move(factory));
 }
 
@@ -107,7 +107,7 @@ std::shared_ptr<CommHook> create_comm_hook(const std::string& name,
       std::string known;
       for (const auto& [n, f] : r.factories) known += cat(" '", n, "'");
       FASTDDP_CHECK(false, "fastddp: no comm hook named '", name, "' is registered (known:",
-                  known, ")");
+                    known, ")");
     }
     factory = it->second;
   }

@@ -79,7 +79,7 @@ std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
                                  const std::vector<std::vector<size_t>>& plan,
                                  const std::vector<bool>& sparse, int64_t align_bytes) {
   FASTDDP_CHECK(align_bytes >= 0 && (align_bytes & (align_bytes - 1)) == 0,
-              "fastddp: the bucket alignment must be 0 or a power of two, got ", align_bytes);
+                "fastddp: the bucket alignment must be 0 or a power of two, got ", align_bytes);
   std::vector<Bucket> buckets(plan.size());
   // Per (device, dtype): the dense buckets and each one's start in the buffer.
   std::map<std::pair<std::string, c10::ScalarType>, std::vector<std::pair<size_t, int64_t>>>
@@ -91,8 +91,8 @@ std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
     const at::Tensor& first = params.at(plan[b].front());
     if (!sparse.empty() && sparse.at(plan[b].front())) {
       FASTDDP_CHECK(plan[b].size() == 1, "fastddp: bucket ", b, " holds parameter ",
-                  plan[b].front(), ", which gets sparse gradients, and ", plan[b].size() - 1,
-                  " others; a sparse gradient needs a bucket of its own");
+                    plan[b].front(), ", which gets sparse gradients, and ", plan[b].size() - 1,
+                    " others; a sparse gradient needs a bucket of its own");
       bucket.sparse = true;
       bucket.params = plan[b];
       bucket.offsets = {0};
@@ -104,8 +104,8 @@ std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
     for (size_t index : plan[b]) {
       const at::Tensor& p = params.at(index);
       FASTDDP_CHECK(p.scalar_type() == first.scalar_type() && p.device() == first.device(),
-                  "fastddp: bucket ", b, " mixes ", first.scalar_type(), " on ", first.device(),
-                  " with ", p.scalar_type(), " on ", p.device(), " (parameter ", index, ")");
+                    "fastddp: bucket ", b, " mixes ", first.scalar_type(), " on ", first.device(),
+                    " with ", p.scalar_type(), " on ", p.device(), " (parameter ", index, ")");
       bucket.params.push_back(index);
     }
     const int64_t esize = static_cast<int64_t>(first.element_size());

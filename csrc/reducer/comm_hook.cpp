@@ -139,24 +139,24 @@ at::Tensor hook_result_tensor(const c10::IValue& result, const std::string& hook
   if (result.isTensorList()) {
     auto list = result.toTensorList();
     FASTDDP_CHECK(list.size() >= 1, "fastddp: comm hook '", hook_name,
-                "' completed with an empty list of tensors");
+                  "' completed with an empty list of tensors");
     return list.get(0);
   }
   if (result.isList()) {
     auto list = result.toListRef();
     FASTDDP_CHECK(!list.empty() && list[0].isTensor(), "fastddp: comm hook '", hook_name,
-                "' must complete its future with a tensor or a list of tensors");
+                  "' must complete its future with a tensor or a list of tensors");
     return list[0].toTensor();
   }
   FASTDDP_CHECK(false, "fastddp: comm hook '", hook_name,
-              "' must complete its future with a tensor (the reduced bucket), got ",
-              result.tagKind());
+                "' must complete its future with a tensor (the reduced bucket), got ",
+                result.tagKind());
 }
 
 void copy_flat_to_grads(Bucket& bucket, const at::Tensor& flat, std::vector<at::Tensor>& dsts) {
   FASTDDP_CHECK(flat.dim() == 1 && flat.numel() == bucket.flat.numel(),
-              "fastddp: a comm hook returned a tensor of shape ", flat.sizes(),
-              " for a bucket of ", bucket.flat.numel(), " elements");
+                "fastddp: a comm hook returned a tensor of shape ", flat.sizes(),
+                " for a bucket of ", bucket.flat.numel(), " elements");
   const bool in_place = flat.data_ptr() == bucket.flat.data_ptr() &&
                         flat.scalar_type() == bucket.flat.scalar_type();
   // A hook's own result (not the bucket) is read through each slot's strides,

@@ -27,7 +27,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   FASTDDP_CHECK(hook_, "fastddp: Reducer needs a comm hook");
   FASTDDP_CHECK(!params_.empty(), "fastddp: Reducer needs at least one parameter");
   FASTDDP_CHECK(names_.size() == params_.size(), "fastddp: ", params_.size(), " parameters but ",
-              names_.size(), " names");
+                names_.size(), " names");
   rank_ = group_->getRank();
   world_size_ = group_->getSize();
 
@@ -35,19 +35,19 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   for (const auto& bucket : plan) {
     for (size_t index : bucket) {
       FASTDDP_CHECK(index < params_.size(), "fastddp: bucket plan names parameter ", index,
-                  " of ", params_.size());
+                    " of ", params_.size());
       ++seen[index];
     }
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     FASTDDP_CHECK(seen[i] == 1, "fastddp: parameter '", names_[i], "' appears ", seen[i],
-                " times in the bucket plan; every parameter must be in exactly one bucket");
+                  " times in the bucket plan; every parameter must be in exactly one bucket");
     FASTDDP_CHECK(params_[i].requires_grad(), "fastddp: parameter '", names_[i],
-                "' does not require grad and must not be given to the reducer");
+                  "' does not require grad and must not be given to the reducer");
   }
   if (options_.expect_sparse.empty()) options_.expect_sparse.assign(params_.size(), false);
   FASTDDP_CHECK(options_.expect_sparse.size() == params_.size(), "fastddp: expect_sparse has ",
-              options_.expect_sparse.size(), " entries for ", params_.size(), " parameters");
+                options_.expect_sparse.size(), " entries for ", params_.size(), " parameters");
   buckets_ = make_buckets(params_, plan, options_.expect_sparse, options_.align_bytes);
   check_hook_supports(*hook_);
   timeline_ = std::make_unique<DeviceTimeline>(params_[0].device());
@@ -154,7 +154,7 @@ void Reducer::reset_iteration() {
 void Reducer::set_divide_factor(int64_t factor) {
   std::lock_guard<std::mutex> lock(mutex_);
   FASTDDP_CHECK(factor > 0 && factor <= world_size_, "fastddp: divide factor ", factor,
-              " is not between 1 and the world size ", world_size_);
+                " is not between 1 and the world size ", world_size_);
   divide_factor_ = factor;
 }
 
@@ -181,10 +181,10 @@ void Reducer::handle_grad_ready(size_t index) {
   }
   if (phase_ == Phase::kIdle) return;
   FASTDDP_CHECK(phase_ != Phase::kReduced, "fastddp: parameter '", names_[index],
-              "' received a gradient after this iteration's gradients were already reduced. "
-              "DistributedDataParallel reduces once per forward: a second backward through the "
-              "same forward output is not supported. Run the forward again, or do the extra "
-              "backward passes under no_sync().");
+                "' received a gradient after this iteration's gradients were already reduced. "
+                "DistributedDataParallel reduces once per forward: a second backward through the "
+                "same forward output is not supported. Run the forward again, or do the extra "
+                "backward passes under no_sync().");
   note_backward_start();
   if (static_first_iteration()) {
     ++expected_hooks_[index];
@@ -198,10 +198,10 @@ void Reducer::handle_grad_ready(size_t index) {
   }
   if (options_.static_graph) {
     FASTDDP_CHECK(hooks_left_[index] > 0,
-                "Your training graph has changed in this iteration, e.g., one parameter is "
-                "unused in first iteration, but then got used in the second iteration. this is "
-                "not compatible with static_graph set to True. Parameter '",
-                names_[index], "' on rank ", rank_, ".");
+                  "Your training graph has changed in this iteration, e.g., one parameter is "
+                  "unused in first iteration, but then got used in the second iteration. this is "
+                  "not compatible with static_graph set to True. Parameter '",
+                  names_[index], "' on rank ", rank_, ".");
     if (--hooks_left_[index] > 0) return;
   }
   if (should_rebuild()) ready_order_.push_back(index);
@@ -218,13 +218,13 @@ void Reducer::mark_ready(size_t index) {
   grad_slot_.with_grad(params_[index], [&](at::Tensor& grad) {
     if (grad.defined()) {
       FASTDDP_CHECK(grad.is_sparse() == bucket.sparse, "fastddp: parameter '", names_[index],
-                  "' produced a ", grad.is_sparse() ? "sparse" : "dense", " gradient, but ",
-                  bucket.sparse ? "sparse" : "dense", " gradients were expected (they are "
-                  "expected sparse for nn.Embedding / nn.EmbeddingBag with sparse=True)");
+                    "' produced a ", grad.is_sparse() ? "sparse" : "dense", " gradient, but ",
+                    bucket.sparse ? "sparse" : "dense", " gradients were expected (they are "
+                    "expected sparse for nn.Embedding / nn.EmbeddingBag with sparse=True)");
       FASTDDP_CHECK(grad.scalar_type() == view.scalar_type() && grad.device() == view.device(),
-                  "fastddp: parameter '", names_[index], "' got a gradient of ",
-                  grad.scalar_type(), " on ", grad.device(), ", expected ", view.scalar_type(),
-                  " on ", view.device());
+                    "fastddp: parameter '", names_[index], "' got a gradient of ",
+                    grad.scalar_type(), " on ", grad.device(), ", expected ", view.scalar_type(),
+                    " on ", view.device());
     }
     FASTDDP_PROFILE_RANGE("fastddp copy-in");
     if (grad.defined() && grad.requires_grad()) {
@@ -266,10 +266,10 @@ void Reducer::launch_ready_buckets() {
     } catch (const c10::Error& e) {
       // A collective refused at enqueue (a peer already gone): name the bucket.
       FASTDDP_CHECK(false, "fastddp: the reduction of bucket ", next_bucket_, " (comm hook '",
-                  hook_->name(), "') failed on rank ", rank_, ": ", e.what_without_backtrace());
+                    hook_->name(), "') failed on rank ", rank_, ": ", e.what_without_backtrace());
     } catch (const std::runtime_error& e) {
       FASTDDP_CHECK(false, "fastddp: the reduction of bucket ", next_bucket_, " (comm hook '",
-                  hook_->name(), "') failed on rank ", rank_, ": ", e.what());
+                    hook_->name(), "') failed on rank ", rank_, ": ", e.what());
     }
     FASTDDP_CHECK(bucket.future, "fastddp: comm hook '", hook_->name(), "' returned no future");
     stats_.timings[next_bucket_].launched_us = elapsed_us();
@@ -337,8 +337,8 @@ void Reducer::finalize_backward() {
       if (bucket.future->hasError()) {
         const char* what = hook_->launched_collective(b);
         FASTDDP_CHECK(false, "fastddp: the reduction of bucket ", b, " (comm hook '", hook_->name(),
-                    "') failed on rank ", rank_, ": ", what ? what : "",
-                    what ? " failed: " : "", bucket.future->tryRetrieveErrorMessage());
+                      "') failed on rank ", rank_, ": ", what ? what : "",
+                      what ? " failed: " : "", bucket.future->tryRetrieveErrorMessage());
       }
       {
         FASTDDP_PROFILE_RANGE("fastddp write-back");
@@ -416,10 +416,10 @@ void Reducer::write_back(Bucket& bucket, const c10::IValue& result) {
     if (check_usage && globally_unused(index)) return;
     at::Tensor reduced = hook_->result_tensor(result);
     FASTDDP_CHECK(reduced.is_sparse() && reduced.sizes() == params_[index].sizes(),
-                "fastddp: comm hook '", hook_->name(), "' returned a ",
-                reduced.is_sparse() ? "sparse" : "dense", " tensor of shape ", reduced.sizes(),
-                " for the sparse gradient of parameter '", names_[index], "' (shape ",
-                params_[index].sizes(), ")");
+                  "fastddp: comm hook '", hook_->name(), "' returned a ",
+                  reduced.is_sparse() ? "sparse" : "dense", " tensor of shape ", reduced.sizes(),
+                  " for the sparse gradient of parameter '", names_[index], "' (shape ",
+                  params_[index].sizes(), ")");
     grad_slot_.with_grad(params_[index], [&](at::Tensor& grad) {
       grad = reduced;
       return true;
@@ -439,9 +439,9 @@ void Reducer::write_back(Bucket& bucket, const c10::IValue& result) {
           replaced = true;
         }
         FASTDDP_CHECK(grad.is_alias_of(view), "fastddp: the gradient of parameter '",
-                    names_[index],
-                    "' is not its bucket view although gradient_as_bucket_view=True; it was "
-                    "replaced during backward (by another hook?).");
+                      names_[index],
+                      "' is not its bucket view although gradient_as_bucket_view=True; it was "
+                      "replaced during backward (by another hook?).");
         dsts[k] = view;
       } else {
         if (!grad.defined()) {

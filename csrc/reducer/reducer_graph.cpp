@@ -146,8 +146,8 @@ void Reducer::ensure_prior_reduction_finished() const {
     if (!ready_[i]) indices.push_back(cat(i));
   }
   FASTDDP_CHECK(false, message, "\nParameters which did not receive grad for rank ", rank_, ": ",
-              unready_params(), "\nParameter indices which did not receive grad for rank ", rank_,
-              ": ", join(indices, ", "));
+                unready_params(), "\nParameter indices which did not receive grad for rank ", rank_,
+                ": ", join(indices, ", "));
 }
 
 void Reducer::check_not_ready(size_t index) const {
@@ -178,9 +178,9 @@ void Reducer::check_not_ready(size_t index) const {
         "training loop.";
   }
   FASTDDP_CHECK(false, message, "\nParameter at index ", index, " with name ", names_[index],
-              " has been marked as ready twice. This means that multiple autograd engine  hooks "
-              "have fired for this particular parameter during this iteration (rank ",
-              rank_, ").");
+                " has been marked as ready twice. This means that multiple autograd engine  hooks "
+                "have fired for this particular parameter during this iteration (rank ",
+                rank_, ").");
 }
 
 std::string Reducer::unready_params() const {

@@ -31,10 +31,10 @@ void Reducer::check_hook_supports(const CommHook& hook) const {
   if (hook.supports_sparse()) return;
   for (const Bucket& bucket : buckets_) {
     FASTDDP_CHECK_NOT_IMPLEMENTED(!bucket.sparse, "fastddp: the comm hook '", hook.name(),
-                                "' does not support sparse gradients, and parameter '",
-                                names_[bucket.params[0]],
-                                "' gets them (sparse=True); use the default allreduce or a "
-                                "Python hook, or construct the module with sparse=False");
+                                  "' does not support sparse gradients, and parameter '",
+                                  names_[bucket.params[0]],
+                                  "' gets them (sparse=True); use the default allreduce or a "
+                                  "Python hook, or construct the module with sparse=False");
   }
 }
 

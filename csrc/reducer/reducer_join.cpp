@@ -35,7 +35,7 @@ void Reducer::shadow_backward() {
   for (size_t b = 0; b < futures.size(); ++b) {
     futures[b]->wait();
     FASTDDP_CHECK(!futures[b]->hasError(), "fastddp: join: the shadow reduction of bucket ", b,
-                " failed on rank ", rank_, ": ", futures[b]->tryRetrieveErrorMessage());
+                  " failed on rank ", rank_, ": ", futures[b]->tryRetrieveErrorMessage());
   }
   if (nonfinite_) check_finite_gradients();
   if (dynamic_find_unused()) used_map_.zero_();

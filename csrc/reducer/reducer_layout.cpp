@@ -50,8 +50,8 @@ std::vector<std::vector<size_t>> Reducer::broadcast_plan(
     // A dead or stuck peer: say which collective of the forward failed.
     const auto* error = dynamic_cast<const c10::Error*>(&e);
     FASTDDP_CHECK(false, "fastddp: the broadcast of rank 0's bucket plan (comm hook '",
-                hook_->name(), "') failed on rank ", rank_, ": ",
-                error ? error->what_without_backtrace() : e.what());
+                  hook_->name(), "') failed on rank ", rank_, ": ",
+                  error ? error->what_without_backtrace() : e.what());
   }
   packed = tensors[0].cpu();  // once per run: the rebuild is not on the step path
   p = packed.data_ptr<int64_t>();
@@ -152,11 +152,12 @@ void Reducer::check_parameters_unchanged() const {
     const at::Tensor& p = params_[i];
     FASTDDP_CHECK(p.scalar_type() == view.scalar_type() && p.device() == view.device() &&
                     p.sizes() == view.sizes(),
-                "fastddp: parameter '", names_[i], "' is now ", p.scalar_type(), " on ",
-                p.device(), " of shape ", p.sizes(), ", but DistributedDataParallel was built for ",
-                "it ", view.scalar_type(), " on ", view.device(), " of shape ", view.sizes(),
-                " (rank ", rank_, "): after wrapping, its gradients would no longer be averaged. "
-                "Convert or move the module before wrapping it.");
+                  "fastddp: parameter '", names_[i], "' is now ", p.scalar_type(), " on ",
+                  p.device(), " of shape ", p.sizes(),
+                  ", but DistributedDataParallel was built for it ", view.scalar_type(), " on ",
+                  view.device(), " of shape ", view.sizes(),
+                  " (rank ", rank_, "): after wrapping, its gradients would no longer be averaged. "
+                  "Convert or move the module before wrapping it.");
   }
 }
 

@@ -27,8 +27,8 @@ void Reducer::delay_all_reduce() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     FASTDDP_CHECK(options_.static_graph && num_iterations_ <= 1,
-                "fastddp: reducer._delay_all_reduce() belongs to the first iteration of "
-                "static_graph=True training");
+                  "fastddp: reducer._delay_all_reduce() belongs to the first iteration of "
+                  "static_graph=True training");
     if (delayed_reduce_queued_ || phase_ != Phase::kExpecting) return;  // done or queued
     delayed_reduce_queued_ = true;
   }
@@ -56,8 +56,8 @@ void Reducer::reduce_all_delayed() {
 void Reducer::set_static_graph() {
   std::lock_guard<std::mutex> lock(mutex_);
   FASTDDP_CHECK(num_iterations_ == 0,
-              "set_static_graph() should be called before training loop starts and after "
-              "DistributedDataParallel is constructed.");
+                "set_static_graph() should be called before training loop starts and after "
+                "DistributedDataParallel is constructed.");
   options_.static_graph = true;
 }
 
