@@ -42,8 +42,8 @@ class InBackwardOptimizers:
         for p in self.params:
             for handle in handles.get(p, []):
                 handle.remove()  # never a step on the local gradient
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
-                       for p in self.params]
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
         self._sync = True
         self._queued = False
 
@@ -71,7 +71,3 @@ class InBackwardOptimizers:
             for optimizer in p._in_backward_optimizers:
                 optimizer.step()
             p.grad = None
-
-    def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
