@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import fastddp
+from build_env import ccache_env
 from fastddp import _C, _compat
 
 PACKAGE = os.path.dirname(os.path.abspath(fastddp.__file__))
@@ -91,3 +92,25 @@ def test_the_real_module_under_torch_2_11_is_refused():
                           "s.loader.exec_module(u.module_from_spec(s))"],
                          capture_output=True, text=True, timeout=300)
     assert "undefined symbol" in raw.stderr, raw.stderr
+
+
+@pytest.mark.skipif(not os.path.exists(COMPAT_VENV),
+                    reason="needs torch 2.11 in build/torch-2.11-venv (make deps-compat)")
+def test_builds_against_torch_2_11_and_passes_the_self_check(tmp_path):
+    # The oldest torch fastddp claims: the working tree copied, built there (CUDA sources
+    # included, as on the GPU machine) and installed into the torch-2.11 venv, then
+    # `python -m fastddp --check` from outside both trees. ccache keeps later runs short.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    src = os.path.join(root, "build", "compat-src")
+    shutil.rmtree(src, ignore_errors=True)
+    shutil.copytree(root, src, ignore=shutil.ignore_patterns(
+        "build", ".git", "*.so", "__pycache__", "*.egg-info", ".benchmarks"))
+    built = subprocess.run([COMPAT_VENV, "-m", "pip", "install", "--no-build-isolation",
+                            "--no-deps", "--no-index", src], capture_output=True, text=True,
+                           timeout=1800, env=ccache_env(src))
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    check = subprocess.run([COMPAT_VENV, "-m", "fastddp", "--check"], capture_output=True,
+                           text=True, timeout=600, cwd=tmp_path)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "fastddp._C built against 2.11." in check.stdout, check.stdout
+    assert "fastddp self-check passed" in check.stdout

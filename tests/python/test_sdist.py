@@ -3,7 +3,7 @@ source and header and builds in a fresh environment, a wheel whose version names
 and CUDA, metadata pip understands, and no deprecation warning from the build.
 
 The sdist's build compiles the same sources as the checkout's: with the Makefile's ccache
-settings (CCACHE_ENV there, ccache_env() here) the second build costs seconds."""
+settings (CCACHE_ENV there, build_env.ccache_env() here) the second build costs seconds."""
 
 import os
 import shutil
@@ -15,6 +15,8 @@ import zipfile
 import pytest
 import torch
 
+from build_env import ccache_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Under the checkout, so that ccache's base folder covers both source trees alike.
 SDIST_CHECK = os.path.join(ROOT, "build", "sdist-check")
@@ -25,20 +27,6 @@ def run(cmd: list[str], timeout: float, **kwargs) -> str:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
     assert done.returncode == 0, f"{cmd}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
     return done.stdout + done.stderr
-
-
-def ccache_env(root: str) -> dict[str, str]:
-    """The Makefile's CCACHE_ENV for a build under `root`."""
-    env = dict(os.environ, MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
-    if shutil.which("ccache"):
-        env.update(PATH="/usr/lib/ccache:" + env["PATH"], CCACHE_BASEDIR=root,
-                   CCACHE_NOHASHDIR="1")
-        nvcc = next((p for p in (os.path.join(os.environ.get("CUDA_HOME", "/nonexistent"),
-                                              "bin", "nvcc"), "/usr/local/cuda/bin/nvcc")
-                     if os.path.exists(p)), shutil.which("nvcc"))
-        if nvcc:
-            env["PYTORCH_NVCC"] = f"ccache {nvcc}"
-    return env
 
 
 def tracked(folder: str) -> set[str]:
