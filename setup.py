@@ -18,10 +18,6 @@ import sys
 import setuptools
 from setuptools import setup
 
-if int(setuptools.__version__.split(".")[0]) < 77:  # pragma: no cover - a message for people
-    sys.exit(f"fastddp needs setuptools>=77 (its license is an SPDX expression, PEP 639); "
-             f"this is setuptools {setuptools.__version__}: pip install -U 'setuptools>=77'")
-
 
 def _guess_cuda_home() -> None:
     """torch guesses CUDA_HOME from the nvcc on PATH, which may be a wrapper
@@ -127,6 +123,15 @@ def local_version() -> str:
     return f"{VERSION}+torch{major}.{minor}{cuda}"
 
 
+def license_metadata() -> dict:
+    """BSD-3-Clause as an SPDX expression (PEP 639) where setuptools knows them (77 and
+    later, which deprecate the old field), else in the old field: GPU machines without
+    network build with whatever setuptools they have."""
+    if int(setuptools.__version__.split(".")[0]) >= 77:
+        return {"license_expression": "BSD-3-Clause", "license_files": ["LICENSE"]}
+    return {"license": "BSD-3-Clause", "license_files": ["LICENSE"]}
+
+
 def nvtx_include() -> str | None:
     home = cpp_extension.CUDA_HOME
     if home and os.path.exists(os.path.join(home, "include", "nvtx3", "nvToolsExt.h")):
@@ -207,6 +212,7 @@ class BuildExtension(cpp_extension.BuildExtension):
 
 setup(
     version=local_version(),
+    **license_metadata(),
     ext_modules=[make_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )
