@@ -1,0 +1,153 @@
+// The end of a synchronized backward: waiting for each bucket's reduction,
+// writing the averaged gradients back (and, for a hook with state, checking
+// them: Note [a bad step leaves no trace]), and a failed step's clean-up.
+#include "reducer.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "device_timeline.h"
+#include "message.h"
+#include "profile_range.h"
+
+namespace fastddp {
+
+void Reducer::finalize_backward() {
+  try {
+    if (nonfinite_) check_finite_gradients();
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      Bucket& bucket = buckets_[b];
+      {
+        FASTDDP_PROFILE_RANGE("fastddp wait");
+        bucket.future->wait();
+      }
+      if (bucket.future->hasError()) {
+        const char* what = hook_->launched_collective(b);
+        FASTDDP_CHECK(false, "fastddp: the reduction of bucket ", b, " (comm hook '", hook_->name(),
+                      "') failed on rank ", rank_, ": ", what ? what : "",
+                      what ? " failed: " : "", bucket.future->tryRetrieveErrorMessage());
+      }
+      {
+        FASTDDP_PROFILE_RANGE("fastddp write-back");
+        write_back(bucket, bucket.future->value());
+      }
+      bucket.future.reset();
+      stats_.timings[b].done_us = elapsed_us();
+      timeline_->mark(b, DeviceTimeline::kDone);
+    }
+    if (track_usage() && used_work_ && !used_map_reduced_) used_work_->wait();
+    if (!reduced_.empty()) {  // Note [a bad step leaves no trace]
+      const at::NoGradGuard no_grad;
+      const at::Tensor finite = all_finite(reduced_);
+      step_state_.keep_if_finite(hook_->step_state(), finite);
+      if (track_finite_) last_finite_ = finite;
+      reduced_.clear();
+    }
+  } catch (...) {
+    fail_iteration(std::current_exception());
+    throw;
+  }
+  if (dynamic_find_unused()) {
+    used_map_.zero_();
+    used_map_reduced_ = false;
+  }
+  phase_ = Phase::kReduced;
+  divide_factor_ = 0;
+  grad_slot_.reset();
+  timeline_->mark_end();
+  ++num_syncs_;
+  stats_.steps = num_syncs_;
+  stats_.backward_start_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                 backward_start_.time_since_epoch())
+                                 .count();
+  stats_.exposed_us = std::max(0.0, elapsed_us() - last_ready_us_);
+  stats_.total_exposed_us += stats_.exposed_us;
+}
+
+void Reducer::fail_iteration(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    last_error_ = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    last_error_ = e.what();
+  } catch (...) {
+    last_error_ = "unknown error";
+  }
+  // Collectives already issued finish (every rank issued them) before the next
+  // step writes into their buffers; then the next forward starts afresh
+  // instead of reporting unready parameters.
+  hook_->abandon_step();
+  for (Bucket& bucket : buckets_) {
+    if (bucket.future) bucket.future->wait();  // its error, if any, is this step's
+    bucket.future.reset();
+  }
+  if (drop_hook_state_) {  // check_for_nan_in_grad: the state from before the step
+    step_state_.restore(hook_->step_state());
+    drop_hook_state_ = false;
+  }
+  reduced_.clear();
+  phase_ = Phase::kIdle;
+  divide_factor_ = 0;
+  grad_slot_.reset();
+  used_map_.zero_();
+  used_map_reduced_ = false;
+}
+
+void Reducer::write_back(Bucket& bucket, const c10::IValue& result) {
+  const bool check_usage = options_.static_graph || options_.find_unused_parameters;
+  if (bucket.sparse) {
+    // The reduced sparse tensor becomes the gradient, as in torch's reducer.
+    const size_t index = bucket.params[0];
+    bucket.sparse_grad.reset();
+    if (check_usage && globally_unused(index)) return;
+    at::Tensor reduced = hook_->result_tensor(result);
+    FASTDDP_CHECK(reduced.is_sparse() && reduced.sizes() == params_[index].sizes(),
+                  "fastddp: comm hook '", hook_->name(), "' returned a ",
+                  reduced.is_sparse() ? "sparse" : "dense", " tensor of shape ", reduced.sizes(),
+                  " for the sparse gradient of parameter '", names_[index], "' (shape ",
+                  params_[index].sizes(), ")");
+    grad_slot_.with_grad(params_[index], [&](at::Tensor& grad) {
+      grad = reduced;
+      return true;
+    });
+    return;
+  }
+  std::vector<at::Tensor> dsts(bucket.params.size());
+  for (size_t k = 0; k < bucket.params.size(); ++k) {
+    const size_t index = bucket.params[k];
+    if (check_usage && globally_unused(index)) continue;  // .grad stays as it is
+    at::Tensor& view = bucket.views[k];
+    grad_slot_.with_grad(params_[index], [&](at::Tensor& grad) {
+      bool replaced = false;
+      if (options_.gradient_as_bucket_view) {
+        if (!grad.defined()) {
+          grad = view;
+          replaced = true;
+        }
+        FASTDDP_CHECK(grad.is_alias_of(view), "fastddp: the gradient of parameter '",
+                      names_[index],
+                      "' is not its bucket view although gradient_as_bucket_view=True; it was "
+                      "replaced during backward (by another hook?).");
+        dsts[k] = view;
+      } else {
+        if (!grad.defined()) {
+          grad = at::empty_like(view, at::MemoryFormat::Preserve);
+          replaced = true;
+        }
+        dsts[k] = grad;  // shares storage with the slot's tensor: written in place
+      }
+      return replaced;
+    });
+  }
+  // Written without recording autograd history, also into grads that
+  // require grad (create_graph=True).
+  const at::NoGradGuard no_grad;
+  hook_->write_back(bucket, result, dsts);
+  if (step_state_.empty() && !track_finite_) return;
+  for (const at::Tensor& dst : dsts) {
+    if (dst.defined()) reduced_.push_back(dst);  // checked once all are in
+  }
+}
+
+}  // namespace fastddp
