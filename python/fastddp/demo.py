@@ -1,14 +1,17 @@
 """fastddp's main job: train a small MLP with fastddp, then with torch DDP, and compare.
 
-Run with ``torchrun --nproc_per_node=2 -m fastddp.demo [--steps N] [--batch B] [--hidden H]``.
+Run with ``torchrun --nproc_per_node=2 -m fastddp.demo [--steps N] [--batch B] [--hidden H]
+[--rounds R]``.
 
 The task is synthetic but learnable: inputs ``x ~ N(0, 1)`` and targets from a fixed
 random "teacher" network, seeded identically on every rank; each rank draws its own
-batches. The student MLP is trained first with ``fastddp.DistributedDataParallel``
-(rank 0 prints step, loss averaged across ranks, and step time), then again with
-``torch.nn.parallel.DistributedDataParallel`` from the same initial weights on the same
-batches. The summary compares median step times, final losses and the largest
-difference between the two trained models' parameters (which should be ~0).
+batches. Two students from the same initial weights train on the same batches, one under
+``fastddp.DistributedDataParallel`` (rank 0 prints step, loss averaged across ranks, and
+step time), one under ``torch.nn.parallel.DistributedDataParallel``, taking turns in
+interleaved rounds (``--rounds``, the order swapped each round) so that both meet the same
+machine. The summary compares median step times (the ratio of medians per round, its
+median and spread), final losses and the largest difference between the two trained
+models' parameters (which should be ~0).
 
 Uses NCCL and ``cuda:LOCAL_RANK`` where CUDA is available, else gloo on CPU with one
 intra-op thread per rank.
@@ -59,42 +62,63 @@ def make_batches(
     return batches
 
 
-def train(
-    wrap: Callable[[nn.Module], nn.Module],
-    init_state: dict[str, torch.Tensor],
-    hidden: int,
-    batches: list[tuple[torch.Tensor, torch.Tensor]],
-    device: torch.device,
-    label: str,
-    verbose: bool,
-) -> tuple[nn.Module, list[float], list[float]]:
-    """Train a fresh student from ``init_state``; returns it, the losses averaged
-    across ranks, and the step times in ms."""
-    model = mlp(hidden).to(device)
-    model.load_state_dict(init_state)
-    ddp = wrap(model)
-    opt = torch.optim.Adam(ddp.parameters(), lr=3e-3)
-    loss_fn = nn.MSELoss()
-    losses, times = [], []
-    for step, (x, y) in enumerate(batches):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        opt.zero_grad()
-        loss = loss_fn(ddp(x), y)
-        loss.backward()
-        opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-        # Averaging the loss for the log is outside the timed step.
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)
-        losses.append(mean_loss.item() / dist.get_world_size())
-        if verbose:
-            print(f"[{label}] step {step:4d}  loss {losses[-1]:.5f}  {times[-1]:7.2f} ms",
-                  flush=True)
-    return model, losses, times
+class Run:
+    """One student from ``init_state`` under one DDP wrapper, trained a slice of steps at a
+    time so that two runs can take turns (``main``): whatever the machine does meanwhile
+    (another process, a frequency change) then falls on both alike."""
+
+    def __init__(self, wrap: Callable[[nn.Module], nn.Module], init_state: dict,
+                 hidden: int, device: torch.device, label: str, verbose: bool) -> None:
+        self.model = mlp(hidden).to(device)
+        self.model.load_state_dict(init_state)
+        self.ddp = wrap(self.model)
+        self.opt = torch.optim.Adam(self.ddp.parameters(), lr=3e-3)
+        self.device, self.label, self.verbose = device, label, verbose
+        self.losses: list[float] = []
+        self.times: list[float] = []
+
+    def steps(self, batches: list[tuple[torch.Tensor, torch.Tensor]], first: int) -> list[float]:
+        """Train on ``batches`` (steps ``first``, ``first + 1``, ...); their times in ms."""
+        times = []
+        for step, (x, y) in enumerate(batches, start=first):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            self.opt.zero_grad()
+            loss = nn.functional.mse_loss(self.ddp(x), y)
+            loss.backward()
+            self.opt.step()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            times.append((time.perf_counter() - start) * 1e3)
+            # Averaging the loss for the log is outside the timed step.
+            mean_loss = loss.detach().clone()
+            dist.all_reduce(mean_loss)
+            self.losses.append(mean_loss.item() / dist.get_world_size())
+            if self.verbose:
+                print(f"[{self.label}] step {step:4d}  loss {self.losses[-1]:.5f}  "
+                      f"{times[-1]:7.2f} ms", flush=True)
+        self.times += times
+        return times
+
+
+def interleaved(runs: tuple[Run, Run], batches: list, rounds: int, warmup: int) -> list[float]:
+    """Both runs train on the same ``batches``, taking turns in ``rounds`` slices (the order
+    swapped every round). Returns, per round, the ratio of the first run's median step time
+    to the second's; the first ``warmup`` steps (bucket building, first-touch caches) are
+    trained but not timed."""
+    for run in runs:
+        run.steps(batches[:warmup], 0)
+    rest = batches[warmup:]
+    size = max(1, len(rest) // rounds)
+    ratios = []
+    for r, first in enumerate(range(0, len(rest) - size + 1, size)):
+        chunk = rest[first:first + size]
+        order = runs if r % 2 == 0 else runs[::-1]
+        medians = {id(run): statistics.median(run.steps(chunk, warmup + first))
+                   for run in order}
+        ratios.append(medians[id(runs[0])] / medians[id(runs[1])])
+    return ratios
 
 
 def main() -> None:
@@ -102,6 +126,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="training steps per run")
     parser.add_argument("--batch", type=int, default=64, help="per-rank batch size")
     parser.add_argument("--hidden", type=int, default=256, help="MLP hidden width")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="interleaved rounds the timed steps are split into")
     args = parser.parse_args()
 
     use_cuda = torch.cuda.is_available()
@@ -125,28 +151,30 @@ def main() -> None:
         print(f"fastddp demo: world {world}, {dist.get_backend()} on {device.type}, "
               f"MLP {n_params:,} params, batch {args.batch}/rank, {args.steps} steps", flush=True)
 
-    fast_model, fast_loss, fast_ms = train(
-        lambda m: fastddp.DistributedDataParallel(m, device_ids=device_ids),
-        init_state, args.hidden, batches, device, "fastddp", rank == 0)
-    torch_model, torch_loss, torch_ms = train(
-        lambda m: nn.parallel.DistributedDataParallel(m, device_ids=device_ids),
-        init_state, args.hidden, batches, device, "torch DDP", False)
+    fast = Run(lambda m: fastddp.DistributedDataParallel(m, device_ids=device_ids),
+               init_state, args.hidden, device, "fastddp", rank == 0)
+    stock = Run(lambda m: nn.parallel.DistributedDataParallel(m, device_ids=device_ids),
+                init_state, args.hidden, device, "torch DDP", False)
+    warmup = min(5, args.steps - 1)
+    ratios = interleaved((fast, stock), batches, args.rounds, warmup)
 
     with torch.no_grad():
         diff = max((a - b).abs().max().item()
-                   for a, b in zip(fast_model.parameters(), torch_model.parameters()))
+                   for a, b in zip(fast.model.parameters(), stock.model.parameters()))
     if rank == 0:
-        # The first steps build buckets and warm caches; leave them out of the medians.
-        skip = min(5, args.steps - 1)
-        fast_med = statistics.median(fast_ms[skip:])
-        torch_med = statistics.median(torch_ms[skip:])
         print()
         print(f"{'':24s}{'fastddp':>12s}{'torch DDP':>12s}")
-        print(f"{'median step time (ms)':24s}{fast_med:12.3f}{torch_med:12.3f}")
-        print(f"{'first loss':24s}{fast_loss[0]:12.5f}{torch_loss[0]:12.5f}")
-        print(f"{'final loss':24s}{fast_loss[-1]:12.5f}{torch_loss[-1]:12.5f}")
-        print(f"step time ratio fastddp / torch DDP: {fast_med / torch_med:.3f} "
-              "(two runs one after the other; benchmarks/step_time.py interleaves them)")
+        print(f"{'median step time (ms)':24s}{statistics.median(fast.times[warmup:]):12.3f}"
+              f"{statistics.median(stock.times[warmup:]):12.3f}")
+        print(f"{'first loss':24s}{fast.losses[0]:12.5f}{stock.losses[0]:12.5f}")
+        print(f"{'final loss':24s}{fast.losses[-1]:12.5f}{stock.losses[-1]:12.5f}")
+        print(f"step time ratio fastddp / torch DDP: {statistics.median(ratios):.3f} "
+              f"(median of {len(ratios)} interleaved rounds; "
+              f"spread {min(ratios):.3f} to {max(ratios):.3f})")
+        if device.type == "cpu":
+            print("on CPU both sides run the same gloo allreduce: the ratio shows only the "
+                  "reducers' overhead, and rounds that differ by their spread are noise "
+                  "(benchmarks/ measures more)")
         print(f"max |param difference| fastddp vs torch DDP: {diff:.3e}")
     # torch DDP's wrapper sits in a reference cycle: collect it so that destroying the
     # group really joins gloo's threads before the interpreter shuts down.
