@@ -335,10 +335,18 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         any other ``hook(state, bucket) -> torch.futures.Future`` runs in Python on a
         ``torch.distributed.GradBucket``. See fastddp.hooks.
         """
-        fastddp_hooks.check_comm_hook(hook)
+        # torch records each refusal in its logger before raising (_log_and_throw: the
+        # type and message; the reducer's REDUCER_CHECK: the message), so
+        # _get_ddp_logging_data() names it; so does fastddp.
+        try:
+            fastddp_hooks.check_comm_hook(hook)
+        except (TypeError, ValueError) as e:
+            self.logger.set_error_and_log(f"{type(e)}: {e}")
+            raise
         if self._comm_hooks:
-            raise RuntimeError(
-                "register_comm_hook or register_builtin_comm_hook can only be called once.")
+            message = "register_comm_hook or register_builtin_comm_hook can only be called once."
+            self.logger.set_error_and_log(message)
+            raise RuntimeError(message)
         self._install_hook(state, hook)  # raises before anything is registered
         self._comm_hooks.append((hook, state))
 

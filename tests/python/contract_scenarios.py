@@ -188,3 +188,42 @@ def comm_stats(dtype_name: str) -> dict:
         F.mse_loss(fast(inputs.to(dtype)), target.to(dtype)).backward()
     return fast.comm_stats()
 
+
+
+def _returns_list(state: object, bucket: dist.GradBucket) -> list:
+    return [bucket.buffer()]
+
+
+def _bucket_is_tensor(state: object, bucket: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    return torch.futures.Future()
+
+
+def _allreduce(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+
+
+def hook_registration_errors() -> list[dict]:
+    """Hooks torch refuses at registration (not callable, a wrong annotation, a second
+    registration), on torch DDP and on fastddp: the exception's type and message, and what
+    _get_ddp_logging_data() then says (``has_error``, ``error``)."""
+    cases = {"not callable": [42], "return annotation": [_returns_list],
+             "bucket annotation": [_bucket_is_tensor],
+             "registered twice": [_allreduce, _allreduce]}
+    out = []
+    for case, hooks in cases.items():
+        ref, fast = side_by_side(mlp)
+        seen = []
+        for model in (ref, fast):
+            try:
+                for hook in hooks:
+                    model.register_comm_hook(None, hook)
+                raised = None
+            except Exception as e:  # noqa: BLE001  (the type is what is compared)
+                raised = (type(e).__name__, str(e))
+            data = model._get_ddp_logging_data()
+            seen.append({"raised": raised, "has_error": data.get("has_error"),
+                         "error": data.get("error")})
+        assert seen[0]["raised"] is not None, f"{case}: torch DDP accepted it"
+        assert seen[1] == seen[0], f"{case}: fastddp {seen[1]} != torch DDP {seen[0]}"
+        out.append(seen[1])
+    return out

@@ -59,3 +59,10 @@ def test_comm_stats(world, dtype_name, width):
             assert b["dtype"] == dtype_name and b["bytes"] == width * b["numel"]
             assert 0 <= b["ready_ms"] <= b["launched_ms"] <= b["done_ms"], b
         assert stats["exposed_comm_ms"] >= 0
+
+
+def test_hook_registration_errors_are_logged_as_torch(world):
+    """A hook refused at registration: the same exception as torch DDP, and the same
+    has_error/error in _get_ddp_logging_data()."""
+    (cases, *_) = world.check(cs.hook_registration_errors)
+    assert all(case["has_error"] == 1 and case["error"] for case in cases), cases
