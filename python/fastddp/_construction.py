@@ -94,6 +94,11 @@ def _check_module(module: nn.Module, all_params: list[torch.Tensor], params: lis
             "fastddp.DistributedDataParallel needs every parameter on one device per process; "
             "move the module with module.to(device) first."
         )
+    # As torch DDP (_passing_sync_batchnorm_handle): SyncBatchNorm's synchronized forward
+    # needs a GPU, so a CPU module holding one is refused here rather than at its forward.
+    if next(iter(first_on)).type == "cpu" and any(
+            isinstance(sub, nn.SyncBatchNorm) for sub in module.modules()):
+        raise ValueError("SyncBatchNorm layers only work with GPU modules")
 
 
 def _resolve_device_ids(device_ids, output_device, device_type: str):
