@@ -101,7 +101,7 @@ def logging_data(ddp: DistributedDataParallel) -> dict[str, Any]:
 
 
 def comm_stats(ddp: DistributedDataParallel) -> dict[str, Any]:
-    """Per-step communication figures kept by the C++ reducer (see README)."""
+    """Per-step communication figures kept by the C++ reducer (docs/hooks.md#introspection)."""
     reducer = ddp._reducer
     if reducer is None:
         return {"steps": 0, "world_size": 1, "hook": "none (world size 1)", "bytes_reduced": 0,

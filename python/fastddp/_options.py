@@ -1,4 +1,4 @@
-"""fastddp's switches read from the environment (documented in the README)."""
+"""fastddp's switches read from the environment (documented in docs/design.md)."""
 
 import os
 

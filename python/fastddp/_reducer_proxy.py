@@ -2,7 +2,7 @@
 frameworks call directly, with torch's meaning, over fastddp's C++ reducer.
 
 Frameworks reach past DDP's public API into its reducer when the backward they run is not
-the one that follows DDP's forward (see README "Frameworks"):
+the one that follows DDP's forward (see docs/frameworks.md):
 
 - Lightning's manual optimization runs ``manual_backward`` inside ``training_step``, that is
   inside DDP's forward. It calls ``reducer._rebuild_buckets()`` and

@@ -210,7 +210,7 @@ def convert_module(how: str) -> list[str]:
     "param.data": each param.data replaced by a float64 copy) after one step. Returns the
     outcomes of the next two steps; a step that runs but does not leave the ranks' average
     in .grad is reported as such. (ddp.module.to("meta") replaces the Parameter objects
-    themselves, which the reducer cannot see: not covered, see the README.)"""
+    themselves, which the reducer cannot see: not covered, see docs/failures.md.)"""
     torch.manual_seed(0)
     model = fastddp.DistributedDataParallel(mlp())
     _step(model, 0)

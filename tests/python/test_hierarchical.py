@@ -90,7 +90,7 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("hook", ["hier:bf16", "auto:bf16"])
 def test_launcher_two_nodes(tmp_path, hook):
-    """The README's multi-node command line, as two torchrun agents (2 "nodes" x 2 ranks) on
+    """docs/multinode.md's command line, as two torchrun agents (2 "nodes" x 2 ranks) on
     this machine meeting at one rendezvous endpoint: --hook hier:bf16 trains the tiny script
     (the hook's numbers are hier_scenarios' business; starting 6 processes costs ~20 s).
     auto:bf16 makes its hierarchical groups from torchrun's LOCAL_WORLD_SIZE, probes them

@@ -1,7 +1,7 @@
 """Misuse: a clear error naming the culprit, then a next step that works or raises the same
 error; never a hang, never a wrong number (issue 12, item 4). Each scenario does the misuse
 and then the next step, against torch DDP on the same data (misuse_scenarios.py). What torch
-DDP does on each is in the README's table "Misuse: what each gets".
+DDP does on each is in docs/failures.md's table "Misuse: what each gets".
 """
 
 import re
