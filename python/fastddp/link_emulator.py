@@ -46,6 +46,10 @@ from fastddp.link import Link, parse_link
 __all__ = ["EmulatedLinkGroup"]
 
 Tensors = list[torch.Tensor]
+# The clock of Note [emulated link timing], read at each launch and by the completers.
+# Tests put a fake one here (time that moves only when they say), to check the schedule
+# without measuring wall time on a loaded machine.
+_clock = time.perf_counter
 
 
 def _nbytes(tensors: Any) -> int:
@@ -96,7 +100,7 @@ class _Completer:
             with self._cond:
                 while not self._heap:
                     self._cond.wait()
-                delay = self._heap[0].end - time.perf_counter()
+                delay = self._heap[0].end - _clock()
                 if delay > 0:
                     # Wakes early when a collective with an earlier end arrives.
                     self._cond.wait(delay)
@@ -222,7 +226,7 @@ class EmulatedLinkGroup(dist.ProcessGroup):
         """Launches the real collective and returns a Work that completes at
         max(real completion, emulated end)."""
         cost = self.link.seconds(kind, nbytes, self.size())
-        now = time.perf_counter()
+        now = _clock()
         work = launch()  # first: a collective the wrapped group refuses leaves the clock alone
         with self._lock:
             start = max(now, self._free_at)

@@ -1,11 +1,17 @@
-"""EmulatedLinkGroup scenarios, run on every rank of a harness world (see harness.py).
+"""EmulatedLinkGroup scenarios, run on every rank of a harness world (see harness.py), and
+the fake clock that the emulator's timing tests run on.
 
-Timing: each collective is timed on its own (ranks aligned by a barrier on the real group)
-and compared by the test with Note [collective cost], computed there by hand. Training:
-fastddp trained over the plain group and over the wrapper must agree bit for bit, and the
-wrapper must have seen the collectives each hook issues.
+Timing: fastddp.link_emulator reads its clock through ``link_emulator._clock``; FakeClock
+takes its place, so that emulated time moves only when the test moves it. A collective must
+not be complete just before the end that the test computed by hand from Note [collective
+cost], and must complete once the clock passes that end: the schedule is checked without
+measuring wall time, so a loaded machine cannot fail it (the emulator's accuracy in wall
+time is benchmarks/link_emulator.py's). Training: fastddp trained over the plain group and
+over the wrapper must agree bit for bit, and the wrapper must have seen the collectives each
+hook issues.
 """
 
+import threading
 import time
 
 import torch
@@ -14,74 +20,138 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 import fastddp
+from fastddp import link_emulator
 from fastddp._emulate_link import LinkEmulation
 from fastddp.link_emulator import EmulatedLinkGroup
 
 MB = 1_000_000
+# Fake seconds either side of an end: far below any collective's time (>= 1 ms), far above
+# the float rounding between the hand-computed end and the emulator's sum of costs.
+EPS_S = 1e-6
+# Real seconds a completer gets to (wrongly) complete a collective whose end the fake clock
+# has not reached. Only a broken emulator could fail the check, whatever the load; a loaded
+# machine could only let one pass unseen.
+GRACE_S = 0.05
+# "No hang" deadline, in real seconds, for a collective to complete once the fake clock has
+# passed its end (it takes well under 0.1 s: a thread wake-up and the real collective).
+NO_HANG_S = 30.0
 
 
-def _collective(group: dist.ProcessGroup, kind: str, nbytes: int) -> tuple[list, object]:
-    """Buffers for `kind` with S = nbytes (Note [collective cost]) and a launcher."""
-    n = group.size()
-    numel = nbytes // 4
-    if kind == "allreduce":
+class FakeClock:
+    """``with FakeClock() as clock``: link_emulator's clock for the block. Its time moves only
+    by ``advance_to``, which then wakes the completers of the groups made by ``group``."""
+
+    def __init__(self):
+        self.now = 0.0
+        self._groups: list[EmulatedLinkGroup] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def __enter__(self) -> "FakeClock":
+        self._saved = link_emulator._clock
+        link_emulator._clock = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        link_emulator._clock = self._saved
+
+    def group(self, inner: dist.ProcessGroup, link: str) -> EmulatedLinkGroup:
+        group = EmulatedLinkGroup(inner, link)
+        self._groups.append(group)
+        return group
+
+    def advance_to(self, t: float) -> None:
+        self.now = t
+        for group in self._groups:
+            completer = group._completer
+            with completer._cond:  # its thread waits on it until the next end
+                completer._cond.notify()
+
+
+def _wait_done(work: object, what: str) -> None:
+    deadline = time.monotonic() + NO_HANG_S
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not complete {NO_HANG_S:.0f} s after the fake clock "
+                                 "passed its end")
+        time.sleep(0.001)
+
+
+def launch_all(launches: list) -> list:
+    """The Works of ``launches``, called in order on a thread of their own. The fake clock
+    does not move meanwhile, so a launch that waited for the link would never return: the
+    thread is given NO_HANG_S, and none of the Works may be complete."""
+    works: list = []
+    thread = threading.Thread(target=lambda: works.extend(launch() for launch in launches),
+                              daemon=True)
+    thread.start()
+    thread.join(NO_HANG_S)
+    assert not thread.is_alive(), "launching waits for the emulated link"
+    assert len(works) == len(launches), "a launch raised (see the thread's traceback above)"
+    done = [i for i, w in enumerate(works) if w.is_completed()]
+    assert not done, f"collectives {done} complete before the fake clock moved"
+    return works
+
+
+def step_through(clock: FakeClock, works: list, ends: list[float], names: list[str]) -> None:
+    """Moves the clock to just before, then just after each end in turn: the collective (and
+    every later one) must not be complete before, and must complete after."""
+    for i, (end, name) in enumerate(zip(ends, names, strict=True)):
+        clock.advance_to(end - EPS_S)
+        time.sleep(GRACE_S)
+        early = [n for n, w in zip(names[i:], works[i:]) if w.is_completed()]
+        assert not early, f"complete before {end * 1e3:.3f} ms (fake clock): {early}"
+        clock.advance_to(end + EPS_S)
+        _wait_done(works[i], f"{name}, due at {end * 1e3:.3f} ms")
+
+
+def _collective(group: dist.ProcessGroup, kind: str, nbytes: int) -> object:
+    """A launcher of ``kind`` with S = nbytes (Note [collective cost])."""
+    n, numel = group.size(), nbytes // 4
+    if kind in ("allreduce", "broadcast"):
         t = torch.ones(numel)
-        return [t], lambda: group.allreduce([t])
-    if kind == "broadcast":
-        t = torch.ones(numel)
-        return [t], lambda: group.broadcast([t])
+        return lambda: getattr(group, kind)([t])
     if kind == "alltoall":  # S = the input
         src, dst = torch.ones(numel), torch.empty(numel)
-        return [src, dst], lambda: group.alltoall_base(dst, src, [], [])
+        return lambda: group.alltoall_base(dst, src, [], [])
     if kind == "allgather":  # S = the output
         src, dst = torch.ones(numel // n), torch.empty(numel // n * n)
-        return [src, dst], lambda: group._allgather_base(dst, src)
+        return lambda: group._allgather_base(dst, src)
     if kind == "barrier":
-        return [], lambda: group.barrier()
+        return lambda: group.barrier()
     raise ValueError(kind)
 
 
-def time_collectives(cases: list[tuple[str, int, str]], repeats: int = 1) -> list[dict]:
-    """Per case (kind, bytes, link spec): the wall time from launch to a finished wait() on
-    an EmulatedLinkGroup over WORLD, the best of `repeats`; also the real group's time."""
-    world = dist.group.WORLD
-    out = []
-    for kind, nbytes, spec in cases:
-        emulated = EmulatedLinkGroup(world, spec)
-        _, launch = _collective(emulated, kind, nbytes)
-        _, launch_real = _collective(world, kind, nbytes)
-        times, real, launch_ms = [], [], []
-        for _ in range(repeats):
-            world.barrier().wait()
-            t0 = time.perf_counter()
-            work = launch()
-            launch_ms.append((time.perf_counter() - t0) * 1e3)
-            work.wait()
-            times.append((time.perf_counter() - t0) * 1e3)
-            world.barrier().wait()
-            t0 = time.perf_counter()
-            launch_real().wait()
-            real.append((time.perf_counter() - t0) * 1e3)
-        out.append({"kind": kind, "bytes": nbytes, "link": spec, "ms": min(times),
-                    "real_ms": min(real), "launch_ms": max(launch_ms)})
-    return out
+def collectives_end_on_schedule(cases: list[tuple[str, int, str, float]]) -> int:
+    """Per case (kind, bytes, link spec, its time in s by Note [collective cost]), on a
+    wrapper of its own over WORLD: launched on an idle link, the collective is not complete
+    after the launch returns nor just before launch + time, and completes after it. Returns
+    the cases done."""
+    with FakeClock() as clock:
+        for kind, nbytes, spec, seconds in cases:
+            launch = _collective(clock.group(dist.group.WORLD, spec), kind, nbytes)
+            start = clock.now
+            works = launch_all([launch])
+            step_through(clock, works, [start + seconds], [f"{kind} on {spec}"])
+    return len(cases)
 
 
-def queued_collectives(nbytes: int, spec: str) -> dict:
-    """An allreduce, an alltoall and an allgather launched back to back without waiting:
-    the time each finishes after the first launch, and how long the launches took."""
-    emulated = EmulatedLinkGroup(dist.group.WORLD, spec)
-    launches = [_collective(emulated, kind, nbytes)[1]
-                for kind in ("allreduce", "alltoall", "allgather")]
-    dist.group.WORLD.barrier().wait()
-    t0 = time.perf_counter()
-    works = [launch() for launch in launches]
-    launched_ms = (time.perf_counter() - t0) * 1e3
-    done_ms = []
-    for work in works:
-        work.wait()
-        done_ms.append((time.perf_counter() - t0) * 1e3)
-    return {"launched_ms": launched_ms, "done_ms": done_ms}
+def queued_collectives(nbytes: int, spec: str, seconds: list[float]) -> list[float]:
+    """An allreduce, an alltoall and an allgather launched back to back without waiting on
+    one wrapper: none is complete when the launches return (launch_all); each completes at
+    the end of the one before plus its own ``seconds``, not earlier. Returns the first two
+    elements of the allreduce's result."""
+    names = ["allreduce", "alltoall", "allgather"]
+    with FakeClock() as clock:
+        group = clock.group(dist.group.WORLD, spec)
+        total = torch.ones(nbytes // 4)
+        launches = [lambda: group.allreduce([total])] + [
+            _collective(group, kind, nbytes) for kind in names[1:]]
+        works = launch_all(launches)
+        ends = [sum(seconds[: i + 1]) for i in range(3)]
+        step_through(clock, works, ends, names)
+    return total[:2].tolist()
 
 
 def _hook(name: str) -> object:
