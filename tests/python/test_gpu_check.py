@@ -1,7 +1,7 @@
 """benchmarks/gpu_check.py (`make gpu-check`) without a GPU: the dry run, and the
 orchestrator on made-up steps (a failure does not stop the others, timeouts kill the
-step's whole process group, the budget leaves late steps "not run (budget)"), and the
-readers of the benchmarks' outputs."""
+step's whole process group, the budget leaves late steps "not run (budget)": decided on a
+fake clock, not timed), and the readers of the benchmarks' outputs."""
 
 import json
 import os
@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -62,13 +63,12 @@ def test_failures_are_reported_and_the_rest_runs(tmp_path):
         Step("skips-itself", py("print('gpu-check skip: nothing to build')"), 20),
         Step("skipped", py("raise SystemExit(9)"), 20, skip_reason=lambda: "no tool here"),
         Step("verdict", py("print('0 passed')"), 20, verdict=lambda out, f: "no test passed"),
-        Step("hangs", py("import time; time.sleep(60)"), 1),
+        Step("hangs", py(_writes_pid(tmp_path / "hangs.pid") + "time.sleep(60)"), 1),
         Step("missing", ["/nonexistent/tool"], 20),
         Step("last", py("print('still ran')"), 20),
     ]
-    start = time.monotonic()
     report = gpu_check.run_steps(made, tmp_path, budget_s=60)
-    assert time.monotonic() - start < 10
+    _assert_gone(tmp_path / "hangs.pid")  # the timeout stopped it, not its end
     by = {s["name"]: s for s in report["steps"]}
     assert by["fails"]["status"] == "fail" and by["fails"]["reason"] == "exit code 3"
     assert "broken on purpose" in by["fails"]["output_tail"]
@@ -99,25 +99,30 @@ def test_report_is_rewritten_after_every_step(tmp_path):
     assert [s["status"] for s in report["steps"]] == ["pass"] * 3
 
 
-def test_timeout_kills_the_steps_children(tmp_path):
-    pid_file = tmp_path / "child.pid"
-    code = ("import subprocess, sys, time; "
-            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-            f"open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(60)")
-    report = gpu_check.run_steps([Step("spawns", py(code), 2)], tmp_path / "r", budget_s=30)
-    assert report["steps"][0]["status"] == "fail"
+def _writes_pid(path: Path) -> str:
+    """Python code that writes its process id to ``path`` first."""
+    return f"import os, time; open({str(path)!r}, 'w').write(str(os.getpid())); "
+
+
+def _assert_gone(pid_file: Path) -> None:
+    """The process whose id ``pid_file`` holds has exited (a zombie that init has not reaped
+    yet counts); none written means it was stopped before it started its code."""
+    if not pid_file.exists():
+        return
     pid = int(pid_file.read_text())
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)  # still there (or a zombie not yet reaped by init)
-        except ProcessLookupError:
-            break
-        if _is_zombie(pid):
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError(f"the step's child {pid} outlived the step")
+    # "No hang" deadline: the step was killed already; its end takes milliseconds to show.
+    deadline = time.monotonic() + 10
+    while not _gone(pid):
+        assert time.monotonic() < deadline, f"process {pid} outlived its step"
+        time.sleep(0.05)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # still there (or a zombie not yet reaped by init)
+    except ProcessLookupError:
+        return True
+    return _is_zombie(pid)
 
 
 def _is_zombie(pid: int) -> bool:
@@ -127,29 +132,83 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
-def test_budget_cuts_late_steps(tmp_path):
-    made = [
-        Step("quick", py("print('ok')"), 20),
-        # Its own timeout is 30 s, but only about 2 s of the budget are left for it.
-        Step("slow", py("import time; time.sleep(30)"), 30),
-        Step("late", py("print('never')"), 20),
-        Step("later", py("print('never')"), 20),
-    ]
-    start = time.monotonic()
-    report = gpu_check.run_steps(made, tmp_path, budget_s=2.5, min_start_s=1.0)
-    assert time.monotonic() - start < 9
+def test_timeout_kills_the_steps_children(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time; "
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            f"open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(60)")
+    report = gpu_check.run_steps([Step("spawns", py(code), 3)], tmp_path / "r", budget_s=30)
+    step = report["steps"][0]
+    assert (step["status"], step["reason"]) == ("fail", "timed out after 3 s"), step
+    # 3 s for an interpreter to start and spawn one child: several times what it takes
+    # with both cores busy; were it not written, there would be no child to check.
+    assert pid_file.exists(), step
+    _assert_gone(pid_file)
+
+
+class FakeClock:
+    """gpu_check's time.monotonic: a fake run_one moves it by each step's made-up time."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def _fake_run(clock: FakeClock, took: dict, ran: list):
+    """A stand-in for gpu_check.run_one: records the step and its limit, and takes the
+    made-up seconds ``took`` gives it (cut at the limit, as a timeout would)."""
+    def run_one(step, limit_s, cwd, log, verbose=False):
+        ran.append((step.name, limit_s))
+        clock.now += min(took[step.name], limit_s)
+        cut = took[step.name] > limit_s
+        return {"status": "fail" if cut else "pass", "reason": "timed out" if cut else "",
+                "wall_s": 0.0, "returncode": None, "figures": {}, "output_tail": ""}
+    return run_one
+
+
+def test_budget_cuts_late_steps(tmp_path, monkeypatch):
+    clock, ran = FakeClock(), []
+    monkeypatch.setattr(gpu_check, "time", SimpleNamespace(monotonic=clock.monotonic))
+    took = {"quick": 1.0, "slow": 30.0, "late": 0.1, "later": 0.1, "tight": 0.1}
+    monkeypatch.setattr(gpu_check, "run_one", _fake_run(clock, took, ran))
+    made = [Step("quick", py("print('ok')"), 20),
+            # Its own timeout is 30 s, but only 2 s of the budget are left for it.
+            Step("slow", py("import time; time.sleep(30)"), 30),
+            Step("late", py("print('never')"), 20), Step("later", py("print('never')"), 20)]
+    report = gpu_check.run_steps(made, tmp_path, budget_s=3.0, min_start_s=1.0)
+    assert ran == [("quick", 3.0), ("slow", 2.0)]
     status = {s["name"]: s["status"] for s in report["steps"]}
     assert status == {"quick": "pass", "slow": "fail", "late": "not run (budget)",
                       "later": "not run (budget)"}
-    slow = report["steps"][1]
-    assert "the total budget ran out" in slow["reason"], slow["reason"]
+    assert report["steps"][2]["reason"] == "0 s of the 3 s budget left"
     assert report["exit_code"] == 1
     assert "not run (budget)" in (tmp_path / "gpu_check.md").read_text()
+    # 0.9 s left is less than min_start_s: not started, though the step would fit.
+    ran.clear()
+    took["quick"] = 2.1
+    tight = [made[0], Step("tight", py("print('ok')"), 20)]
+    report = gpu_check.run_steps(tight, tmp_path / "t", budget_s=3.0, min_start_s=1.0)
+    assert ran == [("quick", 3.0)]
+    assert [s["status"] for s in report["steps"]] == ["pass", "not run (budget)"]
     # Nothing failed, something was not run: exit code 2.
+    ran.clear()
     report = gpu_check.run_steps(made[:1] + made[2:3], tmp_path / "b", budget_s=0.5,
                                  min_start_s=1.0)
-    assert [s["status"] for s in report["steps"]] == ["not run (budget)"] * 2
+    assert ran == [] and [s["status"] for s in report["steps"]] == ["not run (budget)"] * 2
     assert report["exit_code"] == 2
+
+
+def test_a_step_cut_by_the_budget_says_so(tmp_path):
+    """run_one given less than the step's own timeout (what the budget left): killed at
+    that limit, and the reason names the budget."""
+    step = Step("slow", py(_writes_pid(tmp_path / "slow.pid") + "time.sleep(30)"), 30)
+    with open(tmp_path / "log", "w") as log:
+        row = gpu_check.run_one(step, 1.0, tmp_path, log)
+    assert row["status"] == "fail"
+    assert row["reason"] == "timed out after 1 s (the total budget ran out)", row
+    _assert_gone(tmp_path / "slow.pid")
 
 
 # --- readers of the steps' outputs (formats as the scripts print them) ------------------
