@@ -46,11 +46,13 @@ if args.sum_hook:
 opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
 gen = torch.Generator().manual_seed(100 + rank)
 losses = []
+grad_max = 0.0  # the largest |gradient| any step applied (a scale for the tests' bounds)
 for _ in range(args.steps):
     x = torch.randn(16, 8, generator=gen)
     loss = (ddp(x) - x[:, :4]).square().mean()
     opt.zero_grad()
     loss.backward()
+    grad_max = max([grad_max] + [p.grad.abs().max().item() for p in model.parameters()])
     opt.step()
     losses.append(loss.item())
 
@@ -63,6 +65,8 @@ if rank == 0:
             "bucket_bytes_cap": ddp.bucket_bytes_cap,
             "params": [p.detach().flatten().tolist() for p in model.parameters()],
             "losses": losses,
+            "grad_max": grad_max,
+            "lr": opt.param_groups[0]["lr"],
             "hook_calls": hook_calls[0],
         }, f)
 # Free the wrapper before tearing gloo down: torch DDP sits in reference cycles, and a gloo
