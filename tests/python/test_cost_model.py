@@ -9,6 +9,8 @@ from fastddp.link import Link
 from fastddp.report import projected_step_ms
 
 MB = 1e6
+# pytest.approx's default (1e-6 relative) throughout: the model's float64 sums of these
+# decimal figures against the hand-worked ones differ only by decimal-to-binary rounding.
 # Three 100 MB buckets ready at 50, 100 and 120 ms; backward ends at 130 ms.
 BUCKETS = [cm.Bucket(50.0, 100 * MB), cm.Bucket(100.0, 100 * MB), cm.Bucket(120.0, 100 * MB)]
 GB_PER_S = Link(bus_gbs=1.0)
@@ -208,18 +210,23 @@ def test_hierarchical_gives_each_collective_its_link() -> None:
 
 def test_hierarchical_int8_beats_flat_int8_across_a_slow_link() -> None:
     # n = 4 as 2 x 2, intra 100 GB/s, inter (and the flat ring) 0.2 GB/s. Flat int8 per
-    # 100 MB bucket: alltoall and allgather of ~25.4 MB of codes and scales, each
-    # 3/4 x 25.4 MB / 0.2 GB/s = ~95 ms, so ~190 ms a bucket on the one link. Hierarchical:
-    # ~0.5 ms twice inside the node; between the nodes the int8 of the 50 MB shard, ~12.7 MB,
-    # 1/2 x 12.7 MB / 0.2 GB/s = ~32 ms twice: ~64 ms a bucket, a third of flat's.
+    # 100 MB bucket: alltoall and allgather of W = 25,391,600 B of codes and scales (as in
+    # test_8bit_interleaves_on_the_link), each t = 3/4 x W / 0.2 GB/s = 95.2185 ms, all on
+    # the one link: 50 + 6t. Hierarchical: 0.5 ms inside the node (1/2 x 100 MB / 100 GB/s),
+    # then the int8 of the 12.5e6-element shard between the 2 nodes, padded to
+    # 24,415 x 512 codes plus 48,830 scales: V = 12,695,800 B, each collective
+    # s = 1/2 x V / 0.2 GB/s = 31.7395 ms; the inter link is the bottleneck from 50.5 on:
+    # 50.5 + 6s, then the last allgather inside the node, 0.5 ms. Inter bytes: 6 x V / 2
+    # against the flat ring's 6 x 3/4 x W: exactly a third.
     slow = Link(bus_gbs=0.2)
     links = {"intra": Link(bus_gbs=100.0), "inter": slow}
     flat = cm.predict(BUCKETS, 130.0, slow, 4, cm.quant8("int8"))
     hier = cm.predict(BUCKETS, 130.0, slow, 4, cm.hierarchical(cm.quant8("int8"), 2),
                       links=links)
-    assert flat.step_ms == pytest.approx(50 + 3 * 190, rel=0.01)
-    assert hier.step_ms == pytest.approx(50 + 3 * 64, rel=0.02)
-    assert hier.link_bytes["inter"] == pytest.approx(flat.link_bytes["world"] / 3, rel=0.01)
+    t, s = 0.75 * 25_391_600 / 0.2e6, 0.5 * 12_695_800 / 0.2e6
+    assert flat.step_ms == pytest.approx(50 + 6 * t)
+    assert hier.step_ms == pytest.approx(50.5 + 6 * s + 0.5)
+    assert hier.link_bytes["inter"] == pytest.approx(flat.link_bytes["world"] / 3)
 
 
 def test_hierarchical_kernels_and_padding() -> None:
