@@ -1,6 +1,7 @@
 """Per-rank runs of ``fastddp.hooks.auto()`` against fixed configurations, on a link of the
-caller's choosing (an EmulatedLinkGroup over WORLD). benchmarks/auto.py and
-tests/python/test_auto.py both call these on every rank of a gloo world.
+caller's choosing (an EmulatedLinkGroup over WORLD). benchmarks/auto.py calls these on
+every rank of a gloo world (its auto / best column is the speed comparison that the tests
+leave to it); tests/python/auto_scenarios.py uses the models.
 
 Timing is interleaved: every configuration (auto's tuned model among them) is its own model
 and optimizer, all alive at once; each round steps each of them once, in a rotating order,
