@@ -68,9 +68,24 @@ def resume(cut: int = 4, steps: int = 8, bucket_cap_mb: float = 0.004,
     pairs = [(a, b) for s in range(cut, steps) for a, b in zip(whole[s], again[s], strict=True)]
     return {"equal": all(torch.equal(a, b) for a, b in pairs),
             "max_diff": max(float((a - b).abs().max()) for a, b in pairs),
+            "ulps": _ulps(pairs),
             "state_keys": sorted(saved["hook"]),
             "error_names": sorted(saved["hook"]["error"]),
             "q_names": sorted(saved["hook"]["q"])}
+
+
+def _ulps(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """The largest |a - b| in float32 ulps of the largest |b| (see ROUNDING_ULPS)."""
+    scale = max(float(b.abs().max()) for _, b in pairs)
+    worst = max(float((a - b).abs().max()) for a, b in pairs)
+    return worst / (torch.finfo(torch.float32).eps * scale) if worst else 0.0
+
+
+# A run resumed on 3 ranks reduces its first step over the initial bucket layout, the
+# uninterrupted run over the rebuilt one: gloo adds the ranks in another order, a few ulps
+# of the largest gradient (scenarios.ULPS), which PowerSGD's later steps carry on without
+# growing here: measured 2 ulps (rank 2 and 3, batched, one bucket or many).
+ROUNDING_ULPS = 8
 
 
 def error_feedback_invariant(steps: int = 5, **psgd_args) -> int:
@@ -94,9 +109,11 @@ def error_feedback_invariant(steps: int = 5, **psgd_args) -> int:
             assert sorted(error) == sorted(names), sorted(error)
 
             def check(step=step, error=error, local=local) -> None:
+                # Bit for bit: the hook keeps (gradient + previous error) - what it wrote,
+                # this very float expression, and the local gradient is the same backward.
                 for (name, p), lp in zip(unwrap(model).named_parameters(), local.parameters()):
                     torch.testing.assert_close(error[name], lp.grad + prev[name] - p.grad,
-                                               rtol=1e-5, atol=1e-6,
+                                               rtol=0, atol=0,
                                                msg=lambda m, n=name: f"step {step} {n}: {m}")
             agree(check)
             prev = {n: e.clone() for n, e in error.items()}

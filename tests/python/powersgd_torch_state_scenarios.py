@@ -20,9 +20,11 @@ from powersgd_scenarios import (_differs_from_plain_mean, serialized_batched_pow
 from scenarios import mlp, vector_batch
 
 # fastddp fuses the orthogonalization and the low-rank products, which round differently
-# in float32 from torch's separate ops: 1e-4 relative and 5e-5 absolute on gradients of
-# magnitude ~1e-1 (powersgd_scenarios.py's bound).
-TOL = {"rtol": 1e-4, "atol": 5e-5}
+# in float32 from torch's separate ops; the bound is absolute, relative to the parameter's
+# largest gradient element (why: powersgd_scenarios.TOL). This MLP's matrices are small
+# and well conditioned: measured at most 1.3e-6 of that scale over 3 compressed steps and a
+# resume (gloo, 2 and 3 ranks).
+TOL = {"rtol": 1e-5, "atol": 5e-6}
 STATE = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2}
 
 
@@ -51,7 +53,9 @@ def _step(fast, ref, step: int, device: str) -> bool:
         model.zero_grad(set_to_none=True)
         F.mse_loss(model(inputs), target).backward()
     for (name, a), b in zip(fast.module.named_parameters(), ref.module.parameters()):
-        torch.testing.assert_close(a.grad, b.grad, **TOL, msg=f"step {step}: {name}")
+        torch.testing.assert_close(a.grad, b.grad, rtol=TOL["rtol"],
+                                   atol=TOL["atol"] * b.grad.abs().max().item(),
+                                   msg=f"step {step}: {name}")
     compressed = _differs_from_plain_mean(ref.module, fast, inputs, target)
     with torch.no_grad():
         for a, b in zip(fast.module.parameters(), ref.module.parameters()):

@@ -1,5 +1,6 @@
 """Native PowerSGD on real gloo ranks (2 and 3) against torch DDP running torch's
-powerSGD_hook with the same PowerSGDState arguments: grads within rtol 1e-4 after every step.
+powerSGD_hook with the same PowerSGDState arguments: grads within float32 rounding
+(powersgd_scenarios.TOL) after every step.
 """
 
 import numpy as np
@@ -81,6 +82,9 @@ def test_orthogonalize_is_torchs(rank, epsilon, dtype):
     got = _C.powersgd_orthogonalize(m.clone(), epsilon)
     if rank > 2:  # QR's columns are fixed up to sign only
         got = got * torch.sign((got * want).sum(dim=1, keepdim=True))
-    # bf16 takes torch's ops (bit for bit); float32/64 the fused kernel.
-    tol = {"rtol": 0, "atol": 0} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
-    torch.testing.assert_close(got, want, **tol)
+    # bf16 takes torch's ops (bit for bit); float32/64 the fused kernel, whose dot products
+    # run in double: it differs from torch by torch's own rounding, at most gamma_17 = 17u
+    # of the columns' entries (|entry| <= 1) for its 17-term float sums (Gram-Schmidt's
+    # norms and projections, or QR's reflections); measured 1 eps (float32 and float64).
+    atol = 0 if dtype == torch.bfloat16 else m.shape[1] * torch.finfo(dtype).eps / 2
+    torch.testing.assert_close(got, want, rtol=0, atol=atol)

@@ -1,6 +1,7 @@
 """Native batched PowerSGD on real gloo ranks (2 and 3) against torch DDP running torch's
-batched_powerSGD_hook with the same PowerSGDState arguments: grads within rtol 1e-4 after
-every step. torch 2.14's hook needs one fix to run at all (powersgd_scenarios._orthogonalize_2d).
+batched_powerSGD_hook with the same PowerSGDState arguments: grads within float32 rounding
+(powersgd_scenarios.TOL) after every step. torch 2.14's hook needs one fix to run at all
+(powersgd_scenarios._orthogonalize_2d).
 """
 
 import math
@@ -70,7 +71,8 @@ def test_mismatch_is_caught(world):
 @pytest.mark.parametrize("case", ["rank2_ef_ws", "rank2_ef_only"])
 def test_checkpoint_resume_and_stats(world, case):
     out = world.check(powersgd_batched_scenarios.checkpoint_resume, **CASES[case])[0]
-    assert out["native_stats"] == pytest.approx(out["torch_stats"]), out
+    # Exact: both divide the same element counts.
+    assert out["native_stats"] == out["torch_stats"], out
     assert out["errors"] == 10, out  # every parameter of Mixed
     assert (out["bucket_qs"] > 0) == CASES[case].get("warm_start", True), out
     before, after = out["last_step_bytes"]

@@ -4,6 +4,7 @@ against torch's own hook, torch's checkpoint recipe, and the state's lifetime.""
 import pytest
 
 import powersgd_live_state_scenarios as scen
+from powersgd_state_scenarios import ROUNDING_ULPS
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["powerSGD_hook", "batched"])
@@ -31,7 +32,7 @@ def test_resume_is_the_uninterrupted_run(world, via, cap):
     else:
         # The resumed run's first step has the initial bucket layout, the uninterrupted
         # one the rebuilt layout; gloo's ring on 3 ranks then adds in another order.
-        assert out["max_diff"] < 1e-6, out
+        assert out["ulps"] <= ROUNDING_ULPS, out
 
 
 def test_resume_batched(world):
@@ -44,7 +45,7 @@ def test_resume_batched(world):
     if world.size == 2:
         assert out["equal"] and out["same_final_state"] is True, out
     else:
-        assert out["max_diff"] < 1e-6, out
+        assert out["ulps"] <= ROUNDING_ULPS, out
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["powerSGD_hook", "batched"])
@@ -52,6 +53,7 @@ def test_resume_without_the_state_differs(world, batched):
     # The control: the comparisons above can fail.
     args = {"cap": 25, "find_unused_parameters": True} if batched else {}
     out = world.check(scen.resume, via="fresh", batched=batched, **args)[0]
+    # A fresh state moves the grads by ~1e-2 (measured), far beyond any rounding (~1e-7).
     assert not out["equal"] and out["max_diff"] > 1e-4, out
     assert out["iter_at_resume"] == 0 and out["same_final_state"] is not True, out
 
@@ -110,4 +112,5 @@ def test_model_copy_carries_a_live_copy_of_the_state(world):
     if world.size == 2:
         assert out["equal"] and out["error_diff"] == 0, out
     else:
-        assert out["max_diff"] < 1e-6 and out["error_diff"] < 1e-6, out
+        # The copy's buckets differ from the original's: another sum order on 3 ranks.
+        assert out["ulps"] <= ROUNDING_ULPS and out["error_ulps"] <= ROUNDING_ULPS, out

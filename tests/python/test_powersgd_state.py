@@ -16,7 +16,7 @@ def test_resume_takes_the_same_steps(world, args):
     else:
         # The resumed run's first step has the initial bucket layout, the uninterrupted
         # one the rebuilt layout; gloo's ring on 3 ranks then adds in another order.
-        assert out["max_diff"] < 1e-6, out
+        assert out["ulps"] <= scen.ROUNDING_ULPS, out
     assert out["state_keys"] == ["error", "hook", "iter", "next_stats_report", "numel_after",
                                  "numel_before", "q", "rng_state"]
     assert "b.weight" in out["q_names"] and "b.bias" not in out["q_names"], out
@@ -24,14 +24,17 @@ def test_resume_takes_the_same_steps(world, args):
 
 
 def test_resume_into_other_buckets(world):
-    # One bucket instead of many: the state is per parameter, not per bucket.
+    # One bucket instead of many: the state is per parameter, not per bucket (the sums'
+    # order differs on 3 ranks, as above).
     out = world.check(scen.resume, resume_bucket_cap_mb=25)[0]
-    assert out["max_diff"] < 1e-6, out
+    assert out["ulps"] <= scen.ROUNDING_ULPS, out
 
 
 def test_resume_without_the_state_differs(world):
     # The control: the comparison above can fail.
     out = world.check(scen.resume, load_hook_state=False)[0]
+    # A fresh state (no error, another Q) moves the grads by ~1e-2 (measured), far beyond
+    # any rounding (~1e-7).
     assert not out["equal"] and out["max_diff"] > 1e-4, out
 
 
