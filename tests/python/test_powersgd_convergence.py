@@ -81,4 +81,7 @@ def test_powersgd_loss_close_to_fp32(world):
     # Compression really ran (a hook falling back to allreduce would send every byte).
     assert psgd["bytes_sent"] * 4 < psgd["bytes_reduced"], psgd
     assert fp32["bytes_sent"] == fp32["bytes_reduced"], fp32
+    # A training bound, not a rounding one: error feedback recovers what compression drops,
+    # so the compressed run may trail fp32 by a little (10% of its final loss), while a lost
+    # or wrong compression stalls well above (the 0.2 check) or derails.
     assert psgd["last"] <= 1.1 * fp32["last"], (psgd, fp32)

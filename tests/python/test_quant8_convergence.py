@@ -42,4 +42,6 @@ def test_8bit_loss_close_to_fp32(world):
         for name, r in (("fp32", fp32), (hook, run)):
             assert r["last"] < 0.2 * r["first"], (name, r)  # both learned
         assert run["bytes_sent"] * 3 < run["bytes_reduced"], run  # compression really ran
+        # A training bound, not a rounding one: error feedback recovers what 8 bits drop,
+        # so the run may trail fp32 by a little (10% of its final loss), no more.
         assert run["last"] <= 1.1 * fp32["last"], (hook, run, fp32)

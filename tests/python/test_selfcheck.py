@@ -43,6 +43,7 @@ def test_excess_is_zero_only_for_equal_tensors():
     assert worker.excess([off], want, cases.EXACT) == float("inf")
     # of_max: the allowance is a fraction of the largest |reference| (2.0 here).
     tol = cases.Tolerance(of_max=0.25)
+    # 0.25 / (0.25 x 2.0) and 1.0 / 0.5, in float64: exact up to pytest.approx's 1e-6.
     assert worker.excess([want[0] + 0.25], want, tol) == pytest.approx(0.5)
     assert worker.excess([want[0] + 1.0], want, tol) == pytest.approx(2.0)
 
