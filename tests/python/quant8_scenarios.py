@@ -133,26 +133,31 @@ def error_against_exact_mean(fmt: str) -> float:
     inputs, target = torch.randn(32, 64, generator=g), torch.randn(32, 64, generator=g)
     for model in (local, exact, fast):
         F.mse_loss(model(inputs), target).backward()
-    world = dist.get_world_size()
     mine = torch.cat([p.grad.flatten() for p in local.parameters()])
+    want = torch.cat([p.grad.flatten() for p in exact.parameters()])
+    got = torch.cat([p.grad.flatten() for p in fast.parameters()])
+    return ((got - want).abs() / quantization_bound(fmt, mine, want)).max().item()
+
+
+def quantization_bound(fmt: str, mine: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Per element, what the hook's two block quantizations (each rank's share, then the
+    sum) can cost against the exact mean `want`, from every rank's local gradients `mine`
+    (a collective: call on every rank). No error feedback yet (the first step)."""
+    world = dist.get_world_size()
     largest = mine.abs().max().reshape(1)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     abs_sum = mine.abs() / world
     dist.all_reduce(abs_sum)
-    want = torch.cat([p.grad.flatten() for p in exact.parameters()])
-    got = torch.cat([p.grad.flatten() for p in fast.parameters()])
     big = largest.item()
     if fmt == "int8":
         # Each rank's values err by at most half a step of G/world/127, the sum by half a
         # step of about G/127: G/127 in all (G: the largest |grad| on any rank).
-        bound = torch.full_like(want, big / 127 * 1.01)
-    else:
-        # Half an ulp relative (2^-4 / 2^-3), or half the least subnormal times the scale,
-        # per quantization.
-        rel, least = (2.0 ** -4, 2.0 ** -9) if fmt == "e4m3" else (2.0 ** -3, 2.0 ** -16)
-        floor = least * big / ref.QMAX[fmt]
-        bound = rel * (1 + rel) * abs_sum * 1.01 + rel * want.abs() + 2 * floor
-    return ((got - want).abs() / bound).max().item()
+        return torch.full_like(want, big / 127 * 1.01)
+    # Half an ulp relative (2^-4 / 2^-3), or half the least subnormal times the scale,
+    # per quantization.
+    rel, least = (2.0 ** -4, 2.0 ** -9) if fmt == "e4m3" else (2.0 ** -3, 2.0 ** -16)
+    floor = least * big / ref.QMAX[fmt]
+    return rel * (1 + rel) * abs_sum * 1.01 + rel * want.abs() + 2 * floor
 
 
 def wire_bytes(fmt: str) -> dict:

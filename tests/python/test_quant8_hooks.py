@@ -4,6 +4,7 @@ the quantization bound of torch DDP's exact float32 mean, the error-feedback inv
 the bytes comm_stats() counts."""
 
 import pytest
+import torch
 
 import fastddp
 import quant8_scenarios
@@ -15,8 +16,11 @@ FORMATS = ["int8", "e4m3", "e5m2"]
 def test_matches_torch_reference(world, fmt):
     results = world.check(quant8_scenarios.matches_reference, fmt=fmt, bucket_cap_mb=0.001)
     assert results[0]["hook"] == ("int8" if fmt == "int8" else f"fp8({fmt})"), results[0]
-    # Error feedback: what was sent plus what is owed is what came in.
-    assert max(r["gap"] for r in results) < 1e-5, results
+    # Error feedback: what was sent plus what is owed is what came in, up to float32
+    # rounding: each step rounds the residual's two float ops (v = scaled + residual,
+    # residual = v - sent) by half an ulp each, 4 steps: 4 eps of the largest |value|, the
+    # reference's float64 sums being exact by comparison (measured 0.4 eps).
+    assert max(r["gap"] for r in results) < 4 * torch.finfo(torch.float32).eps, results
 
 
 @pytest.mark.parametrize("fmt", ["int8", "e4m3"])
