@@ -39,6 +39,13 @@ at::Tensor half_compress(const at::Tensor& src, double scale, const std::string&
   return out;
 }
 
+at::Tensor half_cast_divide(const at::Tensor& src, int64_t divisor, const std::string& dtype) {
+  const HalfKind kind = kind_from_name(dtype);
+  at::Tensor out = at::empty({src.numel()}, src.options().dtype(scalar_type_of(kind)));
+  half_cast_divide_into(kind, src, divisor, out);
+  return out;
+}
+
 at::Tensor half_decompress(const at::Tensor& src) {
   at::Tensor out = at::empty_like(src, src.options().dtype(at::kFloat));
   half_decompress_many(half_kind_of(src.scalar_type()), {src}, {out});
@@ -127,6 +134,9 @@ void bind_hooks(py::module& m) {
   m.def("half_compress", &half_compress, py::arg("src"), py::arg("scale"), py::arg("dtype"),
         py::arg("residual") = py::none(), py::arg("out") = py::none(),
         "half(src * scale [+ residual]) as a 1-D bf16/fp16 tensor; residual updated in place.");
+  m.def("half_cast_divide", &half_cast_divide, py::arg("src"), py::arg("divisor"),
+        py::arg("dtype"),
+        "src.to(dtype).div_(divisor) as torch's fp16/bf16_compress_hook rounds it, 1-D.");
   m.def("half_decompress", &half_decompress, py::arg("src"));
   m.def("half_decompress_into", &half_decompress_into, py::arg("srcs"), py::arg("dsts"),
         "Many 16-bit -> float32 casts in one call (one launch on CUDA).");

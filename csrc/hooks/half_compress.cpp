@@ -22,7 +22,7 @@ HalfCompressHook::HalfCompressHook(c10::intrusive_ptr<c10d::ProcessGroup> group,
     : group_(std::move(group)), options_(options) {
   FASTDDP_CHECK(group_, "fastddp: the ", name(), " comm hook needs a process group");
   world_size_ = group_->getSize();
-  scale_ = 1.0 / world_size_;
+  set_divide_factor(world_size_);
 }
 
 std::string HalfCompressHook::name() const {
@@ -34,6 +34,7 @@ std::string HalfCompressHook::name() const {
 
 void HalfCompressHook::set_divide_factor(int64_t factor) {
   FASTDDP_CHECK(factor > 0, "fastddp: the divide factor must be positive, got ", factor);
+  divisor_ = factor;
   scale_ = 1.0 / static_cast<double>(factor);
 }
 
@@ -94,26 +95,35 @@ void HalfCompressHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& gr
     bucket.views[slot].copy_(grad);
     src = view;
   }
+  // Note [torch's half rounding]: the plain hooks round as torch's, the others once.
+  const bool torch_rounding = !options_.fp32_accumulate && !options_.error_feedback;
   if (src.scalar_type() == at::kFloat) {
     at::Tensor* residual =
         options_.error_feedback ? &residual_for(bucket.params[slot], src, numel) : nullptr;
-    if (guard_ == nullptr) {
-      half_compress_into(options_.kind, src, scale_, residual, wire);
-    } else if (src.is_cpu()) {
-      bool bad = false;
-      half_compress_into(options_.kind, src, scale_, residual, wire, &bad);
-      guard_->note(bucket.params[slot], bad);
+    bool bad = false;
+    bool* host_bad = guard_ != nullptr && src.is_cpu() ? &bad : nullptr;
+    int32_t* device_flag = guard_ != nullptr && !src.is_cpu()
+                               ? guard_->device_flag(bucket.params[slot], src)
+                               : nullptr;
+    if (torch_rounding) {
+      half_cast_divide_into(options_.kind, src, divisor_, wire, host_bad, device_flag);
     } else {
-      half_compress_into(options_.kind, src, scale_, residual, wire, nullptr,
-                         guard_->device_flag(bucket.params[slot], src));
+      half_compress_into(options_.kind, src, scale_, residual, wire, host_bad, device_flag);
     }
+    if (host_bad != nullptr) guard_->note(bucket.params[slot], bad);
     return;
   }
   check_grad(bucket, slot, src);  // other dtypes: a separate read
   // Other dtypes (float64, a bfloat16 model): the same arithmetic as ATen ops
   // on the bucket's slice.
   if (!src.is_same(view)) bucket.views[slot].copy_(src);
-  at::Tensor v = bucket.flat.narrow(0, offset, numel).mul(scale_);
+  const at::Tensor slice = bucket.flat.narrow(0, offset, numel);
+  if (torch_rounding) {  // torch's buffer.to(dtype).div_(world_size), by ATen itself
+    wire.copy_(slice);
+    wire.div_(divisor_);
+    return;
+  }
+  at::Tensor v = slice.mul(scale_);
   if (options_.error_feedback) {
     at::Tensor& r = residual_for(bucket.params[slot], v, numel);
     v.add_(r);

@@ -1,8 +1,10 @@
 // Bf16 / fp16 gradient compression: the built-in hooks "bf16" and "fp16".
 //
 // Note [half compression]
-// copy_in   grad -> wire slice: half(grad * 1/world_size [+ residual]) in one pass
-//           (the fp32 bucket is not touched on the fast path).
+// copy_in   grad -> wire slice in one pass (the fp32 bucket is not touched on the
+//           fast path): as torch's hooks for plain bf16/fp16 (Note [torch's half
+//           rounding]); half(grad * 1/world_size [+ residual]), one rounding, for
+//           accumulate="fp32" and error feedback, which torch has no hook for.
 // run       accumulate="half": one allreduce of the 16-bit wire buffer; the
 //           sums are done in 16-bit arithmetic by the backend.
 //           accumulate="fp32": alltoall of 16-bit shards, a local float32 sum
@@ -20,6 +22,21 @@
 //           survives the bucket rebuild because it is keyed by parameter.
 // If the backend has no 16-bit allreduce, accumulate="half" falls back to the
 // float32-accumulation algorithm (same payload).
+//
+// Note [torch's half rounding]
+// torch's fp16_compress_hook / bf16_compress_hook (default_hooks._compress_hook) run
+// buffer.to(dtype).div_(world_size): the gradient is rounded to 16 bits, then divided
+// in 16 bits, which ATen does in float and rounds again: float(a) / b on the CPU
+// (div_true_kernel in cpu/BinaryOpsKernel.cpp), but float(a) * (1.0f / b) on CUDA,
+// where a CPU scalar divisor becomes a multiply by its reciprocal
+// (cuda/BinaryDivTrueKernel.cu). Two roundings differ from one rounding of
+// grad / world_size in the last bit (at 3 ranks; at 2 where the result is a float16
+// subnormal), so the plain hooks copy in with kernels::cast_divide_{cpu,cuda}, each
+// as its device's ATen kernel, and fastddp's bf16()/fp16() give torch's bits (torch's
+// own hooks run natively lose nothing). The two devices' roundings agree for every
+// bfloat16 value and divisor below 5000, but not for float16 (at 14, 26, 28, 30, ...
+// ranks some values differ; tests/python/test_kernels.py). The sums are the backend's
+// 16-bit allreduce in both.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -83,7 +100,8 @@ class HalfCompressHook : public PipelinedHook {
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   HalfCompressOptions options_;
   int world_size_;
-  double scale_;
+  int64_t divisor_;  // world size, or join's divide factor: torch's rounding divides by it
+  double scale_;     // 1 / divisor_: the one-rounding modes multiply by it
   bool half_allreduce_unsupported_ = false;
   // Keyed by the bucket's flat buffer: the reducer may move Bucket objects.
   std::unordered_map<const void*, std::shared_ptr<BucketState>> states_;

@@ -68,15 +68,37 @@ HalfKind half_kind_of(c10::ScalarType type) {
   FASTDDP_CHECK(false, "fastddp: expected bfloat16 or float16, got ", type);
 }
 
-void half_compress_into(HalfKind kind, const at::Tensor& src, double scale,
-                        const at::Tensor* residual, const at::Tensor& dst, bool* host_bad,
-                        int32_t* device_flag) {
-  FASTDDP_PROFILE_RANGE("fastddp compress");
+namespace {
+
+void check_compress(HalfKind kind, const at::Tensor& src, const at::Tensor& dst) {
   check_float(src, "src");
   check_half(dst, kind, "dst");
   FASTDDP_CHECK(src.numel() == dst.numel() && src.device() == dst.device(),
                 "fastddp half_compress: src has ", src.numel(), " elements on ", src.device(),
                 ", dst ", dst.numel(), " on ", dst.device());
+}
+
+// Runs `chunk(begin, end, flag)` over src's elements on the CPU threads; *host_bad
+// (when given) becomes whether any chunk set its flag.
+template <typename Chunk>
+void parallel_compress(const at::Tensor& src, bool* host_bad, const Chunk& chunk) {
+  FASTDDP_CHECK(src.is_cpu(), "fastddp half_compress: unsupported device ", src.device());
+  std::atomic<int32_t> bad{0};
+  at::parallel_for(0, src.numel(), kGrain, [&](int64_t begin, int64_t end) {
+    int32_t chunk_bad = 0;
+    chunk(begin, end, host_bad != nullptr ? &chunk_bad : nullptr);
+    if (chunk_bad) bad = 1;
+  });
+  if (host_bad != nullptr) *host_bad = bad.load() != 0;
+}
+
+}  // namespace
+
+void half_compress_into(HalfKind kind, const at::Tensor& src, double scale,
+                        const at::Tensor* residual, const at::Tensor& dst, bool* host_bad,
+                        int32_t* device_flag) {
+  FASTDDP_PROFILE_RANGE("fastddp compress");
+  check_compress(kind, src, dst);
   float* r = nullptr;
   if (residual != nullptr) {
     check_float(*residual, "residual");
@@ -97,15 +119,35 @@ void half_compress_into(HalfKind kind, const at::Tensor& src, double scale,
     no_cuda();
 #endif
   }
-  FASTDDP_CHECK(src.is_cpu(), "fastddp half_compress: unsupported device ", src.device());
-  std::atomic<int32_t> bad{0};
-  at::parallel_for(0, src.numel(), kGrain, [&](int64_t begin, int64_t end) {
-    int32_t chunk_bad = 0;
+  parallel_compress(src, host_bad, [&](int64_t begin, int64_t end, int32_t* flag) {
     kernels::compress_cpu(kind, s + begin, f_scale, r ? r + begin : nullptr, d + begin,
-                          end - begin, host_bad != nullptr ? &chunk_bad : nullptr);
-    if (chunk_bad) bad = 1;
+                          end - begin, flag);
   });
-  if (host_bad != nullptr) *host_bad = bad.load() != 0;
+}
+
+void half_cast_divide_into(HalfKind kind, const at::Tensor& src, int64_t divisor,
+                           const at::Tensor& dst, bool* host_bad, int32_t* device_flag) {
+  FASTDDP_PROFILE_RANGE("fastddp compress");
+  check_compress(kind, src, dst);
+  FASTDDP_CHECK(divisor > 0, "fastddp half_cast_divide: the divisor must be positive, got ",
+                divisor);
+  const float* s = src.data_ptr<float>();
+  uint16_t* d = half_ptr(dst);
+  // The scalar as ATen's opmath (float) sees it.
+  const auto f_divisor = static_cast<float>(divisor);
+  if (src.is_cuda()) {
+#if defined(FASTDDP_WITH_CUDA)
+    const c10::cuda::CUDAGuard guard(src.device());
+    kernels::cast_divide_cuda(kind, s, f_divisor, d, src.numel(), current_stream(src),
+                              device_flag);
+    return;
+#else
+    no_cuda();
+#endif
+  }
+  parallel_compress(src, host_bad, [&](int64_t begin, int64_t end, int32_t* flag) {
+    kernels::cast_divide_cpu(kind, s + begin, f_divisor, d + begin, end - begin, flag);
+  });
 }
 
 void half_decompress_many(HalfKind kind, const std::vector<at::Tensor>& srcs,

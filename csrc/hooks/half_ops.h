@@ -26,6 +26,13 @@ void half_compress_into(HalfKind kind, const at::Tensor& src, double scale,
                         const at::Tensor* residual, const at::Tensor& dst,
                         bool* host_bad = nullptr, int32_t* device_flag = nullptr);
 
+// dst = half(src) divided by `divisor` in 16 bits, rounded as torch's
+// fp16_compress_hook / bf16_compress_hook round on src's device (Note [torch's half
+// rounding] in half_compress.h); same tensors and checks as half_compress_into.
+void half_cast_divide_into(HalfKind kind, const at::Tensor& src, int64_t divisor,
+                           const at::Tensor& dst, bool* host_bad = nullptr,
+                           int32_t* device_flag = nullptr);
+
 // dst = float(src) element by element in storage order; pairs of (src 16-bit
 // contiguous, dst float32 dense). On CUDA all pairs go in one launch.
 void half_decompress_many(HalfKind kind, const std::vector<at::Tensor>& srcs,

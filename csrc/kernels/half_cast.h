@@ -22,6 +22,14 @@ namespace fastddp::kernels {
 void compress_cpu(HalfKind kind, const float* src, float scale, float* residual, uint16_t* dst,
                   int64_t n, int32_t* nonfinite = nullptr);
 
+// torch's fp16_compress_hook / bf16_compress_hook, bit for bit (Note [torch's half
+// rounding]): the gradient is cast first, then divided in 16 bits as ATen divides a
+// 16-bit tensor by a scalar on the CPU, in float and rounded again:
+//   dst[i] = half(float(half(src[i])) / divisor)
+// `nonfinite` as for compress_cpu.
+void cast_divide_cpu(HalfKind kind, const float* src, float divisor, uint16_t* dst, int64_t n,
+                     int32_t* nonfinite = nullptr);
+
 // dst[i] = float(src[i]) (exact).
 void decompress_cpu(HalfKind kind, const uint16_t* src, float* dst, int64_t n);
 
@@ -36,6 +44,13 @@ void sum_shards_cpu(HalfKind kind, const uint16_t* shards, int64_t stride, int64
 // `nonfinite`: device memory, as for compress_cpu.
 void compress_cuda(HalfKind kind, const float* src, float scale, float* residual, uint16_t* dst,
                    int64_t n, void* stream, int32_t* nonfinite = nullptr);
+
+// The CUDA twin of cast_divide_cpu, as ATen divides on CUDA by a CPU scalar: it
+// multiplies by the float reciprocal (BinaryDivTrueKernel.cu), so
+//   dst[i] = half(float(half(src[i])) * (1.0f / divisor))
+// which can differ from the CPU's quotient in its last bit.
+void cast_divide_cuda(HalfKind kind, const float* src, float divisor, uint16_t* dst, int64_t n,
+                      void* stream, int32_t* nonfinite = nullptr);
 
 // A bucket's worth of decompression in one launch: many (src, dst, n) ranges.
 struct DecompressRange {

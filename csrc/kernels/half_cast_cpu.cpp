@@ -47,6 +47,20 @@ int compress_one_kind(const float* src, float scale, float* residual, uint16_t* 
                   : compress_plain<K, kCheck>(src, scale, dst, n);
 }
 
+// Division, not a multiply by the reciprocal: ATen's CPU kernel for a 16-bit tensor
+// divided by a scalar computes float(a) / b (div_true_kernel, BinaryOpsKernel.cpp).
+template <HalfKind K, bool kCheck>
+FASTDDP_VECTOR_CLONES int cast_divide(const float* __restrict src, float divisor,
+                                      uint16_t* __restrict dst, int64_t n) {
+  int bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if constexpr (kCheck) bad |= static_cast<int>((src[i] - src[i]) != 0.0f);
+    const float cast = float_from_half_bits<K>(half_bits_from_float<K>(src[i]));
+    dst[i] = half_bits_from_float<K>(cast / divisor);
+  }
+  return bad;
+}
+
 template <HalfKind K>
 FASTDDP_VECTOR_CLONES void decompress(const uint16_t* __restrict src, float* __restrict dst,
                                       int64_t n) {
@@ -83,6 +97,19 @@ void compress_cpu(HalfKind kind, const float* src, float scale, float* residual,
   }
   const int bad = bf16 ? compress_one_kind<HalfKind::kBFloat16, true>(src, scale, residual, dst, n)
                        : compress_one_kind<HalfKind::kFloat16, true>(src, scale, residual, dst, n);
+  if (bad) *nonfinite = 1;
+}
+
+void cast_divide_cpu(HalfKind kind, const float* src, float divisor, uint16_t* dst, int64_t n,
+                     int32_t* nonfinite) {
+  const bool bf16 = kind == HalfKind::kBFloat16;
+  if (nonfinite == nullptr) {
+    bf16 ? cast_divide<HalfKind::kBFloat16, false>(src, divisor, dst, n)
+         : cast_divide<HalfKind::kFloat16, false>(src, divisor, dst, n);
+    return;
+  }
+  const int bad = bf16 ? cast_divide<HalfKind::kBFloat16, true>(src, divisor, dst, n)
+                       : cast_divide<HalfKind::kFloat16, true>(src, divisor, dst, n);
   if (bad) *nonfinite = 1;
 }
 

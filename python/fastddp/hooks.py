@@ -92,14 +92,20 @@ class CommHook:
         world = group.size()
         buffer = bucket.buffer()
         n = buffer.numel()
-        scaled = buffer * (1.0 / world)
-        if self.options.get("error_feedback", False):
-            residual = self._gather_residuals(bucket, scaled)
-            scaled = scaled + residual
+        fp32_accumulate = self.options.get("accumulate", self.name) == "fp32"
+        error_feedback = self.options.get("error_feedback", False)
         wire = torch.zeros((n + world - 1) // world * world, dtype=dtype, device=buffer.device)
-        wire[:n] = scaled.to(dtype)
-        if self.options.get("error_feedback", False):
-            self._scatter_residuals(bucket, scaled - wire[:n].to(scaled.dtype))
+        if not fp32_accumulate and not error_feedback:
+            # Note [torch's half rounding]: torch's _compress_hook, cast then divide.
+            wire[:n] = buffer.to(dtype).div_(world)
+        else:
+            scaled = buffer * (1.0 / world)
+            if error_feedback:
+                residual = self._gather_residuals(bucket, scaled)
+                scaled = scaled + residual
+            wire[:n] = scaled.to(dtype)
+            if error_feedback:
+                self._scatter_residuals(bucket, scaled - wire[:n].to(scaled.dtype))
 
         def decompress(fut: torch.futures.Future) -> torch.Tensor:
             buffer.copy_(wire[:n])

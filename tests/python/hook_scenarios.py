@@ -1,8 +1,9 @@
 """Comm-hook scenarios, run on every rank of a harness world (see harness.py).
 
 A hook is named by a string (kwargs must pickle): "fastddp.<builtin>[_fp32][_ef]",
-"torch.<default hook or wrapper>", or "custom". Each scenario trains torch DDP and fastddp
-side by side from one seed and compares grads after every backward.
+"torch.<default hook or wrapper>", "custom", or "none" (no hook: torch DDP's own
+reduction). Each scenario trains torch DDP and fastddp side by side from one seed and
+compares grads after every backward.
 """
 
 import copy
@@ -31,7 +32,9 @@ def custom_hook(state: dict, bucket: dist.GradBucket) -> torch.futures.Future[to
 
 
 def make_hook(spec: str) -> tuple[object, object]:
-    """(state, hook) for a spec string."""
+    """(state, hook) for a spec string; (None, None) for "none"."""
+    if spec == "none":
+        return None, None
     if spec == "custom":
         return {"calls": []}, custom_hook
     if spec == "torch.bf16_wrapper_custom":
@@ -54,37 +57,74 @@ def make_hook(spec: str) -> tuple[object, object]:
 
 
 def compare_grads(ref: nn.Module, fast: nn.Module, where: str, tol: dict) -> None:
+    """Bit for bit (tol EXACT); |fast - ref| <= tol["bound"][name] element by element; or
+    within rtol, and atol relative to the largest |ref| element of each gradient."""
     for (name, p), q in zip(ref.named_parameters(), fast.parameters(), strict=True):
         if tol is EXACT:
             bad = (q.grad != p.grad).sum().item()
             assert bad == 0, (f"{where}: grad of {name}: {bad} of {p.grad.numel()} elements differ, "
                               f"max |diff| {(q.grad - p.grad).abs().max().item():.3g}")
-        else:
+        elif "rtol" in tol:
             atol = tol["atol"] * p.grad.abs().max().item()
             torch.testing.assert_close(q.grad, p.grad, rtol=tol["rtol"], atol=atol,
                                        msg=lambda m: f"{where}: grad of {name}: {m}")
+        else:
+            excess = (q.grad - p.grad).double().abs() - tol["bound"][name]
+            assert bool((excess <= 0).all()), (
+                f"{where}: grad of {name}: {int((excess > 0).sum())} elements beyond the bound, "
+                f"by up to {excess.max().item():.3g}")
+
+
+def division_bound(model: nn.Module, inputs: torch.Tensor, target: torch.Tensor,
+                   loss_scale: float = 1.0) -> dict:
+    """How far torch's allreduce_hook (buffer.div_(w), then the sum) may fall from torch
+    DDP's reduction (grad * fl(1/w), then the sum), per element: with u = 2^-24 and
+    S = sum over ranks of |g_r|, each side is within (w + 1) u S / w of the exact mean (the
+    product: 2u per term, the rounded 1/w and the product; the quotient: u; then u per
+    addition of w - 1), so the two within (2w + 2) u S / w, plus 2^-146 for the float32
+    subnormals (4 roundings of at most 2^-150). S is torch's: the local gradients of a
+    replica, summed in magnitude across ranks."""
+    local = copy.deepcopy(model)
+    local.zero_grad()
+    (F.mse_loss(local(inputs), target) * loss_scale).backward()
+    w = dist.get_world_size()
+    bound = {}
+    for name, p in local.named_parameters():
+        s = p.grad.double().abs()
+        dist.all_reduce(s)
+        bound[name] = (2 * w + 2) * 2.0 ** -24 * s / w + 2.0 ** -146
+    return bound
 
 
 def hooked_training(fast_hook: str, ref_hook: str, exact: bool, steps: int = 4,
+                    device: str = "cpu", dtype: str = "float32", loss_scale: float = 1.0,
                     **ddp_kwargs) -> list:
     """torch DDP with `ref_hook` against fastddp with `fast_hook`. Exact: grads bit for bit
-    and parameters follow. Otherwise grads within bf16 tolerance, and fastddp takes torch's
-    parameters after each step so that differences cannot compound."""
+    and parameters follow. Otherwise grads within division_bound (torch's allreduce_hook
+    divides, torch DDP and fastddp multiply by 1/w), and fastddp takes torch's parameters
+    after each step so that differences cannot compound. device "cuda": the models on the
+    current GPU (ranks share it on gloo). dtype: the model's. loss_scale multiplies the
+    loss (1e-4: many gradients in float16's subnormal range)."""
     torch.manual_seed(0)
-    base = mlp()
+    base = mlp().to(device, getattr(torch, dtype))
+    if device != "cpu":
+        ddp_kwargs = {**ddp_kwargs, "device_ids": [torch.device(device).index or 0]}
     ref = TorchDDP(copy.deepcopy(base), **ddp_kwargs)
     fast = fastddp.DistributedDataParallel(copy.deepcopy(base), **ddp_kwargs)
     ref_state, ref_fn = make_hook(ref_hook)
     fast_state, fast_fn = make_hook(fast_hook)
-    ref.register_comm_hook(ref_state, ref_fn)
-    fast.register_comm_hook(fast_state, fast_fn)
-    tol = EXACT if exact else {"rtol": 2e-2, "atol": 2e-2}
+    if ref_fn is not None:
+        ref.register_comm_hook(ref_state, ref_fn)
+    if fast_fn is not None:
+        fast.register_comm_hook(fast_state, fast_fn)
     opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ref, fast)]
     for step in range(steps):
-        inputs, target = vector_batch(step)
+        inputs, target = (t.to(base[0].weight.dtype) for t in vector_batch(step, device=device))
+        tol = EXACT if exact else {"bound": division_bound(unwrap(ref), inputs, target,
+                                                                 loss_scale)}
         for model, opt in zip((ref, fast), opts):
             opt.zero_grad(set_to_none=step % 2 == 0)
-            F.mse_loss(model(inputs), target).backward()
+            (F.mse_loss(model(inputs), target) * loss_scale).backward()
         agree(lambda: compare_grads(unwrap(ref), unwrap(fast), f"step {step}", tol))
         for opt in opts:
             opt.step()

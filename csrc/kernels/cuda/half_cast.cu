@@ -92,6 +92,60 @@ void launch_compress(const float* src, float scale, float* residual, uint16_t* d
   check(cudaGetLastError(), "compress_cuda launch");
 }
 
+// --- torch's rounding: cast, then divide (Note [torch's half rounding]) -----------
+
+// ATen's CUDA division by a CPU scalar multiplies by the float reciprocal
+// (BinaryDivTrueKernel.cu): one product, rounded once, then the 16-bit store.
+template <HalfKind K>
+__device__ __forceinline__ uint16_t cast_times(float g, float inverse) {
+  return half_bits_from_float<K>(mul_rn(float_from_half_bits<K>(half_bits_from_float<K>(g)),
+                                        inverse));
+}
+
+template <HalfKind K, bool kVector>
+__global__ void cast_divide_kernel(const float* __restrict__ src, float inverse,
+                                   uint16_t* __restrict__ dst, int64_t n,
+                                   int32_t* nonfinite_flag) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  int64_t scalar_begin = 0;
+  int bad = 0;
+  if constexpr (kVector) {
+    const int64_t n4 = n / 4;
+    for (int64_t q = tid; q < n4; q += stride) {
+      const float4 g = reinterpret_cast<const float4*>(src)[q];
+      bad |= nonfinite(g.x) | nonfinite(g.y) | nonfinite(g.z) | nonfinite(g.w);
+      ushort4 h;
+      h.x = cast_times<K>(g.x, inverse);
+      h.y = cast_times<K>(g.y, inverse);
+      h.z = cast_times<K>(g.z, inverse);
+      h.w = cast_times<K>(g.w, inverse);
+      reinterpret_cast<ushort4*>(dst)[q] = h;
+    }
+    scalar_begin = 4 * n4;
+  }
+  for (int64_t i = scalar_begin + tid; i < n; i += stride) {
+    bad |= nonfinite(src[i]);
+    dst[i] = cast_times<K>(src[i], inverse);
+  }
+  if (bad && nonfinite_flag != nullptr) *nonfinite_flag = 1;
+}
+
+template <HalfKind K>
+void launch_cast_divide(const float* src, float divisor, uint16_t* dst, int64_t n,
+                        cudaStream_t stream, int32_t* flag) {
+  // The reciprocal in float on the host, as ATen computes it (opmath_t(1.0) / b).
+  const float inverse = 1.0f / divisor;
+  const bool vector = aligned(src, 16) && aligned(dst, 8);
+  const int grid = grid_for(vector ? n / 4 : n);
+  if (vector) {
+    cast_divide_kernel<K, true><<<grid, kThreads, 0, stream>>>(src, inverse, dst, n, flag);
+  } else {
+    cast_divide_kernel<K, false><<<grid, kThreads, 0, stream>>>(src, inverse, dst, n, flag);
+  }
+  check(cudaGetLastError(), "cast_divide_cuda launch");
+}
+
 // --- multi-tensor decompression ---------------------------------------------------
 
 constexpr int kMaxRanges = 48;
@@ -196,6 +250,15 @@ void compress_cuda(HalfKind kind, const float* src, float scale, float* residual
         : launch_compress<HalfKind::kFloat16, false>(src, scale, residual, dst, n, stream,
                                                      nonfinite);
   }
+}
+
+void cast_divide_cuda(HalfKind kind, const float* src, float divisor, uint16_t* dst, int64_t n,
+                      void* stream_ptr, int32_t* nonfinite) {
+  if (n == 0) return;
+  auto stream = static_cast<cudaStream_t>(stream_ptr);
+  kind == HalfKind::kBFloat16
+      ? launch_cast_divide<HalfKind::kBFloat16>(src, divisor, dst, n, stream, nonfinite)
+      : launch_cast_divide<HalfKind::kFloat16>(src, divisor, dst, n, stream, nonfinite);
 }
 
 void decompress_multi_cuda(HalfKind kind, const DecompressRange* ranges, int64_t count,
