@@ -77,17 +77,15 @@ def torch_orthogonalize(m: torch.Tensor, epsilon: float) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("n", NS)
-@pytest.mark.parametrize("r", RANKS)
-def test_matches_torch(r: int, n: int) -> None:
-    if r > n:
-        pytest.skip("PowerSGD's matrices have r <= n")
+def check_matches_torch(r: int, n: int, device: str) -> None:
+    """The fused kernel of `device` against torch's _orthogonalize on the same device."""
     for dtype in (torch.float32, torch.float64):
         for batch in (1, 7):
             for eps in (0.0, 1e-8):
                 m = random_batch(batch, n, r, dtype, seed=1000 * n + 10 * r + batch)
-                got, want = fused(m, eps), torch_orthogonalize(m, eps)
-                what = f"{dtype} batch {batch} n {n} r {r} eps {eps}"
+                got = fused(m.to(device), eps).cpu()
+                want = torch_orthogonalize(m.to(device), eps).cpu()
+                what = f"{device} {dtype} batch {batch} n {n} r {r} eps {eps}"
                 if r <= 2:
                     # The same op order; only torch's float sums differ from our double ones
                     # (differences the cancellation of nearly parallel columns amplifies:
@@ -105,6 +103,14 @@ def test_matches_torch(r: int, n: int) -> None:
                     if n >= 2 * r:  # well conditioned: the columns themselves agree
                         torch.testing.assert_close(match_signs(got, want), want, rtol=1e-5,
                                                    atol=tol / 10, msg=what)
+
+
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("r", RANKS)
+def test_matches_torch(r: int, n: int) -> None:
+    if r > n:
+        pytest.skip("PowerSGD's matrices have r <= n")
+    check_matches_torch(r, n, "cpu")
 
 
 @pytest.mark.parametrize("r", [3, 4, 8, 16])
@@ -170,6 +176,16 @@ def test_unsupported_input_is_left_alone(make) -> None:
     before = m.clone()
     assert _C.fused_orthogonalize(m, 1e-8) is False
     assert torch.equal(m, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("r", RANKS)
+def test_cuda_matches_torch_on_cuda(r: int) -> None:
+    """The CUDA kernel against torch's _orthogonalize on CUDA tensors (its Gram-Schmidt in
+    torch's CUDA ops for r <= 2, CUDA's linalg.qr above), with the CPU test's bounds."""
+    for n in NS:
+        if r <= n:
+            check_matches_torch(r, n, "cuda")
 
 
 @pytest.mark.gpu

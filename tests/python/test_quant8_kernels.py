@@ -1,7 +1,9 @@
 """The 8-bit block quantization kernels (`_C._quantize8` / `_C._dequantize8`, CPU) against
 independent references: fp8 bytes decoded by hand from their bit fields, codes against
 torch's own ``.to(torch.float8_*)`` and ``torch.round``, adversarial blocks (zeros, an
-outlier, denormals, NaN/Inf, a short last block), and the error-feedback invariant."""
+outlier, denormals, NaN/Inf, a short last block), and the error-feedback invariant. Under
+-m gpu the CUDA kernels against the CPU ones and against the same torch reference run on
+CUDA tensors."""
 
 import math
 
@@ -166,3 +168,20 @@ def test_cuda_kernels_match_cpu(fmt):
         assert same(s_cuda.cpu(), scales) and same(e_cuda.cpu(), err)
         assert same(_C._dequantize8(c_cuda, s_cuda, fmt, block).cpu(),
                     _C._dequantize8(codes, scales, fmt, block))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cuda_kernels_match_torch_on_cuda(fmt):
+    """The CUDA kernels against the reference computed by torch's CUDA ops (ATen's CUDA
+    float8 casts, torch.round, the division by the scale), bit for bit."""
+    x = adversarial().cuda()
+    for block in (256, 64, 100):
+        codes, scales = _C._quantize8(x, fmt, block)
+        want_codes, want_scales = ref.quantize(x, fmt, block)
+        assert codes.is_cuda and want_codes.is_cuda
+        assert same(scales, want_scales), f"{fmt} block {block}: scales"
+        bad = (codes != want_codes).nonzero().flatten().cpu()
+        assert bad.numel() == 0, (fmt, block, bad[:5], x.cpu()[bad[:5]])
+        assert same(_C._dequantize8(codes, scales, fmt, block),
+                    ref.dequantize(codes, scales, fmt, block)), f"{fmt} block {block}"
