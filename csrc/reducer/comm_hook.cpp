@@ -136,6 +136,15 @@ at::Tensor CommHook::result_tensor(const c10::IValue& result) {
 // list or a wrong type with an internal assert; this names the hook and what it got.
 at::Tensor hook_result_tensor(const c10::IValue& result, const std::string& hook_name) {
   if (result.isTensor()) return result.toTensor();
+  // A process group written in Python completes its Work's future from Python
+  // (torch.futures.Future.set_result), which holds a Python object: its tensors, as
+  // torch's reducer reads them (c10d::detail::parseCppCommHookResult).
+  if (result.isPyObject()) {
+    std::vector<at::Tensor> tensors = result.toPyObjectHolder()->extractTensors();
+    FASTDDP_CHECK(!tensors.empty(), "fastddp: comm hook '", hook_name,
+                  "' completed its future with a Python object that holds no tensor");
+    return tensors[0];
+  }
   if (result.isTensorList()) {
     auto list = result.toTensorList();
     FASTDDP_CHECK(list.size() >= 1, "fastddp: comm hook '", hook_name,

@@ -36,6 +36,12 @@ def _decode(desc: list[int]) -> list[tuple[torch.dtype | None, tuple[int, ...]]]
     return out
 
 
+def written_in_python(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is a ``dist.ProcessGroup`` subclass written in Python (its
+    collectives return Python ``Work`` objects), rather than one of c10d's own groups."""
+    return type(group) is not dist.ProcessGroup
+
+
 def verify_param_shapes(
     group: dist.ProcessGroup, names: Sequence[str], params: Sequence[torch.Tensor],
     device: torch.device,

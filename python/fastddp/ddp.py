@@ -22,7 +22,7 @@ from fastddp._ddp_logger import DdpLogger
 from fastddp._introspection import bucket_sizes, comm_stats, logging_data
 from fastddp._join import _JoinHook, announce_backward_sync, sync_buffers
 from fastddp._module_sync import (broadcast_tensors, verify_bucket_layout,
-                                  verify_param_shapes)
+                                  verify_param_shapes, written_in_python)
 from fastddp._optim_in_backward import InBackwardOptimizers
 from fastddp._options import bucket_align_bytes, world1_reducer_requested
 from fastddp._reducer_proxy import ReducerProxy
@@ -114,7 +114,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.find_unused_parameters = find_unused_parameters
         self._divide_by_initial_world_size = True
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        # fastddp's own (Megatron's name): raise on NaN/Inf gradients, see the README.
+        # fastddp's own (Megatron's name): raise on NaN/Inf gradients, see docs/failures.md.
         self.check_for_nan_in_grad = bool(check_for_nan_in_grad)
         self.batched_grad_copy = batched_grad_copy
         self.mixed_precision = None
@@ -140,7 +140,10 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             caps, first, self.bucket_bytes_cap, static_graph or not find_unused_parameters)
 
         world = self.process_group.size()
-        if init_sync and world > 1:
+        # A process group written in Python is talked to at world size 1 too, as torch does
+        # (its Work objects may count, log or fence; torch's own test_c10d_pypg checks it).
+        talks = world > 1 or written_in_python(self.process_group)
+        if init_sync and talks:
             with torch.no_grad():
                 verify_param_shapes(self.process_group, names, params, self.device)
                 states = [p.detach() for p in self._module_parameters]
@@ -156,7 +159,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.logger = DdpLogger()
         self._bucket_limits = (initial_limits, rebuild_limits)
         plan = self._initial_plan()
-        if init_sync and world > 1:
+        if init_sync and talks:
             # Sizes in millionths of a MiB: shown as given (0.001, not 0.000999451).
             verify_bucket_layout(self.process_group, names, plan, {
                 "bucket_cap_mb": [] if bucket_cap_mb is None else [round(bucket_cap_mb * 1e6)],
@@ -178,6 +181,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         """Whether the reducer is built before any hook is registered (registering one
         builds it at world size 1 too, see _install_hook)."""
         return (self.process_group.size() > 1 or world1_reducer_requested()
+                or written_in_python(self.process_group)
                 or getattr(self, "check_for_nan_in_grad", False))
 
     def _initial_plan(self) -> list[list[int]]:
@@ -492,5 +496,5 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     def comm_stats(self) -> dict:
         """Communication figures of the last synchronized step: bytes reduced
         and sent, compression ratio, per-bucket ready/launched/done times and
-        the exposed communication time (see README)."""
+        the exposed communication time (see docs/hooks.md, Introspection)."""
         return comm_stats(self)
