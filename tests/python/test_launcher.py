@@ -63,9 +63,9 @@ def max_param_diff(a: dict, b: dict) -> float:
 
 def assert_params_close(a: dict, b: dict, atol: float = 0.0) -> None:
     """Final parameters within `atol`. 0 (bit for bit) where both runs do the same float
-    ops in the same order: 2 ranks add in the one order there is, and torch's bf16 and fp16
-    hooks cast then halve where fastddp's halve then cast, the same rounding but for fp16
-    subnormals (measured bit for bit on this script). The JSON holds the floats exactly."""
+    ops in the same order: 2 ranks add in the one order there is, and fastddp's bf16 and
+    fp16 hooks cast then halve in 16 bits as torch's do (Note [torch's half rounding]).
+    The JSON holds the floats exactly."""
     for x, y in zip(a["params"], b["params"], strict=True):
         torch.testing.assert_close(torch.tensor(x), torch.tensor(y), rtol=0, atol=atol)
 
