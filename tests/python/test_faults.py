@@ -28,9 +28,11 @@ import fault_scenarios
 from fault_scenarios import GROUP_TIMEOUT_S
 from harness import DIED, World
 
-# A loaded 2-core machine: detection is immediate on a closed socket (under 0.2 s
-# measured) and at the gloo timeout when a survivor waits on a live survivor.
-SLACK_S = 5.0
+# Detection is immediate on a closed socket (under 0.2 s measured) and at the gloo timeout
+# when a survivor waits on a live survivor: at most GROUP_TIMEOUT_S expected. The bound
+# below only proves "no hang" (a survivor that never raised would sit until RUN_TIMEOUT_S):
+# three times the expected time plus slack, so that a loaded machine cannot fail it.
+NO_HANG_S = 3 * GROUP_TIMEOUT_S + 5.0
 RUN_TIMEOUT_S = 60.0  # the hard bound on one case (the world is killed past it)
 KILL_STEP = 3  # PowerSGD compresses from step 2
 # The hook's name in messages, and the collectives its reduction issues.
@@ -78,15 +80,18 @@ def collective_named(detail: str) -> list[str]:
 
 
 def check_survivor(result, killed_at: float, hook: str, phases: set[tuple[str, int]],
-                   forward_carries: str = "", at_least_s: float = -0.5) -> None:
+                   forward_carries: str = "", timed_out: bool = False) -> None:
     v, rank, name = result.value, result.rank, HOOK_NAMES[hook]
     where = f"rank {rank}: {v}"
     assert v["phase"] is not None, f"rank {rank} trained on after its peer died: {v}"
     assert (v["phase"], v["step"]) in phases, where
     took = v["raised_at"] - killed_at
-    assert at_least_s < took < GROUP_TIMEOUT_S + SLACK_S, (
-        f"raised {took:.2f} s after the kill; {where}")
+    assert took < NO_HANG_S, f"raised {took:.2f} s after the kill; {where}"
     message = v["error"]
+    # Waiting on a live but silent peer ends at the group's timeout, which gloo names;
+    # the message says so rather than a closed connection (a fact, not a time).
+    assert timed_out == bool(re.search(r"timed? ?out", message, re.IGNORECASE)), (
+        f"rank {rank}: expected {'a' if timed_out else 'no'} timeout in: {message}")
     if v["phase"] == "backward":
         m = BACKWARD.search(message)
         assert m, f"rank {rank}: not the reducer's message: {message}"
@@ -147,7 +152,7 @@ def test_buffer_broadcast(tmp_path):
 
 def test_stalled_rank_times_out(tmp_path):
     """The victim stalls in backward (sockets open, no data) for the group's timeout plus
-    1 s, then dies: the survivor raises at the timeout, not before and not much later."""
+    1 s, then dies: the survivor raises gloo's timeout, not a closed connection."""
     survivors, stalled_at = run_case(tmp_path, 2, 1, "stall", KILL_STEP, "default")
     check_survivor(survivors[0], stalled_at, "default", {("backward", KILL_STEP)},
-                   at_least_s=GROUP_TIMEOUT_S - 0.5)
+                   timed_out=True)
