@@ -86,7 +86,10 @@ def powersgd_at_world_size_one() -> None:
                                             start_powerSGD_iter=2, min_compression_rate=0.5,
                                             use_error_feedback=False, warm_start=False)
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    train(ref, fast, steps=4)
+    # fastddp runs torch's hook natively: its P = M Q, norm and Q = M^T P are float sums of
+    # at most 32 terms in other orders than torch's (the norm in double), each off by about
+    # sqrt(32) u: 8 ulps of the largest gradient (measured 2.8).
+    train(ref, fast, steps=4, ulps=8)
     assert torch.linalg.matrix_rank(fast.module[2].weight.grad) == 1
 
 
@@ -206,7 +209,9 @@ def clone_sparse_hook(state: object,
 
 def _same_sparse(ref: torch.Tensor, fast: torch.Tensor, step: int) -> None:
     assert fast.is_sparse, f"step {step}: fastddp's embedding grad is dense"
-    torch.testing.assert_close(fast.to_dense(), ref.to_dense(), rtol=1e-5, atol=1e-6,
+    # Bit for bit: both gather every rank's indices and values and sum the same duplicates
+    # in the same order.
+    torch.testing.assert_close(fast.to_dense(), ref.to_dense(), rtol=0, atol=0,
                                msg=lambda m: f"step {step}: sparse grad: {m}")
 
 
@@ -320,7 +325,8 @@ def device_clock_stats() -> dict:
     assert stats["clock"] == "device", stats
     for b in stats["buckets"]:
         assert 0 <= b["ready_ms"] <= b["launched_ms"] <= b["done_ms"], b
-    # The device mean, over the 3 steps; a host mean would include launch latency.
+    # The device mean, over the 3 steps; a host mean would include launch latency. Under
+    # 1 s: a check of the unit (ms, not us), not of speed.
     assert 0 <= stats["mean_exposed_comm_ms"] < 1e3, stats
     return stats
 

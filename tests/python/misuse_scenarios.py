@@ -22,8 +22,8 @@ import fastddp
 from hook_scenarios import EXACT, custom_hook
 from hook_scenarios import compare_grads as compare_grads_exact
 from powersgd_scenarios import serialized_powerSGD_hook
-from scenarios import (agree, compare_grads, mlp, side_by_side, step_grads, torch_rebuilt_plan,
-                       train, unwrap, vector_batch)
+from scenarios import (agree, assert_close_ulps, compare_grads, mlp, rounding_ulps, side_by_side,
+                       step_grads, torch_rebuilt_plan, train, unwrap, vector_batch)
 
 
 def _outcome(action: Callable[[], object]) -> str:
@@ -55,7 +55,16 @@ def _averaged(module: nn.Module, step: int) -> list[torch.Tensor]:
 
 
 def _is_average(module: nn.Module, expected: list[torch.Tensor], factor: float = 1.0) -> bool:
-    return all(torch.allclose(p.grad, factor * g, rtol=1e-5, atol=1e-6)
+    """Whether every .grad is `factor` times the ranks' average, as far as the order of the
+    sums allows (scenarios.ULPS: bit for bit on 2 ranks; `factor` 2 is exact)."""
+    def close(grad: torch.Tensor, want: torch.Tensor) -> bool:
+        try:
+            assert_close_ulps(grad, want, rounding_ulps())
+        except AssertionError:
+            return False
+        return True
+
+    return all(close(p.grad, factor * g)
                for p, g in zip(module.parameters(), expected, strict=True))
 
 
@@ -368,8 +377,10 @@ def _train_psgd(ref, fast, opts, steps: range) -> None:
     two orthogonalizations must not compound)."""
     for step in steps:
         theirs, ours = _psgd_step(ref, opts[0], step), _psgd_step(fast, opts[1], step)
+        # PowerSGD's rounding, relative to the largest gradient element (why:
+        # powersgd_scenarios.TOL); on this MLP measured at most 2e-6 of it.
         for t, o in zip(theirs, ours):
-            torch.testing.assert_close(o, t, rtol=1e-4, atol=5e-5 * float(t.abs().max()),
+            torch.testing.assert_close(o, t, rtol=1e-5, atol=5e-6 * float(t.abs().max()),
                                        msg=lambda m: f"step {step}: {m}")
         with torch.no_grad():
             for p, q in zip(ref.parameters(), fast.parameters()):

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import fastddp
-from scenarios import (OutOfOrder, agree, compare_grads, compare_state, side_by_side,
-                       torch_rebuilt_plan, train, vector_batch, with_batchnorm)
+from scenarios import (OutOfOrder, agree, assert_close_ulps, compare_grads, compare_state,
+                       rounding_ulps, side_by_side, torch_rebuilt_plan, train, vector_batch,
+                       with_batchnorm)
 
 STEPS = 4
 
@@ -185,8 +186,8 @@ def _compare_saved_grads(ref: StepInForward, fast: StepInForward, where: str) ->
         if theirs is None or ours is None:
             assert theirs is None and ours is None, f"{where}: {name}.grad set on one side"
             continue
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{where}: grad of {name}: {m}")
+        assert_close_ulps(ours, theirs, rounding_ulps(),  # as scenarios.compare_grads
+                          msg=lambda m: f"{where}: grad of {name}: {m}")
 
 
 def _forward(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):

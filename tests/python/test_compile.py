@@ -1,11 +1,11 @@
 """torch.compile with fastddp on 2 real gloo ranks, against torch DDP compiled the same way.
 
-Gradients and parameters after several SGD steps, and the number of graphs dynamo's
-DDPOptimizer splits the model into, equal torch DDP's (inductor on CPU); comm hooks work
-under compile (against the same hook uncompiled); static_graph and find_unused_parameters
-behave as under torch; compiled autograd, which fastddp's C++ reducer hooks cannot be
-traced by, raises NotImplementedError at the first backward instead of skipping the
-allreduce.
+Gradients and parameters after several SGD steps (bit for bit), and the number of graphs
+dynamo's DDPOptimizer splits the model into, equal torch DDP's (inductor on CPU); comm
+hooks work under compile (bit for bit against the same hook uncompiled); static_graph and
+find_unused_parameters behave as under torch; compiled autograd, which fastddp's C++
+reducer hooks cannot be traced by, raises NotImplementedError at the first backward
+instead of skipping the allreduce.
 """
 
 import pytest
@@ -69,7 +69,7 @@ def test_graph_options_as_torch(world2, mode, options):
 @pytest.mark.parametrize("mode", s.MODES)
 def test_hooks_under_compile(world2, hook, mode):
     """bf16, bf16 with fp32 accumulation, PowerSGD and a Python hook on a compiled model:
-    the uncompiled model's gradients within the hook's tolerance."""
+    the uncompiled model's gradients, bit for bit."""
     results = world2.check(s.hook_compiled_vs_eager, hook=hook, mode=mode)
     assert results[0]["graphs"] > 1, results
     assert results[0]["hook"].startswith(hook.removeprefix("fastddp.").split("_")[0]), results
