@@ -9,6 +9,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 import fastddp
 from fastddp import _C
 from powersgd_scenarios import DIFFERS
+from scenarios import rounding_ulps
 
 # Matrices worth compressing (two of one shape), one that is not (2 x 40), a 4-D one
 # (viewed as 8 x 27) and vectors; 64 bytes of cap per bucket splits them into several.
@@ -31,11 +32,16 @@ def plain_mean(grads: list[torch.Tensor]) -> list[torch.Tensor]:
 # The bounds below are absolute, relative to the largest |element| of all the expected
 # tensors (`of_scale`), with rtol as given.
 EPS = torch.finfo(torch.float32).eps
-# The mean by buckets against one allreduce per tensor: on 3 ranks gloo adds the ranks in an
-# order set by its chunking of each buffer, and each of a sum's 2 additions may round
-# differently: at most 2 eps of the ranks' sum of |gradients| (measured 1.04 eps of the
-# largest |mean|). 2 ranks: one addition, bit for bit.
-SUM_ORDER = {"rtol": 0.0, "of_scale": 4 * EPS}
+
+
+def _sum_order() -> dict[str, float]:
+    """The mean by buckets against one allreduce per tensor: 2 ranks add in the one order
+    there is (bit for bit); on 3 gloo adds the ranks in an order set by its chunking of
+    each buffer, and each of a sum's 2 additions may round differently: scenarios.ULPS
+    (measured 1.04 eps of the largest |mean|)."""
+    return {"rtol": 0.0, "of_scale": rounding_ulps() * EPS}
+
+
 # PowerSGD against torch's hook (why absolute: powersgd_scenarios.TOL): measured at most
 # 1.4e-6 of the scale on these random gradients, 8.7e-7 beyond rtol 1e-5.
 POWERSGD = {"rtol": 1e-5, "of_scale": 4e-6}
@@ -63,11 +69,11 @@ def allreduce_is_mean(bucket_cap_bytes: int = 2048) -> list[list[int]]:
                            grads, bucket_cap_bytes, group)
     for name, runner in (("native", native), ("python", python)):
         for _ in range(2):  # the runner can go again
-            _close(runner.run(grads), expected, name, **SUM_ORDER)
+            _close(runner.run(grads), expected, name, **_sum_order())
     # The one-shot form too; the inputs are left alone.
     before = [g.clone() for g in grads]
     _close(_C.run_comm_hook(fastddp.hooks.allreduce().native(group), grads, bucket_cap_bytes,
-                            group), expected, "run_comm_hook", **SUM_ORDER)
+                            group), expected, "run_comm_hook", **_sum_order())
     _close(grads, before, "inputs", rtol=0, of_scale=0)
     return native.bucket_plan()
 
@@ -93,7 +99,7 @@ def powersgd_matches_torch(steps: int = 6, bucket_cap_bytes: int = 2048, rank: i
         _close(got, want, f"step {step}", **POWERSGD)
         mean = plain_mean(grads)
         if step < start:
-            _close(got, mean, f"vanilla step {step}", **SUM_ORDER)
+            _close(got, mean, f"vanilla step {step}", **_sum_order())
         elif any(not torch.allclose(g, m, **DIFFERS) for g, m in zip(got, mean)):
             compressed_steps += 1
     return {"buckets": len(native.bucket_plan()), "compressed_steps": compressed_steps,
