@@ -45,7 +45,7 @@ def expected_ms(kind: str, nbytes: int, n: int, spec: str) -> float:
     return link.latency_us * 1e-3 + factor * nbytes / link.bytes_per_s * 1e3
 
 
-def _collective(group: dist.ProcessGroup, kind: str, nbytes: int):
+def collective(group: dist.ProcessGroup, kind: str, nbytes: int):
     """A launcher of ``kind`` with S = nbytes (Note [collective cost])."""
     n, numel = group.size(), nbytes // 4
     if kind in ("allreduce", "broadcast"):
@@ -68,8 +68,8 @@ def time_collectives(repeats: int) -> list[dict]:
     world = dist.group.WORLD
     out = []
     for kind, nbytes, spec in CASES:
-        launch = _collective(EmulatedLinkGroup(world, spec), kind, nbytes)
-        launch_real = _collective(world, kind, nbytes)
+        launch = collective(EmulatedLinkGroup(world, spec), kind, nbytes)
+        launch_real = collective(world, kind, nbytes)
         times, real, launch_ms = [], [], []
         for _ in range(repeats):
             world.barrier().wait()

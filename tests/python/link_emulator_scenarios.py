@@ -11,8 +11,10 @@ over the wrapper must agree bit for bit, and the wrapper must have seen the coll
 hook issues.
 """
 
+import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,11 @@ import fastddp
 from fastddp import link_emulator
 from fastddp._emulate_link import LinkEmulation
 from fastddp.link_emulator import EmulatedLinkGroup
+
+# The benchmark's collective launchers (benchmarks/link_emulator.py), so that the schedule
+# checked here is the one whose wall time the benchmark measures.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from link_emulator import collective as _collective  # noqa: E402
 
 MB = 1_000_000
 # Fake seconds either side of an end: far below any collective's time (>= 1 ms), far above
@@ -104,23 +111,6 @@ def step_through(clock: FakeClock, works: list, ends: list[float], names: list[s
         assert not early, f"complete before {end * 1e3:.3f} ms (fake clock): {early}"
         clock.advance_to(end + EPS_S)
         _wait_done(works[i], f"{name}, due at {end * 1e3:.3f} ms")
-
-
-def _collective(group: dist.ProcessGroup, kind: str, nbytes: int) -> object:
-    """A launcher of ``kind`` with S = nbytes (Note [collective cost])."""
-    n, numel = group.size(), nbytes // 4
-    if kind in ("allreduce", "broadcast"):
-        t = torch.ones(numel)
-        return lambda: getattr(group, kind)([t])
-    if kind == "alltoall":  # S = the input
-        src, dst = torch.ones(numel), torch.empty(numel)
-        return lambda: group.alltoall_base(dst, src, [], [])
-    if kind == "allgather":  # S = the output
-        src, dst = torch.ones(numel // n), torch.empty(numel // n * n)
-        return lambda: group._allgather_base(dst, src)
-    if kind == "barrier":
-        return lambda: group.barrier()
-    raise ValueError(kind)
 
 
 def collectives_end_on_schedule(cases: list[tuple[str, int, str, float]]) -> int:

@@ -2,19 +2,14 @@
 unmodified script (scripts/train_api.py) under `torchrun --nproc_per_node=2 -m fastddp`,
 against the same script under stock torch DDP (FASTDDP_DISABLE=1)."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-import fastddp
+from launch_script import run_launcher
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_api.py"
-PACKAGE_DIR = Path(fastddp.__file__).resolve().parents[1]
 TIMEOUT_S = 180  # a no-hang deadline only: a run takes about 15 s on 2 loaded cores
 NAN_MESSAGE = "non-finite gradient (NaN or Inf) in parameter '2.weight' on rank 1 at step 2"
 
@@ -23,23 +18,9 @@ def launch(tmp_path: Path, name: str, launcher_args: list[str], script_args: lis
            disable: bool = False, nproc: int | None = 2) -> tuple[dict | None, int, str]:
     """Runs the script under the launcher; returns rank 0's JSON (None if it wrote none),
     the exit status and the combined output."""
-    out = tmp_path / f"{name}.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(PACKAGE_DIR), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
-    for key in ("FASTDDP_DISABLE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                "MASTER_PORT"):
-        env.pop(key, None)
-    if disable:
-        env["FASTDDP_DISABLE"] = "1"
-    runner = [sys.executable]
-    if nproc is not None:
-        runner += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd = [*runner, "-m", "fastddp", *launcher_args, str(SCRIPT), "--out", str(out),
-           *script_args]
-    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
-    result = json.loads(out.read_text()) if out.exists() else None
-    return result, proc.returncode, proc.stdout + proc.stderr
+    result, code, output, _ = run_launcher(SCRIPT, tmp_path / f"{name}.json", launcher_args,
+                                           script_args, disable, nproc, TIMEOUT_S)
+    return result, code, output
 
 
 def launched(tmp_path: Path, name: str, *args, **kwargs) -> tuple[dict, str]:

@@ -4,7 +4,6 @@ plus fastddp.patch(), the command-line split and the comm report formatting in-p
 """
 
 import importlib.util
-import json
 import os
 import re
 import subprocess
@@ -18,9 +17,9 @@ import fastddp
 from fastddp.launcher import split_command_line
 from fastddp.patch import HookSpec, HookUnavailableError, parse_hook_spec
 from fastddp.report import format_comm_stats
+from launch_script import PACKAGE_DIR, run_launcher
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_tiny.py"
-PACKAGE_DIR = Path(fastddp.__file__).resolve().parents[1]
 TIMEOUT_S = 120
 FASTDDP_CLASS = "fastddp.ddp.DistributedDataParallel"
 
@@ -36,24 +35,10 @@ needs_hooks = pytest.mark.skipif(not _has_hooks(), reason="fastddp.hooks is not 
 def launch(tmp_path: Path, name: str, launcher_args: list[str], script_args: list[str] = (),
            disable: bool = False, nproc: int | None = 2) -> tuple[dict, str]:
     """Runs the script under the launcher; returns rank 0's JSON and the combined output."""
-    out = tmp_path / f"{name}.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(PACKAGE_DIR), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
-    env.pop("FASTDDP_DISABLE", None)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    if disable:
-        env["FASTDDP_DISABLE"] = "1"
-    runner = [sys.executable]
-    if nproc is not None:
-        runner += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd = [*runner, "-m", "fastddp", *launcher_args, str(SCRIPT), "--out", str(out),
-           *script_args]
-    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{output}"
-    return json.loads(out.read_text()), output
+    result, code, output, cmd = run_launcher(SCRIPT, tmp_path / f"{name}.json", launcher_args,
+                                             script_args, disable, nproc, TIMEOUT_S)
+    assert code == 0, f"{' '.join(cmd)} failed ({code}):\n{output}"
+    return result, output
 
 
 def max_param_diff(a: dict, b: dict) -> float:
