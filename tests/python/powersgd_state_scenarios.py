@@ -66,7 +66,17 @@ def resume(cut: int = 4, steps: int = 8, bucket_cap_mb: float = 0.004,
     again: dict[int, list[torch.Tensor]] = {}
     _train(resumed, ropt, range(cut, steps), again)
     pairs = [(a, b) for s in range(cut, steps) for a, b in zip(whole[s], again[s], strict=True)]
+    # The reference we did not write: torch DDP with torch's powerSGD_hook, uninterrupted.
+    torch.manual_seed(0)
+    ref = TorchDDP(Mixed(), bucket_cap_mb=bucket_cap_mb)
+    ref.register_comm_hook(psgd.PowerSGDState(None, **{**PSGD, **psgd_args}),
+                           serialized_powerSGD_hook)
+    theirs: dict[int, list[torch.Tensor]] = {}
+    _train(ref, torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9), range(steps), theirs)
+    vs_torch = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+                   for s in range(cut, steps) for a, b in zip(again[s], theirs[s], strict=True))
     return {"equal": all(torch.equal(a, b) for a, b in pairs),
+            "vs_torch_of_scale": vs_torch,
             "max_diff": max(float((a - b).abs().max()) for a, b in pairs),
             "ulps": _ulps(pairs),
             "state_keys": sorted(saved["hook"]),

@@ -4,6 +4,14 @@ comm_hook_state_dict / load_comm_hook_state_dict / compression_stats), on real g
 import pytest
 
 import powersgd_state_scenarios as scen
+from powersgd_scenarios import TOL
+
+# The resumed run against torch DDP with torch's powerSGD_hook, uninterrupted: fastddp's
+# PowerSGD and torch's round differently in float32, and orthogonalization amplifies it
+# (powersgd_scenarios.TOL derives 5e-5 of each gradient's largest element); through the
+# resumed steps it measured at most 2.4e-5 (rank 3 on 3 ranks), 8.6e-6 at rank 2, while a
+# resume that dropped the hook's state is 0.8 of the scale away.
+VS_TORCH = TOL["atol"]
 
 
 @pytest.mark.parametrize("args", [{}, {"batch_tensors_with_same_shape": True},
@@ -21,6 +29,7 @@ def test_resume_takes_the_same_steps(world, args):
                                  "numel_before", "q", "rng_state"]
     assert "b.weight" in out["q_names"] and "b.bias" not in out["q_names"], out
     assert "b.bias" in out["error_names"], out
+    assert out["vs_torch_of_scale"] <= VS_TORCH, out
 
 
 def test_resume_into_other_buckets(world):
@@ -28,6 +37,7 @@ def test_resume_into_other_buckets(world):
     # order differs on 3 ranks, as above).
     out = world.check(scen.resume, resume_bucket_cap_mb=25)[0]
     assert out["ulps"] <= scen.ROUNDING_ULPS, out
+    assert out["vs_torch_of_scale"] <= VS_TORCH, out
 
 
 def test_resume_without_the_state_differs(world):
@@ -36,6 +46,7 @@ def test_resume_without_the_state_differs(world):
     # A fresh state (no error, another Q) moves the grads by ~1e-2 (measured), far beyond
     # any rounding (~1e-7).
     assert not out["equal"] and out["max_diff"] > 1e-4, out
+    assert out["vs_torch_of_scale"] > 0.1, out  # and torch's run tells it apart too
 
 
 def test_error_feedback_invariant(world):
