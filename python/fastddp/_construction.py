@@ -17,8 +17,6 @@ def _not_yet(argument: str, why: str) -> NotImplementedError:
 
 def _reject_unsupported(**arguments: Any) -> None:
     reasons = {
-        "delay_all_reduce_named_params": "delayed allreduce is not implemented yet",
-        "param_to_hook_all_reduce": "delayed allreduce is not implemented yet",
         "mixed_precision": "DDP's experimental mixed_precision is not implemented yet; "
         "cast the module (model.to(dtype)) instead",
         "skip_all_reduce_unused_params": "skipping the reduction of all-unused buckets is not "

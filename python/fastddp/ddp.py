@@ -19,6 +19,8 @@ from fastddp._construction import (_check_module, _expect_sparse_gradients, _mov
                                    _resolve_device_ids, _resolve_group, bucket_limits,
                                    check_conversion)
 from fastddp._ddp_logger import DdpLogger
+from fastddp._delayed_allreduce import DelayedAllReduce
+from fastddp._delayed_allreduce import check_arguments as check_delay_arguments
 from fastddp._introspection import bucket_sizes, comm_stats, logging_data
 from fastddp._join import _JoinHook, announce_backward_sync, sync_buffers
 from fastddp._module_sync import (broadcast_tensors, verify_bucket_layout,
@@ -74,9 +76,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         nn.Module.__init__(self)
         Joinable.__init__(self)
         _compile.check_python_reducer_mode()
+        check_delay_arguments(delay_all_reduce_named_params, param_to_hook_all_reduce)
         _reject_unsupported(
-            delay_all_reduce_named_params=delay_all_reduce_named_params,
-            param_to_hook_all_reduce=param_to_hook_all_reduce,
             mixed_precision=mixed_precision,
             skip_all_reduce_unused_params=skip_all_reduce_unused_params,
             lazy_bucket_allocation=lazy_bucket_allocation,
@@ -93,7 +94,12 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self.device_mesh = device_mesh
 
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        delayed = list(delay_all_reduce_named_params or ())
+        self.parameters_to_ignore.update(name for name, _ in delayed)  # as torch: not bucketed
         names, params = _params_for_reducer(module, self.parameters_to_ignore)
+        if delayed and not params:
+            raise _not_yet("delay_all_reduce_named_params naming every parameter that "
+                           "requires grad", "the model then has no reducer at all")
         self._reducer_param_names = names
         self._reducer_params = params
         self._expect_sparse = _expect_sparse_gradients(module, params)
@@ -174,6 +180,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if self._wants_reducer():
             self._build_reducer(plan)
         self.reducer = ReducerProxy(self)  # torch's ddp.reducer, for frameworks that call it
+        self._delayed = (DelayedAllReduce(self.process_group, delayed, param_to_hook_all_reduce)
+                         if delayed else None)
+        self._delay_all_reduce_params = [p for _, p in delayed]  # torch's attribute
         if static_graph:
             self._set_static_graph()
 
@@ -239,6 +248,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             torch_ddp._active_ddp_module = previous
         if self._in_backward is not None:  # read after the module, as _after_module does
             self._in_backward.set_sync(torch.is_grad_enabled() and self.require_backward_grad_sync)
+        if self._delayed is not None:  # as torch, at the end of every forward
+            self._delayed.point_grads_at_buffer()
         return self._after_module(output, state) if state else output
 
     @_compile.eager
@@ -437,6 +448,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         """As torch DDP: only with the default process group; the C++ reducer is rebuilt
         by __setstate__ (torch.save(model), copy.deepcopy, pickle)."""
         self._check_default_group()
+        if self._delayed is not None:  # its tensor hook and group do not travel
+            raise _not_yet("pickling a model with delay_all_reduce_named_params",
+                           "the delayed allreduce's hook is not rebuilt on load")
         attrs = copy.copy(self.__dict__)
         for native in ("process_group", "_reducer", "_native_hook", "reducer", "_auto",
                        "_in_backward"):

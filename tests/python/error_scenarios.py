@@ -47,7 +47,6 @@ def unsupported_argument(argument: str) -> None:
     values = {
         "skip_all_reduce_unused_params": True,
         "mixed_precision": _MixedPrecision(param_dtype=torch.float16),
-        "delay_all_reduce_named_params": [("0.weight", nn.Parameter(torch.zeros(1)))],
     }
     fastddp.DistributedDataParallel(mlp(), **{argument: values[argument]})
 
