@@ -10,12 +10,12 @@
 #include <utility>
 
 #include "../core/numpy_random.h"
-#include "../hooks/half_ops.h"
-#include "../hooks/hierarchical.h"
-#include "../hooks/orthogonalize.h"
-#include "../hooks/powersgd_plan.h"
-#include "../hooks/quant8_ops.h"
-#include "../hooks/registry.h"
+#include "../hooks/half/half_ops.h"
+#include "../hooks/hierarchical/hierarchical.h"
+#include "../hooks/powersgd/orthogonalize.h"
+#include "../hooks/powersgd/powersgd_plan.h"
+#include "../hooks/quant8/quant8_ops.h"
+#include "../hooks/common/registry.h"
 #include "python_hook.h"
 #include "../reducer/message.h"
 
@@ -162,7 +162,7 @@ void bind_hooks(py::module& m) {
       py::arg("matrices"), py::arg("epsilon") = 0.0,
       "Orthogonalizes a (batch, n, r) tensor's columns in place with the fused kernels and "
       "returns True; returns False, leaving it untouched, where they do not apply (see "
-      "csrc/hooks/orthogonalize.h).");
+      "csrc/hooks/powersgd/orthogonalize.h).");
   m.def(
       "numpy_randint",
       [](int64_t seed, int64_t high, int64_t count) {

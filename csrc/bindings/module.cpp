@@ -5,7 +5,7 @@
 #include <stdexcept>
 
 #include "../core/bucket_plan.h"
-#include "../hooks/allreduce.h"
+#include "../hooks/common/allreduce.h"
 #include "../reducer/comm_hook.h"
 #include "../reducer/reducer.h"
 #include "../reducer/message.h"

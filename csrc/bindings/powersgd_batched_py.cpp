@@ -3,7 +3,7 @@
 // bucket_qs and bucket_error_tails, keyed by a bucket's first parameter index.
 #include "powersgd_py_common.h"
 
-#include "../hooks/powersgd_batched.h"
+#include "../hooks/powersgd/powersgd_batched.h"
 
 namespace fastddp {
 

@@ -11,7 +11,7 @@
 #include <tuple>
 #include <vector>
 
-#include "../hooks/powersgd.h"
+#include "../hooks/powersgd/powersgd.h"
 
 namespace fastddp {
 

@@ -7,7 +7,7 @@
 // Float8_e4m3fn / Float8_e5m2 constructors do (the same bit arithmetic,
 // written with selects instead of branches so that CPU loops vectorize); they
 // take finite inputs already clamped to the format's largest finite value
-// (Note [8-bit wire formats] in hooks/quant8_hook.h), so the saturation and NaN
+// (Note [8-bit wire formats] in hooks/quant8/quant8_hook.h), so the saturation and NaN
 // branches of c10's versions are never needed. The int8 encoder rounds half
 // to even (the magic-number trick: adding and subtracting 1.5 * 2^23 leaves
 // the value rounded by the FPU in its default mode). Nothing here may be built

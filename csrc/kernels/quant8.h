@@ -1,5 +1,5 @@
 // Block-scaled 8-bit quantization kernels (int8, fp8 e4m3fn, fp8 e5m2) for the
-// "int8" / "fp8" comm hooks: Note [8-bit wire formats] in hooks/quant8_hook.h
+// "int8" / "fp8" comm hooks: Note [8-bit wire formats] in hooks/quant8/quant8_hook.h
 // says what is computed; the per-value codes are core/quant8_codes.h.
 //
 // Raw pointers and sizes only (no torch, no CUDA headers), like half_cast.h,

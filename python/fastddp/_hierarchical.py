@@ -1,5 +1,5 @@
 """The two process groups of a hierarchical reduction (Note [hierarchical reduction] in
-csrc/hooks/hierarchical.h): ``intra``, this rank's node, and ``inter``, the ranks with this
+csrc/hooks/hierarchical/hierarchical.h): ``intra``, this rank's node, and ``inter``, the ranks with this
 rank's local index on every node. From a 2-D DeviceMesh with dims ("node", "local"), from
 a local size (torchrun's LOCAL_WORLD_SIZE by default), or given as two groups.
 

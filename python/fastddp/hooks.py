@@ -174,7 +174,7 @@ def fp16(accumulate: str = "fp16", error_feedback: bool = False) -> CommHook:
 
 def int8(error_feedback: bool = True) -> CommHook:
     """Int8 gradient compression with float32 accumulation (Note [8-bit wire formats] in
-    csrc/hooks/quant8_hook.h): symmetric int8 codes with one float32 scale per block of 256
+    csrc/hooks/quant8/quant8_hook.h): symmetric int8 codes with one float32 scale per block of 256
     values; an alltoall of the 8-bit shards, a float32 sum of each shard, an allgather of
     the re-quantized sums: about 1/4 of float32's bytes on the wire, 1/2 of bf16's.
     error_feedback=True (the default) adds each parameter's quantization error to its next
@@ -279,7 +279,7 @@ def hierarchical(inter: CommHook | None = None, mesh: Any = None, local_size: in
                  groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
                  ) -> HierarchicalHook:
     """Hierarchical reduction for multi-node jobs (Note [hierarchical reduction] in
-    csrc/hooks/hierarchical.h): per bucket, a float reduce-scatter inside the node, the
+    csrc/hooks/hierarchical/hierarchical.h): per bucket, a float reduce-scatter inside the node, the
     inter-node reduction of this rank's shard through `inter` (any fastddp built-in or
     registry hook: ``allreduce()``, ``bf16()``, ``bf16(accumulate="fp32")``, ...; default
     ``bf16()``), then an allgather inside the node. Only 1/local_size of each bucket (times

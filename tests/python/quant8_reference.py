@@ -1,5 +1,5 @@
 """The block-scaled 8-bit formats of the "int8" / "fp8" hooks (Note [8-bit wire formats] in
-csrc/hooks/quant8_hook.h) written again from torch ops, as the independent reference of
+csrc/hooks/quant8/quant8_hook.h) written again from torch ops, as the independent reference of
 the tests: torch.round (half to even) for int8, torch's own ``.to(torch.float8_*)`` for fp8.
 """
 

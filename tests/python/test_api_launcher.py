@@ -76,7 +76,7 @@ def test_check_for_nan_in_grad_raises_on_every_rank(tmp_path):
 
 
 # The 8-bit wires' bound on one step's averaged gradient (Note [8-bit wire formats] in
-# csrc/hooks/quant8_hook.h; W ranks, G = the largest |local gradient| over all ranks, each
+# csrc/hooks/quant8/quant8_hook.h; W ranks, G = the largest |local gradient| over all ranks, each
 # block's absmax <= G). Rank r sends y = g_r / W, quantized with error <= e * absmax(y) <=
 # e G / W; the W dequantized shards summed: error <= e G. The sum (|S| <= G (1 + e)) is
 # quantized again: error <= e G (1 + e). Total: e G (2 + e), where e is the largest error

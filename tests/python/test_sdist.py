@@ -67,7 +67,7 @@ def test_the_build_log_has_no_deprecation_warning(sdist):
 
 def test_the_checkouts_build_log_has_no_deprecation_warning():
     # make install's log of `pip install -e .`: the compiler's warnings too (ccache replays
-    # them), e.g. torch's deprecated collective names (csrc/hooks/collectives.h).
+    # them), e.g. torch's deprecated collective names (csrc/hooks/common/collectives.h).
     log = os.path.join(ROOT, "build", "pip-install.log")
     if not os.path.exists(log):
         pytest.skip("_C was not built by make install here (no build/pip-install.log)")

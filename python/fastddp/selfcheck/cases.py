@@ -39,7 +39,7 @@ class Tolerance:
 
 # torch's hook and fastddp's run the same roundings in the same order (the fp16/bf16 hooks
 # too: cast, then divide in 16 bits as ATen does on the device, Note [torch's half
-# rounding] in csrc/hooks/half_compress.h).
+# rounding] in csrc/hooks/half/half_compress.h).
 EXACT = Tolerance()
 # The same algorithm, but fastddp fuses the orthogonalization and the low-rank products,
 # which round differently in float32; orthogonalizing amplifies that by the matrix's

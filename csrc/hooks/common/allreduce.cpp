@@ -1,0 +1,47 @@
+#include "allreduce.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include "../../reducer/message.h"
+
+namespace fastddp {
+
+AllreduceHook::AllreduceHook(c10::intrusive_ptr<c10d::ProcessGroup> group)
+    : group_(std::move(group)) {
+  FASTDDP_CHECK(group_, "fastddp: AllreduceHook needs a process group");
+  set_divide_factor(group_->getSize());
+}
+
+void AllreduceHook::set_divide_factor(int64_t factor) {
+  FASTDDP_CHECK(factor > 0, "fastddp: the divide factor must be positive, got ", factor);
+  factor_ = factor;
+  inverse_ = at::scalar_tensor(1.0 / static_cast<double>(factor), at::kDouble);
+  inverse_.unsafeGetTensorImpl()->set_wrapped_number(true);
+}
+
+void AllreduceHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) {
+  if (bucket.sparse) {  // a new tensor: the parameter's own .grad is not scaled
+    bucket.sparse_grad = sparse_grad_or_zeros(bucket, grad).div(static_cast<double>(factor_));
+    return;
+  }
+  at::Tensor& view = bucket.views[slot];
+  if (!grad.defined()) {
+    view.zero_();
+  } else if (grad.is_alias_of(view)) {
+    // gradient_as_bucket_view: autograd accumulated into the bucket already.
+    view.div_(factor_);
+    check_grad(bucket, slot, view);  // x / factor is finite exactly when x is
+  } else if (guard_ != nullptr) {
+    scale_into_view(bucket, slot, grad, 1.0 / static_cast<double>(factor_));
+  } else {
+    at::mul_out(view, grad, inverse_);
+  }
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> AllreduceHook::run(Bucket& bucket, size_t index, bool) {
+  std::vector<at::Tensor> tensors{bucket.sparse ? bucket.sparse_grad : bucket.flat};
+  note_launch(index, "allreduce of the bucket");
+  return group_->allreduce(tensors)->getFuture();
+}
+
+}  // namespace fastddp

@@ -1,0 +1,105 @@
+#include "pipelined_hook.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <exception>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+#include "../../reducer/message.h"
+
+namespace fastddp {
+
+c10::intrusive_ptr<c10::ivalue::Future> PipelinedHook::run(Bucket& bucket, size_t index,
+                                                           bool is_last) {
+  if (pending_ && index == 0) {
+    // Left over from a step that failed before its last bucket without the
+    // reducer noticing: its second collective must not be issued now.
+    abandon_step();
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> done;
+  std::shared_ptr<Stage> stage = start(bucket, index, is_last, done);
+  if (stage) {
+    stage->index = index;
+    done = stage->result;
+    note_launch(index, nullptr);  // the stage's errors name their collective
+  }
+  FASTDDP_INTERNAL_ASSERT(done, "comm hook '", name(), "' started bucket ", index,
+                          " without a future");
+  if (pending_) {
+    std::shared_ptr<Stage> previous = std::move(pending_);
+    finish_or_fail(*previous);
+  }
+  if (stage) {
+    if (is_last) {
+      finish_or_fail(*stage);
+    } else {
+      pending_ = std::move(stage);
+    }
+  }
+  return done;
+}
+
+void PipelinedHook::abandon_step() {
+  if (!pending_) return;
+  std::shared_ptr<Stage> stage = std::move(pending_);
+  try {
+    stage->wait_first();
+  } catch (...) {
+    // Its error is the step's, which has failed already.
+  }
+  stage->result->setErrorIfNeeded(std::make_exception_ptr(
+      std::runtime_error("fastddp: comm hook '" + name() + "': the step was abandoned")));
+}
+
+void PipelinedHook::finish_or_fail(Stage& stage) {
+  try {
+    finish(stage);
+  } catch (...) {
+    // The reducer reports it from backward(), naming the bucket and hook.
+    stage.result->setErrorIfNeeded(std::current_exception());
+  }
+}
+
+std::runtime_error collective_failure(const std::string& what, const std::exception& e) {
+  const auto* error = dynamic_cast<const c10::Error*>(&e);
+  return std::runtime_error(what + " failed: " +
+                            (error ? error->what_without_backtrace() : e.what()));
+}
+
+void wait_collective(c10d::Work& work, const std::string& what) {
+  try {
+    work.wait();
+  } catch (const std::exception& e) {
+    throw collective_failure(what, e);
+  }
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> make_result(const at::Tensor& like) {
+  std::vector<c10::Device> devices;
+  if (!like.device().is_cpu()) devices.push_back(like.device());
+  return c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get(), std::move(devices));
+}
+
+void PipelinedHook::complete_after(const c10::intrusive_ptr<c10::ivalue::Future>& collective,
+                                   const c10::intrusive_ptr<c10::ivalue::Future>& result,
+                                   std::string what, std::function<c10::IValue()> local_work) {
+  // The callback runs on the collective's streams (CUDA), so its work is
+  // ordered after the collective and `result` records events after it.
+  collective->addCallback([result, what = std::move(what),
+                           work = std::move(local_work)](c10::ivalue::Future& fut) {
+    if (fut.hasError()) {
+      result->setErrorIfNeeded(collective_error(what, fut));
+      return;
+    }
+    try {
+      result->markCompleted(work());
+    } catch (...) {
+      result->setErrorIfNeeded(std::current_exception());
+    }
+  });
+}
+
+}  // namespace fastddp

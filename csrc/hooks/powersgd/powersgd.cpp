@@ -1,0 +1,196 @@
+#include "powersgd.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <algorithm>
+#include <utility>
+
+#include "../../reducer/profile_range.h"
+#include "../common/side_stream.h"
+#include "lowrank.h"
+#include "powersgd_options.h"
+#include "../common/registry.h"
+
+namespace fastddp {
+
+// A compressed bucket between the P allreduce and the Q allreduce.
+struct PowerSGDHook::PowerSGDStage : PipelinedHook::Stage {
+  std::shared_ptr<BucketState> state;
+  PowerSGDPlan plan;
+  PowerSGDWork work;
+  at::Tensor input;       // the bucket's flat gradient: the result, in place
+  at::Tensor input_copy;  // M = gradient + error (error feedback)
+  at::Tensor wire;
+  c10::intrusive_ptr<c10::ivalue::Future> p_reduced;
+  void wait_first() override { p_reduced->wait(); }
+};
+
+PowerSGDHook::PowerSGDHook(c10::intrusive_ptr<c10d::ProcessGroup> group, PowerSGDOptions options,
+                           NumpyRandomState rng)
+    : PowerSGDBase(std::move(group), options, rng, "powersgd") {}
+
+int64_t PowerSGDHook::wire_bytes(const Bucket& bucket) const {
+  if (iter_.load() < options_.start_powerSGD_iter) return bucket.bytes();
+  const PowerSGDPlan plan = plan_powersgd(bucket, options_);
+  return (plan.uncompressed_numel + plan.p_numel + plan.q_numel) *
+         static_cast<int64_t>(bucket.flat.element_size());
+}
+
+std::shared_ptr<PipelinedHook::Stage> PowerSGDHook::start(
+    Bucket& bucket, size_t index, bool is_last, c10::intrusive_ptr<c10::ivalue::Future>& done) {
+  done = maybe_vanilla(bucket, is_last);
+  if (done) {
+    note_launch(index, "allreduce of the bucket (before start_powerSGD_iter)");
+    return nullptr;
+  }
+  FASTDDP_PROFILE_RANGE("fastddp launch (powersgd P)");
+  auto stage = std::make_shared<PowerSGDStage>();
+  stage->input = bucket.flat;
+  stage->result = make_result(stage->input);
+  bool randomize = false;
+  PowerSGDPlan plan = plan_powersgd(bucket, options_);
+  count(plan, index, is_last, bucket.flat.element_size());
+  stage->state = bucket_state(bucket, index, plan, randomize);
+  BucketState& state = *stage->state;
+
+  const at::Tensor& input = stage->input;
+  at::Tensor source = input;
+  if (options_.use_error_feedback) {
+    // M = gradient + error, out of place: M is also the copy the new error
+    // is taken from, and the bucket receives P Q^T.
+    at::add_out(state.source, input, state.error);  // a kept buffer: no page faults per step
+    stage->input_copy = state.source;
+    source = stage->input_copy;
+  }
+  // Stacked after the error feedback: torch stacks views of the corrected buffer.
+  at::Tensor p_memory = state.wire.narrow(0, plan.uncompressed_numel, plan.p_numel);
+  stage->work = make_powersgd_work(plan, options_, source, input, p_memory, state.q_memory);
+  PowerSGDWork& work = stage->work;
+  if (randomize) {
+    std::vector<at::Tensor> qs;
+    for (PowerSGDBatch& b : work.batches) qs.push_back(b.q);
+    draw_random_q(qs);
+  }
+  for (const auto& carried : state.qs_after_draw) {
+    state.q_memory.narrow(0, carried.first, carried.second.numel())
+        .copy_(carried.second.reshape(-1));
+  }
+  state.qs_after_draw.clear();
+  // Orthogonalization is per matrix: one call per same-shape group.
+  for (at::Tensor& q : work.q_groups) powersgd_orthogonalize(q, options_.orthogonalization_epsilon);
+  for (PowerSGDBatch& b : work.batches) lowrank_project(b.matrices, b.q, b.p);
+  if (!plan.uncompressed.empty()) {
+    std::vector<at::Tensor> slices;
+    slices.reserve(plan.uncompressed.size());
+    for (size_t k : plan.uncompressed) {
+      slices.push_back(source.narrow(0, bucket.offsets[k], bucket.numels[k]));
+    }
+    at::Tensor head = state.wire.narrow(0, 0, plan.uncompressed_numel);
+    at::cat_out(head, slices);
+  }
+  stage->plan = std::move(plan);
+  stage->wire = state.wire;
+  stage->p_reduced = allreduce(state.wire);
+  if (is_last) ++iter_;
+  return stage;
+}
+
+void PowerSGDHook::finish(Stage& base) {
+  auto& stage = static_cast<PowerSGDStage&>(base);
+  // Off the compute stream (Note [hook streams]): waiting for P is a stream wait.
+  const SideStreamScope side(stage.wire.device());
+  wait_for_p(*stage.p_reduced, stage.index);
+  FASTDDP_PROFILE_RANGE("fastddp launch (powersgd Q)");
+  const PowerSGDPlan& plan = stage.plan;
+  BucketState& state = *stage.state;
+  if (!plan.uncompressed.empty()) {
+    at::Tensor head = stage.wire.narrow(0, 0, plan.uncompressed_numel);
+    head.div_(world_size_);
+    // The reverse of start()'s cat_out: one multi-tensor copy (one launch on CUDA).
+    std::vector<at::Tensor> srcs, dsts;
+    int64_t at_elem = 0;
+    for (size_t k : plan.uncompressed) {
+      const int64_t numel = state.numels[k];
+      dsts.push_back(stage.input.narrow(0, state.offsets[k], numel));
+      srcs.push_back(head.narrow(0, at_elem, numel));
+      at_elem += numel;
+    }
+    at::_foreach_copy_(dsts, srcs);
+  }
+  PowerSGDWork& work = stage.work;
+  for (at::Tensor& p : work.p_groups) powersgd_orthogonalize(p, options_.orthogonalization_epsilon);
+  for (PowerSGDBatch& b : work.batches) lowrank_back_project(b.matrices, b.p, b.q);
+  record_current_stream({stage.wire, stage.input, stage.input_copy, state.source,
+                         state.q_memory});
+  for (const PowerSGDBatch& b : work.batches) record_current_stream({b.matrices, b.out});
+  auto q_reduced = allreduce(state.q_memory);
+  complete_after(q_reduced, stage.result, "allreduce of Q",
+                 [this, state = stage.state, batches = std::move(work.batches),
+                  uncompressed = stage.plan.uncompressed, input = stage.input,
+                  input_copy = stage.input_copy]() mutable {
+                   return decompress(*state, batches, uncompressed, input, input_copy);
+                 });
+}
+
+c10::IValue PowerSGDHook::decompress(BucketState& state, std::vector<PowerSGDBatch>& batches,
+                                     const std::vector<size_t>& uncompressed,
+                                     const at::Tensor& input, const at::Tensor& input_copy) {
+  FASTDDP_PROFILE_RANGE("fastddp decompress (powersgd)");
+  state.q_memory.div_(world_size_);
+  const bool error_feedback = options_.use_error_feedback;
+  // The new error (M - P Q^T) in the same pass as P Q^T where the result
+  // goes straight into the bucket; stacked batches take one sub over all.
+  const bool fuse_error =
+      error_feedback && std::all_of(batches.begin(), batches.end(),
+                                    [](const PowerSGDBatch& b) { return b.unstack.empty(); });
+  for (PowerSGDBatch& b : batches) {
+    if (fuse_error) {
+      // b.out views the bucket, b.matrices the same slot of M.
+      at::Tensor error = state.error.narrow(0, b.offset, b.out.numel()).view_as(b.out);
+      lowrank_expand(b.p, b.q, b.out, b.matrices, error);
+      continue;
+    }
+    lowrank_expand(b.p, b.q, b.out);
+    for (size_t i = 0; i < b.unstack.size(); ++i) {
+      b.unstack[i].copy_(b.out[static_cast<int64_t>(i)]);
+    }
+  }
+  if (fuse_error) {
+    for (size_t k : uncompressed) {
+      at::Tensor error = state.error.narrow(0, state.offsets[k], state.numels[k]);
+      at::sub_out(error, input_copy.narrow(0, state.offsets[k], state.numels[k]),
+                  input.narrow(0, state.offsets[k], state.numels[k]));
+    }
+  } else if (error_feedback) {
+    at::sub_out(state.error, input_copy, input);
+  }
+  // This callback's kernels run on the collective's stream (Note [hook streams]).
+  record_current_stream({state.q_memory, state.error, input, input_copy});
+  for (const PowerSGDBatch& b : batches) record_current_stream({b.p, b.matrices, b.out});
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!options_.warm_start) state.q_memory = at::Tensor();
+  return c10::IValue(input);
+}
+
+void PowerSGDHook::bucket_step_state(std::vector<at::Tensor>& into) const {
+  for (const auto& [index, state] : states_) {
+    into.push_back(state->error);     // undefined without error feedback: skipped
+    into.push_back(state->q_memory);  // undefined without warm start
+  }
+}
+
+namespace {
+
+std::shared_ptr<CommHook> make_powersgd(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                        const HookOptions& o) {
+  PowerSGDConfig config = parse_powersgd_options(o, "powersgd");
+  return std::make_shared<PowerSGDHook>(group, config.options, config.rng);
+}
+
+}  // namespace
+
+FASTDDP_REGISTER_COMM_HOOK("powersgd", make_powersgd);
+
+}  // namespace fastddp

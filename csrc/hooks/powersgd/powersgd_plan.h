@@ -1,0 +1,81 @@
+// How the PowerSGD hook cuts a bucket into matrices (Note [powersgd]):
+// which slots are compressed, how same-shape matrices are batched, and
+// where each matrix's P and Q live in the bucket's P and Q memories.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "../../reducer/bucket.h"
+
+namespace fastddp {
+
+struct PowerSGDOptions {
+  int64_t matrix_approximation_rank = 1;
+  int64_t start_powerSGD_iter = 1000;
+  double min_compression_rate = 2.0;
+  bool use_error_feedback = true;
+  bool warm_start = true;
+  double orthogonalization_epsilon = 0.0;
+  bool batch_tensors_with_same_shape = false;
+  int64_t compression_stats_logging_frequency = 10000;
+  int64_t iter = 0;  // the step to start counting from (a resumed PowerSGDState's iter)
+};
+
+// A compressed slot: its offset in the bucket (elements), its (n, m)
+// matrix shape, rank r, and the offsets of its P (n x r) and Q (m x r) in the
+// memories.
+struct PowerSGDMatrix {
+  size_t slot = 0;
+  int64_t offset = 0;
+  int64_t n = 0, m = 0, r = 0;
+  int64_t p_offset = 0, q_offset = 0;
+};
+
+struct PowerSGDPlan {
+  std::vector<size_t> uncompressed;  // slots sent as they are
+  int64_t uncompressed_numel = 0;
+  // Compressed matrices grouped by (n, m) in order of first appearance
+  // (torch's order: it lays out P and Q and draws the random Q).
+  std::vector<std::vector<PowerSGDMatrix>> groups;
+  int64_t p_numel = 0, q_numel = 0;
+  int64_t numel_before = 0, numel_after = 0;  // torch's compression statistics
+};
+
+// One bmm's worth: B same-shape matrices and their P, Q.
+struct PowerSGDBatch {
+  at::Tensor matrices;             // (B, n, m): a view of the source, or a stacked copy
+  at::Tensor out;                  // (B, n, m): where P Q^T goes (a view, or stacked scratch)
+  std::vector<at::Tensor> unstack;  // when stacked: the (n, m) destinations of `out`
+  at::Tensor p, q;                 // (B, n, r), (B, m, r) views of the memories
+  int64_t offset = -1;             // unstacked: the matrix's offset in the bucket
+};
+
+// A step's compression work: the bmm batches (torch's
+// maybe_batched_tensors_to_compress), and every same-shape group's P and Q
+// as one (B, n, r) / (B, m, r) view to orthogonalize in one call (the
+// memories are laid out group by group, so these are plain views).
+struct PowerSGDWork {
+  std::vector<PowerSGDBatch> batches;
+  std::vector<at::Tensor> p_groups, q_groups;
+};
+
+// The bucket's layout only: no tensor is touched.
+PowerSGDPlan plan_powersgd(const Bucket& bucket, const PowerSGDOptions& options);
+
+// Views the matrices in `source` (M) and `dest` (where P Q^T goes; the same
+// tensor without error feedback), both of the bucket's layout, stacking
+// copies of same-shape matrices now when batch_tensors_with_same_shape.
+PowerSGDWork make_powersgd_work(const PowerSGDPlan& plan, const PowerSGDOptions& options,
+                                const at::Tensor& source, const at::Tensor& dest,
+                                const at::Tensor& p_memory, const at::Tensor& q_memory);
+
+// torch's _orthogonalize on a batch of (n, r) matrices, in place: the fused
+// kernels where they apply (float32/64, small r; r > 2 gives QR's columns up
+// to sign), else torch's ops.
+void powersgd_orthogonalize(at::Tensor& matrices, double epsilon);
+
+}  // namespace fastddp
