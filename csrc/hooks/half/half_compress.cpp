@@ -10,19 +10,15 @@
 #include "../../reducer/nonfinite_guard.h"
 #include "../../reducer/profile_range.h"
 #include "half_ops.h"
-#include "../common/side_stream.h"
 #include "../common/registry.h"
 #include "../../reducer/message.h"
-#include "../common/collectives.h"
 
 namespace fastddp {
 
 HalfCompressHook::HalfCompressHook(c10::intrusive_ptr<c10d::ProcessGroup> group,
                                    HalfCompressOptions options)
-    : group_(std::move(group)), options_(options) {
-  FASTDDP_CHECK(group_, "fastddp: the ", name(), " comm hook needs a process group");
-  world_size_ = group_->getSize();
-  set_divide_factor(world_size_);
+    : ShardSumHook(std::move(group), "16-bit"), options_(options) {
+  check_group();
 }
 
 std::string HalfCompressHook::name() const {
@@ -32,48 +28,27 @@ std::string HalfCompressHook::name() const {
   return n;
 }
 
-void HalfCompressHook::set_divide_factor(int64_t factor) {
-  FASTDDP_CHECK(factor > 0, "fastddp: the divide factor must be positive, got ", factor);
-  divisor_ = factor;
-  scale_ = 1.0 / static_cast<double>(factor);
-}
-
 void HalfCompressHook::on_new_buckets(const std::vector<Bucket>& buckets) {
   // Buffers follow the layout; residuals are per parameter and stay.
   (void)buckets;
   states_.clear();
 }
 
-HalfCompressHook::BucketState& HalfCompressHook::state_for(const Bucket& bucket) {
-  std::shared_ptr<BucketState>& state = states_[bucket.flat.unsafeGetTensorImpl()];
+std::shared_ptr<ShardSumHook::ShardBuffers>& HalfCompressHook::state_for(const Bucket& bucket) {
+  std::shared_ptr<ShardBuffers>& state = states_[bucket.flat.unsafeGetTensorImpl()];
   const int64_t numel = bucket.flat.numel();
   const int64_t padded = (numel + world_size_ - 1) / world_size_ * world_size_;
   if (!state || state->wire.numel() != padded) {
-    state = std::make_shared<BucketState>();
+    state = std::make_shared<ShardBuffers>();
     // Zeros: the padding takes part in the collectives and must stay finite.
     state->wire = at::zeros({padded}, bucket.flat.options().dtype(scalar_type_of(options_.kind)));
   }
-  return *state;
-}
-
-at::Tensor& HalfCompressHook::residual_for(size_t param, const at::Tensor& like, int64_t numel) {
-  at::Tensor& r = residuals_[param];
-  if (!r.defined() || r.numel() != numel || r.scalar_type() != like.scalar_type() ||
-      r.device() != like.device()) {
-    r = at::zeros({numel}, like.options());
-  }
-  return r;
-}
-
-std::vector<at::Tensor> HalfCompressHook::step_state() {
-  std::vector<at::Tensor> tensors;
-  for (const auto& [param, residual] : residuals_) tensors.push_back(residual);
-  return tensors;
+  return state;
 }
 
 void HalfCompressHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) {
   FASTDDP_PROFILE_RANGE("fastddp copy-in (compress)");
-  BucketState& s = state_for(bucket);
+  ShardBuffers& s = *state_for(bucket);
   const int64_t offset = bucket.offsets[slot];
   const int64_t numel = bucket.numels[slot];
   at::Tensor wire = s.wire.narrow(0, offset, numel);
@@ -81,20 +56,8 @@ void HalfCompressHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& gr
     wire.zero_();
     return;
   }
-  FASTDDP_CHECK_NOT_IMPLEMENTED(!grad.is_sparse(), "fastddp: the ", name(),
-                                " comm hook does not support sparse gradients");
+  const at::Tensor src = dense_source(bucket, slot, grad);
   const at::Tensor& view = bucket.views[slot];
-  FASTDDP_CHECK(grad.numel() == numel && grad.device() == view.device(), "fastddp: the ", name(),
-                " comm hook got a gradient of ", grad.numel(), " elements on ", grad.device(),
-                " for a bucket slot of ", numel, " on ", view.device());
-  // The fast path reads the grad in storage order, which is the slot's order
-  // when the grad has the view's strides (always under gradient_as_bucket_view).
-  at::Tensor src = grad;
-  if (!(grad.scalar_type() == view.scalar_type() && grad.is_non_overlapping_and_dense() &&
-        grad.strides() == view.strides())) {
-    bucket.views[slot].copy_(grad);
-    src = view;
-  }
   // Note [torch's half rounding]: the plain hooks round as torch's, the others once.
   const bool torch_rounding = !options_.fp32_accumulate && !options_.error_feedback;
   if (src.scalar_type() == at::kFloat) {
@@ -134,20 +97,11 @@ void HalfCompressHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& gr
   }
 }
 
-struct HalfCompressHook::HalfStage : Stage {
-  std::shared_ptr<BucketState> state;
-  c10::intrusive_ptr<c10d::Work> alltoall;
-  void wait_first() override {
-    if (alltoall) alltoall->wait();
-  }
-};
-
 std::shared_ptr<PipelinedHook::Stage> HalfCompressHook::start(
     Bucket& bucket, size_t index, bool is_last, c10::intrusive_ptr<c10::ivalue::Future>& done) {
   FASTDDP_PROFILE_RANGE("fastddp launch (half)");
   (void)is_last;
-  state_for(bucket);
-  std::shared_ptr<BucketState> state = states_[bucket.flat.unsafeGetTensorImpl()];
+  std::shared_ptr<ShardBuffers> state = state_for(bucket);
   if (!options_.fp32_accumulate && !half_allreduce_unsupported_) {
     std::vector<at::Tensor> tensors{state->wire};
     try {
@@ -164,31 +118,15 @@ std::shared_ptr<PipelinedHook::Stage> HalfCompressHook::start(
       half_allreduce_unsupported_ = true;
     }
   }
-  BucketState& s = *state;
-  if (!s.recv.defined()) {
-    s.recv = at::empty_like(s.wire);
-    s.shard_sum = at::empty({s.wire.numel() / world_size_}, s.wire.options());
+  if (!state->recv.defined()) {
+    state->recv = at::empty_like(state->wire);
+    state->reduced = at::empty({state->wire.numel() / world_size_}, state->wire.options());
   }
-  auto stage = std::make_shared<HalfStage>();
-  stage->state = state;
-  stage->alltoall = all_to_all_even(*group_, s.recv, s.wire);
-  stage->result = make_result(s.wire);
-  return stage;
+  return start_exchange(std::move(state));
 }
 
-void HalfCompressHook::finish(Stage& base) {
-  auto& stage = static_cast<HalfStage&>(base);
-  BucketState& s = *stage.state;
-  // Off the compute stream (Note [hook streams]): the wait is a stream wait.
-  const SideStreamScope side(s.wire.device());
-  wait_collective(*stage.alltoall, "alltoall of the 16-bit shards");
-  stage.alltoall.reset();
-  half_sum_shards_into(options_.kind, s.recv, world_size_, s.shard_sum);
-  record_current_stream({s.wire, s.recv, s.shard_sum});
-  c10::intrusive_ptr<c10d::Work> work = all_gather_into(*group_, s.wire, s.shard_sum);
-  at::Tensor wire = s.wire;
-  complete_after(work->getFuture(), stage.result, "allgather of the summed 16-bit shards",
-                 [wire]() { return c10::IValue(wire); });
+void HalfCompressHook::sum_shards(ShardBuffers& s) {
+  half_sum_shards_into(options_.kind, s.recv, world_size_, s.reduced);
 }
 
 void HalfCompressHook::write_back(Bucket& bucket, const c10::IValue& result,

@@ -9,13 +9,13 @@
 //           sums are done in 16-bit arithmetic by the backend.
 //           accumulate="fp32": alltoall of 16-bit shards, a local float32 sum
 //           of the world_size shards (rank order), one rounding, allgather of
-//           the 16-bit result: the same bytes on the wire as a 16-bit ring
-//           allreduce (2 (n-1)/n of the buffer), one rounding instead of n-1.
-//           The two collectives are a PipelinedHook's (Note [pipelined
-//           hooks]): alltoall(i) ... alltoall(i+1), allgather(i), never from a
-//           completion callback, and a step abandoned after a failure is
-//           dropped, not finished, at the next step. The shard sum runs on the
-//           side stream (Note [hook streams]).
+//           the 16-bit result (Note [shard-sum hooks]): the same bytes on the
+//           wire as a 16-bit ring allreduce (2 (n-1)/n of the buffer), one
+//           rounding instead of n-1. The two collectives are a PipelinedHook's
+//           (Note [pipelined hooks]): alltoall(i) ... alltoall(i+1),
+//           allgather(i), never from a completion callback, and a step
+//           abandoned after a failure is dropped, not finished, at the next
+//           step. The shard sum runs on the side stream (Note [hook streams]).
 // write_back the 16-bit result -> every grad in one fused pass (one launch on CUDA).
 // error_feedback keeps, per parameter, the float32 rounding residual of its
 //           compressed (scaled) gradient and adds it to the next step's; it
@@ -48,11 +48,10 @@
 #include <vector>
 
 #include "../../core/half_rounding.h"
-#include "../common/pipelined_hook.h"
+#include "../common/shard_sum_hook.h"
 
 namespace c10d {
 class ProcessGroup;
-class Work;
 }  // namespace c10d
 
 namespace fastddp {
@@ -63,49 +62,36 @@ struct HalfCompressOptions {
   bool error_feedback = false;
 };
 
-class HalfCompressHook : public PipelinedHook {
+class HalfCompressHook : public ShardSumHook {
  public:
   HalfCompressHook(c10::intrusive_ptr<c10d::ProcessGroup> group, HalfCompressOptions options);
 
   std::string name() const override;
   void on_new_buckets(const std::vector<Bucket>& buckets) override;
   void copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) override;
-  std::vector<at::Tensor> step_state() override;  // the residuals
   void write_back(Bucket& bucket, const c10::IValue& result,
                   std::vector<at::Tensor>& dsts) override;
   int64_t wire_bytes(const Bucket& bucket) const override;
-  // join(divide_by_initial_world_size=False): divide by the ranks still training.
-  void set_divide_factor(int64_t factor) override;
 
   const HalfCompressOptions& options() const { return options_; }
 
  protected:
   // accumulate="half": the allreduce, no stage. accumulate="fp32": the
-  // alltoall; finish() sums the shards and issues the allgather.
+  // alltoall of the shard-sum exchange.
   std::shared_ptr<Stage> start(Bucket& bucket, size_t index, bool is_last,
                                c10::intrusive_ptr<c10::ivalue::Future>& done) override;
-  void finish(Stage& stage) override;
+  void sum_shards(ShardBuffers& buffers) override;
 
  private:
-  struct BucketState {
-    at::Tensor wire;       // 16-bit, the bucket's numel rounded up to a multiple of world size
-    at::Tensor recv;       // fp32 accumulation: the shards received by the alltoall
-    at::Tensor shard_sum;  // fp32 accumulation: this rank's reduced shard
-  };
-  struct HalfStage;
+  // The bucket's buffers: wire is 16-bit, the bucket's numel rounded up to a
+  // multiple of world size; recv and reduced are made on first use, for
+  // accumulate="fp32" only.
+  std::shared_ptr<ShardBuffers>& state_for(const Bucket& bucket);
 
-  BucketState& state_for(const Bucket& bucket);
-  at::Tensor& residual_for(size_t param, const at::Tensor& like, int64_t numel);
-
-  c10::intrusive_ptr<c10d::ProcessGroup> group_;
   HalfCompressOptions options_;
-  int world_size_;
-  int64_t divisor_;  // world size, or join's divide factor: torch's rounding divides by it
-  double scale_;     // 1 / divisor_: the one-rounding modes multiply by it
   bool half_allreduce_unsupported_ = false;
   // Keyed by the bucket's flat buffer: the reducer may move Bucket objects.
-  std::unordered_map<const void*, std::shared_ptr<BucketState>> states_;
-  std::unordered_map<size_t, at::Tensor> residuals_;  // by parameter index
+  std::unordered_map<const void*, std::shared_ptr<ShardBuffers>> states_;
 };
 
 }  // namespace fastddp

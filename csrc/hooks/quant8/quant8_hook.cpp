@@ -11,9 +11,7 @@
 #include "../../reducer/profile_range.h"
 #include "quant8_ops.h"
 #include "../common/registry.h"
-#include "../common/side_stream.h"
 #include "../../reducer/message.h"
-#include "../common/collectives.h"
 
 namespace fastddp {
 
@@ -36,10 +34,8 @@ at::Tensor uncovered_places(const Bucket& bucket, int64_t padded) {
 }  // namespace
 
 Quant8Hook::Quant8Hook(c10::intrusive_ptr<c10d::ProcessGroup> group, Quant8Options options)
-    : group_(std::move(group)), options_(options) {
-  FASTDDP_CHECK(group_, "fastddp: the ", name(), " comm hook needs a process group");
-  world_size_ = group_->getSize();
-  scale_ = 1.0 / world_size_;
+    : ShardSumHook(std::move(group), "8-bit"), options_(options) {
+  check_group();
 }
 
 std::string Quant8Hook::name() const {
@@ -48,11 +44,6 @@ std::string Quant8Hook::name() const {
                       : "fp8(" + quant8_format_name(options_.format) + ")";
   if (!options_.error_feedback) n += "(error_feedback=False)";
   return n;
-}
-
-void Quant8Hook::set_divide_factor(int64_t factor) {
-  FASTDDP_CHECK(factor > 0, "fastddp: the divide factor must be positive, got ", factor);
-  scale_ = 1.0 / static_cast<double>(factor);
 }
 
 void Quant8Hook::on_new_buckets(const std::vector<Bucket>& buckets) {
@@ -107,20 +98,6 @@ at::Tensor Quant8Hook::scales_of(const at::Tensor& packed, int64_t r,
       .view(at::kFloat);
 }
 
-at::Tensor& Quant8Hook::residual_for(size_t param, const at::Tensor& like, int64_t numel) {
-  at::Tensor& r = residuals_[param];
-  if (!r.defined() || r.numel() != numel || r.device() != like.device()) {
-    r = at::zeros({numel}, like.options());
-  }
-  return r;
-}
-
-std::vector<at::Tensor> Quant8Hook::step_state() {
-  std::vector<at::Tensor> tensors;
-  for (const auto& [param, residual] : residuals_) tensors.push_back(residual);
-  return tensors;
-}
-
 void Quant8Hook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) {
   FASTDDP_PROFILE_RANGE("fastddp copy-in (quant8)");
   BucketState& s = *state_for(bucket);
@@ -132,34 +109,17 @@ void Quant8Hook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) {
     s.has_grad[slot] = 0;
     return;
   }
-  FASTDDP_CHECK_NOT_IMPLEMENTED(!grad.is_sparse(), "fastddp: the ", name(),
-                                " comm hook does not support sparse gradients");
-  const at::Tensor& view = bucket.views[slot];
-  FASTDDP_CHECK(grad.numel() == numel && grad.device() == view.device(), "fastddp: the ", name(),
-                " comm hook got a gradient of ", grad.numel(), " elements on ", grad.device(),
-                " for a bucket slot of ", numel, " on ", view.device());
   // The staging slot is laid out as the bucket slot (storage order), so a
-  // grad with the view's strides is read straight; others go through the view.
-  at::Tensor src = grad;
-  if (!(grad.scalar_type() == at::kFloat && grad.is_non_overlapping_and_dense() &&
-        grad.strides() == view.strides())) {
-    bucket.views[slot].copy_(grad);
-    src = view;
-  }
+  // grad with the view's strides is read straight; others go through the
+  // (float32: state_for checked) view.
+  const at::Tensor src = dense_source(bucket, slot, grad);
+  const at::Tensor& view = bucket.views[slot];
   check_grad(bucket, slot, src);
   at::Tensor out = s.staging.as_strided(view.sizes(), view.strides(), offset);
   at::mul_out(out, src, at::scalar_to_tensor(at::Scalar(scale_)));
   if (options_.error_feedback) staged.add_(residual_for(bucket.params[slot], staged, numel));
   s.has_grad[slot] = 1;
 }
-
-struct Quant8Hook::Quant8Stage : Stage {
-  std::shared_ptr<BucketState> state;
-  c10::intrusive_ptr<c10d::Work> alltoall;
-  void wait_first() override {
-    if (alltoall) alltoall->wait();
-  }
-};
 
 std::shared_ptr<PipelinedHook::Stage> Quant8Hook::start(
     Bucket& bucket, size_t index, bool is_last, c10::intrusive_ptr<c10::ivalue::Future>& done) {
@@ -187,26 +147,13 @@ std::shared_ptr<PipelinedHook::Stage> Quant8Hook::start(
       residual_for(bucket.params[k], err, numel).copy_(err);
     }
   }
-  auto stage = std::make_shared<Quant8Stage>();
-  stage->state = state;
-  stage->alltoall = all_to_all_even(*group_, s.recv, s.wire);
-  stage->result = make_result(s.staging);
-  return stage;
+  return start_exchange(std::move(state));
 }
 
-void Quant8Hook::finish(Stage& base) {
-  auto& stage = static_cast<Quant8Stage&>(base);
-  BucketState& s = *stage.state;
-  const SideStreamScope side(s.wire.device());
-  wait_collective(*stage.alltoall, "alltoall of the 8-bit shards");
-  stage.alltoall.reset();
+void Quant8Hook::sum_shards(ShardBuffers& buffers) {
+  auto& s = static_cast<BucketState&>(buffers);
   sum_shards8_into(options_.format, s.recv, world_size_, s.shard, kBlock, codes_of(s.reduced, 0, s),
                    scales_of(s.reduced, 0, s));
-  record_current_stream({s.wire, s.recv, s.reduced});
-  c10::intrusive_ptr<c10d::Work> work = all_gather_into(*group_, s.wire, s.reduced);
-  at::Tensor wire = s.wire;
-  complete_after(work->getFuture(), stage.result, "allgather of the summed 8-bit shards",
-                 [wire]() { return c10::IValue(wire); });
 }
 
 void Quant8Hook::write_back(Bucket& bucket, const c10::IValue& result,

@@ -25,8 +25,8 @@
 //        run       start: quantize the staging buffer shard by shard into the
 //                  wire buffer (error feedback: the quantization error
 //                  becomes each parameter's residual), alltoall.
-//                  finish (Note [pipelined hooks], on the side stream of Note
-//                  [hook streams]): dequantize the world_size received shards
+//                  finish (Note [shard-sum hooks]: one bucket later, on the
+//                  side stream): dequantize the world_size received shards
 //                  and sum them in float32 in rank order, re-quantize the sum,
 //                  allgather it into the wire buffer.
 //        write_back dequantize the gathered shards into the bucket and copy
@@ -53,11 +53,10 @@
 #include <vector>
 
 #include "../../core/quant8_codes.h"
-#include "../common/pipelined_hook.h"
+#include "../common/shard_sum_hook.h"
 
 namespace c10d {
 class ProcessGroup;
-class Work;
 }  // namespace c10d
 
 namespace fastddp {
@@ -67,7 +66,7 @@ struct Quant8Options {
   bool error_feedback = true;
 };
 
-class Quant8Hook : public PipelinedHook {
+class Quant8Hook : public ShardSumHook {
  public:
   static constexpr int64_t kBlock = 256;
 
@@ -76,48 +75,39 @@ class Quant8Hook : public PipelinedHook {
   std::string name() const override;
   void on_new_buckets(const std::vector<Bucket>& buckets) override;
   void copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) override;
-  std::vector<at::Tensor> step_state() override;
   void write_back(Bucket& bucket, const c10::IValue& result,
                   std::vector<at::Tensor>& dsts) override;
   int64_t wire_bytes(const Bucket& bucket) const override;
-  void set_divide_factor(int64_t factor) override;
 
   const Quant8Options& options() const { return options_; }
 
  protected:
   std::shared_ptr<Stage> start(Bucket& bucket, size_t index, bool is_last,
                                c10::intrusive_ptr<c10::ivalue::Future>& done) override;
-  void finish(Stage& stage) override;
+  // Its buffers are a BucketState's: the only ones start() exchanges.
+  void sum_shards(ShardBuffers& buffers) override;
 
  private:
-  struct BucketState {
+  // wire and recv: uint8, world * shard_bytes; reduced: uint8, shard_bytes.
+  struct BucketState : ShardBuffers {
     int64_t shard = 0;        // S: values per shard, a multiple of kBlock
     int64_t shard_bytes = 0;  // S codes + S / kBlock float32 scales
     at::Tensor staging;       // float32, world * S: the scaled grads, then their error
-    at::Tensor wire;          // uint8, world * shard_bytes: alltoall input, allgather output
-    at::Tensor recv;          // uint8, world * shard_bytes: the alltoall's output
-    at::Tensor reduced;       // uint8, shard_bytes: this rank's re-quantized shard sum
     std::vector<char> has_grad;  // per slot: copy_in got a gradient this step
     // The staging places no slot covers (padding, gaps between aligned slots),
     // zeroed before each quantization; undefined when there are none.
     at::Tensor uncovered;
   };
-  struct Quant8Stage;
 
   std::shared_ptr<BucketState>& state_for(const Bucket& bucket);
-  at::Tensor& residual_for(size_t param, const at::Tensor& like, int64_t numel);
   // Codes and scales of packed shard `r` of a wire-layout buffer.
   at::Tensor codes_of(const at::Tensor& packed, int64_t r, const BucketState& s) const;
   at::Tensor scales_of(const at::Tensor& packed, int64_t r, const BucketState& s) const;
   int64_t padded_numel(int64_t numel) const;
 
-  c10::intrusive_ptr<c10d::ProcessGroup> group_;
   Quant8Options options_;
-  int world_size_;
-  double scale_;
   // Keyed by the bucket's flat buffer: the reducer may move Bucket objects.
   std::unordered_map<const void*, std::shared_ptr<BucketState>> states_;
-  std::unordered_map<size_t, at::Tensor> residuals_;  // by parameter index
 };
 
 }  // namespace fastddp
