@@ -5,7 +5,7 @@ Dynamo treats a model as DDP when the code it compiles runs while
 sets it around the module call, in ``_inside_ddp_forward``): dynamo's DDPOptimizer then
 splits the compiled graph at the active module's ``bucket_bytes_cap``, so that each
 bucket's gradients are ready (and reduced) while the rest of backward runs. fastddp's
-forward sets it the same way around its module call (ddp.py), so the split is torch's.
+forward sets it the same way around its module call (distributed.py), so the split is torch's.
 The rest of that forward, which calls the C++ reducer, never reaches dynamo: the forward
 itself is skipped (nonrecursive_disable: the module it calls is still compiled) and its
 reducer parts run under `eager`. Dynamo cannot trace the reducer, and would otherwise

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastddp._module_sync import broadcast_tensors
+from fastddp.ddp._module_sync import broadcast_tensors
 
 
 def check_arguments(named_params, hook_param) -> None:

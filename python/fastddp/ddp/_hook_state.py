@@ -8,14 +8,15 @@ different ``bucket_cap_mb`` and a restart.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+# The model: fastddp's DistributedDataParallel, which imports this module; the hints name
+# torch's class, which it subclasses.
+from torch.nn.parallel import DistributedDataParallel
 
 from fastddp import _C
 
-if TYPE_CHECKING:
-    from fastddp.ddp import DistributedDataParallel
 
 logger = logging.getLogger("fastddp.hooks")
 

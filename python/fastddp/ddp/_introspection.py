@@ -4,10 +4,11 @@ keys that describe buckets and the run) and fastddp's communication figures."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
+# The model: fastddp's DistributedDataParallel, which imports this module; the hints name
+# torch's class, which it subclasses.
+from torch.nn.parallel import DistributedDataParallel
 
-if TYPE_CHECKING:
-    from fastddp.ddp import DistributedDataParallel
 
 _DTYPE_NAMES = {"float32": "float", "float64": "double", "float16": "c10::Half",
                 "bfloat16": "c10::BFloat16"}

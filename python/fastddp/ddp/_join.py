@@ -12,17 +12,17 @@ find_unused_parameters).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
+# The model: fastddp's DistributedDataParallel, which imports this module; the hints name
+# torch's class, which it subclasses.
+from torch.nn.parallel import DistributedDataParallel
 
-from fastddp._hook_state import _hook_name
-from fastddp._module_sync import broadcast_tensors
+from fastddp.ddp._hook_state import _hook_name
+from fastddp.ddp._module_sync import broadcast_tensors
 
-if TYPE_CHECKING:
-    from fastddp.ddp import DistributedDataParallel
 
 
 def find_common_rank(ddp: DistributedDataParallel, candidate: bool) -> int:

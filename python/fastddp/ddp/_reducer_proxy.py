@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import torch
+# The model: fastddp's DistributedDataParallel, which imports this module; the hints name
+# torch's class, which it subclasses.
+from torch.nn.parallel import DistributedDataParallel
 
-if TYPE_CHECKING:
-    from fastddp.ddp import DistributedDataParallel
 
 _TORCH_REDUCER = getattr(getattr(torch._C, "_distributed_c10d", None), "Reducer", None)
 

@@ -9,26 +9,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fastddp import _C
-from fastddp import _compile, _hook_state, _powersgd_state
 from fastddp import hooks as fastddp_hooks
-from fastddp._construction import (_check_module, _expect_sparse_gradients, _move_inputs,
-                                   _not_yet, _params_for_reducer, _reject_unsupported,
-                                   _resolve_device_ids, _resolve_group, bucket_limits,
-                                   check_conversion)
-from fastddp._ddp_logger import DdpLogger
-from fastddp._delayed_allreduce import DelayedAllReduce
-from fastddp._delayed_allreduce import check_arguments as check_delay_arguments
-from fastddp._introspection import bucket_sizes, comm_stats, logging_data
-from fastddp._join import _JoinHook, announce_backward_sync, sync_buffers
-from fastddp._module_sync import (broadcast_tensors, verify_bucket_layout,
-                                  verify_param_shapes, written_in_python)
-from fastddp._optim_in_backward import InBackwardOptimizers
-from fastddp._options import bucket_align_bytes, world1_reducer_requested
-from fastddp._reducer_proxy import ReducerProxy
-from fastddp.auto import AutoHook, AutoTuner
+from fastddp.ddp import _compile, _forward, _hook_install, _hook_state
+from fastddp.ddp._construction import (_check_module, _expect_sparse_gradients, _not_yet,
+                                       _params_for_reducer, _reject_unsupported,
+                                       _resolve_device_ids, _resolve_group, bucket_limits,
+                                       check_conversion)
+from fastddp.ddp._ddp_logger import DdpLogger
+from fastddp.ddp._delayed_allreduce import DelayedAllReduce
+from fastddp.ddp._delayed_allreduce import check_arguments as check_delay_arguments
+from fastddp.ddp._introspection import bucket_sizes, comm_stats, logging_data
+from fastddp.ddp._join import _JoinHook
+from fastddp.ddp._module_sync import (broadcast_tensors, verify_bucket_layout,
+                                      verify_param_shapes, written_in_python)
+from fastddp.ddp._optim_in_backward import InBackwardOptimizers
+from fastddp.ddp._options import bucket_align_bytes, world1_reducer_requested
+from fastddp.ddp._reducer_proxy import ReducerProxy
 
 _MIB = 1024 * 1024
 _DEFAULT_BUCKET_CAP_MB = 25
@@ -44,6 +42,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     (``fastddp._C.Reducer``). Arguments that fastddp does not implement yet raise
     NotImplementedError; none is silently ignored.
     """
+
+    # Its public name, which pickles (torch.save(model)) and frameworks' class lists carry.
+    __module__ = "fastddp.ddp"
 
     def __init__(
         self,
@@ -188,7 +189,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
 
     def _wants_reducer(self) -> bool:
         """Whether the reducer is built before any hook is registered (registering one
-        builds it at world size 1 too, see _install_hook)."""
+        builds it at world size 1 too, see _hook_install.py)."""
         return (self.process_group.size() > 1 or world1_reducer_requested()
                 or written_in_python(self.process_group)
                 or getattr(self, "check_for_nan_in_grad", False))
@@ -235,7 +236,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self._in_backward = InBackwardOptimizers.find(self._module_parameters)
         state = ()  # stays empty without a reducer (world size 1): nothing to do around the call
         if self._reducer is not None or self.device_ids:
-            inputs, kwargs, state = self._before_module(inputs, kwargs)
+            inputs, kwargs, state = _forward.before_module(self, inputs, kwargs)
         # As torch's _run_ddp_forward: this model is the active DDP module while its module
         # runs, so dynamo splits what it compiles in there at self.bucket_bytes_cap. Set on
         # torch's class (named through the base: fastddp.patch() rebinds module globals that
@@ -246,70 +247,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             output = self.module(*inputs, **kwargs)
         finally:
             torch_ddp._active_ddp_module = previous
-        if self._in_backward is not None:  # read after the module, as _after_module does
+        if self._in_backward is not None:  # read after the module, as after_module does
             self._in_backward.set_sync(torch.is_grad_enabled() and self.require_backward_grad_sync)
         if self._delayed is not None:  # as torch, at the end of every forward
             self._delayed.point_grads_at_buffer()
-        return self._after_module(output, state) if state else output
-
-    @_compile.eager
-    def _before_module(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict, tuple]:
-        """forward up to the module call: inputs, kwargs, and what _after_module needs."""
-        if self.device_ids:
-            inputs, kwargs = _move_inputs(inputs, kwargs, self.device_type, self.device_ids[0])
-        if self._auto is not None and torch.is_grad_enabled() and self.require_backward_grad_sync:
-            self._auto.before_forward()  # may change the hook or rebuild the reducer
-        reducer = self._reducer
-        if reducer is None:
-            return inputs, kwargs, ()
-        if self._native_hook is not None and hasattr(self._native_hook, "take_stats_reports"):
-            _hook_state.log_stats(self._native_hook)
-        grad_enabled = torch.is_grad_enabled()
-        sync = grad_enabled and self.require_backward_grad_sync
-        if grad_enabled:
-            _compile.check_python_reducer_mode()  # may be set after construction
-        # Collective order must match _join.py's main_hook on joined ranks.
-        work = Join.notify_join_context(self)
-        if work is not None and not self._divide_by_initial_world_size:
-            # Divide by the ranks still training (a host sync, only in this mode).
-            work.wait()
-            reducer.set_divide_factor(int(work.get_future().value()[0].item()))
-        if sync:
-            self.logger.before_forward(reducer.num_iterations, reducer.comm_stats)
-        if grad_enabled:
-            with self.logger.recording_errors():
-                reducer.before_forward(sync)
-        if self._will_sync_buffers():
-            sync_buffers(self)
-        if self._join_config.enable:
-            announce_backward_sync(self, joined=False)
-        return inputs, kwargs, (grad_enabled, self.logger.now())
-
-    @_compile.eager
-    def _after_module(self, output: Any, state: tuple) -> Any:
-        """forward after the module call: tells the reducer the forward is done."""
-        grad_enabled, started = state
-        reducer = self._reducer
-        self.logger.forward_done(started)
-        # Read again, as torch's _post_forward does: Lightning's manual optimization runs its
-        # own backward inside the module's forward and turns sync off before returning.
-        sync = grad_enabled and self.require_backward_grad_sync
-        if not sync:
-            self.require_forward_param_sync = False
-            if grad_enabled:
-                reducer.after_forward(False, [])
-                output = _compile.guard_outputs(output)  # the hooks run without sync too
-            return output
-        self.require_forward_param_sync = True
-        if not reducer.needs_outputs:
-            reducer.after_forward(True, [])
-            return _compile.guard_outputs(output)
-        leaves, spec = tree_flatten(output)
-        slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.grad_fn]
-        passed = reducer.after_forward(True, [leaves[i] for i in slots])
-        for i, tensor in zip(slots, passed):
-            leaves[i] = tensor
-        return _compile.guard_outputs(tree_unflatten(leaves, spec))
+        return _forward.after_module(self, output, state) if state else output
 
     def _apply(self, fn: Any, recurse: bool = True) -> "DistributedDataParallel":
         """nn.Module's conversion (to, double, half, cuda, ...), refused when it would change
@@ -362,26 +304,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             message = "register_comm_hook or register_builtin_comm_hook can only be called once."
             self.logger.set_error_and_log(message)
             raise RuntimeError(message)
-        self._install_hook(state, hook)  # raises before anything is registered
+        _hook_install.install(self, state, hook)  # raises before anything is registered
         self._comm_hooks.append((hook, state))
-
-    def _install_hook(self, state: object, hook: Any) -> None:
-        if isinstance(hook, AutoHook):
-            if state is not None and state is not self.process_group:
-                raise ValueError(f"{hook!r}: state must be None (the model's process group), "
-                                 f"got {type(state).__name__}")
-            state, self._auto = None, AutoTuner(self, hook, self._auto_install)
-            hook = self._auto.initial_hook()
-        native = fastddp_hooks.resolve(state, hook, self.process_group, self._reducer_params)
-        # torch's PowerSGDState: its training state goes into the native hook (raises, before
-        # anything changes, for a state it cannot take), and is read from it from now on.
-        live = _powersgd_state.load(state, self, native)
-        if self._reducer is None:  # world size 1: a hook runs there too, as in torch
-            self._build_reducer()
-        self._native_hook = native
-        self._reducer.set_comm_hook(native)
-        if live:
-            _powersgd_state.link(state, self, native)
 
     def _auto_install(self, native: Any, cap_bytes: int) -> None:
         """fastddp.hooks.auto()'s switch, between two steps: the C++ hook ``native`` with
@@ -409,7 +333,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             raise RuntimeError(
                 "register_builtin_comm_hook or register_comm_hook can only be called once.")
         self._comm_hooks.append((hook, None))
-        self._install_hook(None, hook)
+        _hook_install.install(self, None, hook)
 
     def _register_fused_optim(self, optim: Any, *args: Any, **kwargs: Any) -> None:
         raise _not_yet("_register_fused_optim", "it needs communication hooks")
@@ -474,7 +398,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             # torch loses the hook with its reducer; fastddp keeps it (no silent change of
             # what is on the wire).
             hook, hook_state = self._comm_hooks[0]
-            self._install_hook(hook_state, hook)
+            _hook_install.install(self, hook_state, hook)
 
     def _set_ddp_sink_clone(self, val: bool) -> None:
         """torch's switch: whether outputs passing the output sink (find_unused_parameters,

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fastddp.link import Link, parse_link
-from fastddp.link_emulator import EmulatedLinkGroup
+from fastddp.link.emulator import EmulatedLinkGroup
+from fastddp.link.model import Link, parse_link
 
 
 class LinkEmulation:
@@ -53,6 +53,7 @@ class LinkEmulation:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
         from fastddp import hooks
+        from fastddp.hooks._torch_hooks import _torch_builtin
 
         if isinstance(hook, (hooks.CommHook, hooks.AutoHook)):
             # None is the model's (already emulated) group.
@@ -60,7 +61,7 @@ class LinkEmulation:
         if isinstance(state, powerSGD_hook.PowerSGDState):
             state.process_group = self.group_for(state.process_group)
             return state
-        if hooks._torch_builtin(hook) is not None and (
+        if _torch_builtin(hook) is not None and (
                 state is None or isinstance(state, dist.ProcessGroup)):
             return self.group_for(state)
         name = getattr(hook, "__qualname__", type(hook).__name__)

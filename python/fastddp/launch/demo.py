@@ -1,7 +1,7 @@
 """fastddp's main job: train a small MLP with fastddp, then with torch DDP, and compare.
 
-Run with ``torchrun --nproc_per_node=2 -m fastddp.demo [--steps N] [--batch B] [--hidden H]
-[--rounds R]``.
+Run with ``torchrun --nproc_per_node=2 -m fastddp.launch.demo [--steps N] [--batch B]
+[--hidden H] [--rounds R]``.
 
 The task is synthetic but learnable: inputs ``x ~ N(0, 1)`` and targets from a fixed
 random "teacher" network, seeded identically on every rank; each rank draws its own

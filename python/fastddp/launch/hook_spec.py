@@ -28,7 +28,7 @@ class HookSpec:
 
     name: str
     rank: int | None = None  # PowerSGD's matrix approximation rank; None: the hook's default
-    policy: str | None = None  # auto's policy (fastddp/auto.py)
+    policy: str | None = None  # auto's policy (fastddp/tuning/auto.py)
     format: str | None = None  # fp8's format (e4m3, e5m2); None: the hook's default
     inner: "HookSpec | None" = None  # hier's inter-node hook
 
@@ -50,7 +50,7 @@ def parse_hook_spec(text: str, option: str = "--hook") -> HookSpec:
                          f"{', '.join(HOOK_NAMES)} (powersgd takes an optional :RANK, fp8 "
                          "an optional :FORMAT, hier an optional :INNER)")
     if name == "auto":
-        from fastddp.auto import POLICIES
+        from fastddp.hooks._auto import POLICIES
 
         policy = rank_text if sep else "any"
         if policy not in POLICIES:

@@ -14,8 +14,8 @@ import runpy
 import socket
 import sys
 
-from fastddp.link import parse_link
-from fastddp.patch import HookUnavailableError, parse_hook_spec, patch
+from fastddp.launch.patch import HookUnavailableError, parse_hook_spec, patch
+from fastddp.link.model import parse_link
 from fastddp.selfcheck import main as self_check
 
 _DESCRIPTION = """\

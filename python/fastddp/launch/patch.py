@@ -23,16 +23,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastddp import _compile
-from fastddp._emulate_link import LinkEmulation
-from fastddp.advise import Advisor
 from fastddp.ddp import DistributedDataParallel as FastDDP
+from fastddp.ddp import _compile
+from fastddp.launch._emulate_link import LinkEmulation
 # The --hook option's names, re-exported: the launcher, benchmarks and tests import them here.
-from fastddp.hook_spec import (FP8_FORMATS, HOOK_NAMES, HookSpec,  # noqa: F401
-                               HookUnavailableError, fastddp_hook, fastddp_hook_maker,
-                               parse_hook_spec, torch_hook)
-from fastddp.link import Link
-from fastddp.report import format_comm_stats
+from fastddp.launch.hook_spec import (FP8_FORMATS, HOOK_NAMES, HookSpec,  # noqa: F401
+                                      HookUnavailableError, fastddp_hook, fastddp_hook_maker,
+                                      parse_hook_spec, torch_hook)
+from fastddp.launch.report import format_comm_stats
+from fastddp.link.model import Link
+from fastddp.tuning.advise import Advisor
 
 _PATCHED_NAMES = (
     "torch.nn.parallel.DistributedDataParallel",
@@ -150,9 +150,9 @@ class Patch:
             return f"[fastddp] comm report unavailable: comm_stats() raised {type(e).__name__}: {e}"
 
     def advice_text(self, out_dir: str = ".", command: str | None = None) -> str:
-        """With ``advise=True``: the advice table (fastddp/advise.py), also written to
+        """With ``advise=True``: the advice table (fastddp/tuning/advise.py), also written to
         ``out_dir`` as fastddp_advice.md and .json; or why there is none."""
-        from fastddp import advise
+        from fastddp.tuning import advise
 
         if self.advisor is None:
             return "[fastddp] advice unavailable: patch(advise=True) was not given"
@@ -226,11 +226,11 @@ def patch(hook: str | HookSpec | None = None, bucket_cap_mb: float | None = None
     wrapped model and replaces hooks the script registers itself; ``bucket_cap_mb``
     overrides the script's value. ``emulate_link`` (``"3GB/s,20us"`` or a
     :class:`fastddp.link.Link`) puts every model's process group, and the group a built-in
-    hook's state names, behind an EmulatedLinkGroup of that link (fastddp/link_emulator.py;
+    hook's state names, behind an EmulatedLinkGroup of that link (fastddp/link/emulator.py;
     with FASTDDP_DISABLE=1 too). ``check_for_nan_in_grad=True`` turns the non-finite
     gradient check on for every wrapped model. ``advise=True`` observes the wrapped models'
-    comm_stats() on rank 0, changing nothing, for ``Patch.advice_text()`` (fastddp/advise.py).
-    ``report=True`` keeps the last model alive for
+    comm_stats() on rank 0, changing nothing, for ``Patch.advice_text()``
+    (fastddp/tuning/advise.py). ``report=True`` keeps the last model alive for
     ``Patch.report_text()``. ``disable=None`` reads ``FASTDDP_DISABLE``. Returns a Patch
     (a context manager); models constructed before the patch are not affected.
     """
@@ -330,7 +330,7 @@ def _patched_class(base: type, owner: Patch) -> type:
 
         if owner.advisor is not None:  # otherwise forward stays the base's: no extra frame
 
-            # Kept from dynamo as the base's forward is (see fastddp/_compile.py).
+            # Kept from dynamo as the base's forward is (see fastddp/ddp/_compile.py).
             @_compile.nonrecursive_disable
             def forward(self, *inputs: Any, **kwargs: Any) -> Any:
                 _compile.skip_this_frame_from_now_on()

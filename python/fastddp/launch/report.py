@@ -9,7 +9,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fastddp.link import bus_factor
+from fastddp.link.model import bus_factor
 
 _MB = 1e6
 
@@ -71,7 +71,7 @@ def _mb(x: Any) -> str:
     return f"{x / _MB:.2f}" if _is_num(x) else "-"
 
 
-# The projection: Note [ring allreduce cost] (one case of Note [collective cost] in link.py,
+# The projection: Note [ring allreduce cost] (one case of Note [collective cost] in link/model.py,
 # whose bus factors this uses). A ring allreduce of S bytes over n ranks
 # moves 2(n-1)/n * S bytes through every rank's link, so with a bus bandwidth B (the
 # nccl-tests "busbw") it takes 2(n-1)/n * S / B. Latency terms are left out: at the

@@ -20,7 +20,7 @@ late by up to the interpreter's switch interval (5 ms) while another thread runs
 One wrapper is one link. A later multi-node setup wraps its intra-node group and its
 inter-node group in two wrappers with different links; each has its own clock.
 
-The Work's future is typed: Note [typed futures] in fastddp/_typed_future.py. On CUDA the
+The Work's future is typed: Note [typed futures] in fastddp/link/_typed_future.py. On CUDA the
 Work completes once the collective has finished on the device (the completer synchronizes a
 side stream), so its users need no stream waits.
 """
@@ -40,8 +40,8 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
                                         BroadcastOptions, GatherOptions, ReduceOptions,
                                         ReduceScatterOptions, ScatterOptions)
 
-from fastddp._typed_future import remember_done, typed_future_maker
-from fastddp.link import Link, parse_link
+from fastddp.link._typed_future import remember_done, typed_future_maker
+from fastddp.link.model import Link, parse_link
 
 __all__ = ["EmulatedLinkGroup"]
 

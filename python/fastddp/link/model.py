@@ -14,8 +14,8 @@ where f is the collective's bus factor, as nccl-tests defines busbw = algbw * f(
     gather, scatter                      (n-1)/n   S = the whole buffer at the root
     barrier                             0          latency only
 
-Everything here is plain arithmetic: no torch, so the emulator (link_emulator.py), the cost
-model (cost_model.py) and the article projection (report.py) share one formula.
+Everything here is plain arithmetic: no torch, so the emulator (emulator.py), the cost
+model (tuning/cost_model.py) and the article projection (launch/report.py) share one formula.
 """
 
 import re
@@ -37,8 +37,8 @@ _FACTORS = {
 }
 COLLECTIVE_KINDS = tuple(_FACTORS)
 
-# Bytes per second for each bandwidth unit (decimal, as nccl-tests and report.py: 1 GB = 1e9 B;
-# lower-case b is bits).
+# Bytes per second for each bandwidth unit (decimal, as nccl-tests and launch/report.py:
+# 1 GB = 1e9 B; lower-case b is bits).
 _BANDWIDTH_UNITS = {
     "B/s": 1.0, "KB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "TB/s": 1e12,
     "KiB/s": 2.0**10, "MiB/s": 2.0**20, "GiB/s": 2.0**30,

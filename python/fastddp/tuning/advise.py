@@ -1,5 +1,5 @@
 """``--advise`` / ``patch(advise=True)``: which gradient-communication hook to use, predicted
-from this run's own measurements by the cost model (fastddp/cost_model.py).
+from this run's own measurements by the cost model (fastddp/tuning/cost_model.py).
 
 The run itself is not changed: no hook is registered, no collective is issued, no number is
 touched. Rank 0 reads ``model.comm_stats()`` at the start of a few forwards (after
@@ -18,7 +18,7 @@ Latency is not estimated (taken as 0).
 Table columns: the predicted step time (cost model, including the rest of the step as
 measured); the measured step time, for the configuration that ran only (median time from
 one synchronized forward to the next); the bytes each rank puts on the link per step (bus
-factor times payload, Note [collective cost] in fastddp/link.py); and compute-to-
+factor times payload, Note [collective cost] in fastddp/link/model.py); and compute-to-
 communication, the step's non-communication time (rest of the step plus backward with the
 candidate's compression) over the link time of its collectives: far above 1, communication
 hides behind backward and compressing more buys nothing; below 1, the link sets the pace.
@@ -35,8 +35,9 @@ from typing import Any
 
 import torch
 
-from fastddp import cost_model
-from fastddp.link import Link, bus_factor
+from fastddp.hooks._auto import HIER_INNERS, cap_variant, variant_cap
+from fastddp.link.model import Link, bus_factor
+from fastddp.tuning import cost_model
 
 WARMUP_STEPS = 3
 MAX_SAMPLES = 10
@@ -46,8 +47,6 @@ HOOK_SPELLING = {"allreduce_fp32": "", "bf16": "bf16", "bf16_fp32_accumulate": "
                  **{f"powersgd_r{r}": f"powersgd:{r}" for r in (1, 2, 4, 8)},
                  "hier_allreduce_fp32": "hier:none", "hier_bf16": "hier:bf16",
                  "hier_int8": "hier:int8"}
-# The inter-node hooks of the hierarchical candidates (cost model names).
-HIER_INNERS = ("allreduce_fp32", "bf16", "int8")
 _MIB = 1024 * 1024
 _SCRATCH_NUMEL = 1 << 22  # kernels are timed on at most 16 MB of fp32
 
@@ -204,17 +203,6 @@ def current_candidate(hook_spec: Any, hook_name: str) -> str | None:
         return None  # modelled as e4m3; e5m2 costs the same bytes
     return {"bf16": "bf16", "bf16-fp32acc": "bf16_fp32_accumulate", "int8": "int8",
             "fp8": "fp8"}.get(hook_spec.name)
-
-
-def cap_variant(cap_mb: float) -> str:
-    """The name of plain allreduce with buckets of ``cap_mb`` MiB."""
-    return f"allreduce_fp32@{cap_mb:g}MB"
-
-
-def variant_cap(name: str) -> float | None:
-    """The bucket cap in MiB a candidate name asks for (None: the run's own)."""
-    _, sep, cap = name.partition("@")
-    return float(cap.removesuffix("MB")) if sep else None
 
 
 def advise(samples: Sequence[dict[str, Any]], link: Link | None, current: str | None,

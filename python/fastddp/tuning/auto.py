@@ -1,5 +1,7 @@
 """``--hook auto[:lossless|bf16|any]`` / ``fastddp.hooks.auto(policy)``: fastddp picks the
-communication hook and bucket size itself, in the first steps of the run.
+communication hook and bucket size itself, in the first steps of the run. Here: the tuner,
+which measures, schedules the trials and installs the hooks; its decision rule is
+_auto_choice.py's, the candidates' names and ``AutoHook`` are fastddp/hooks/_auto.py's.
 
 Note [auto tuning]: the tuner runs at the start of each synchronized forward (a forward
 with gradients on, outside no_sync), from the model's own ``comm_stats()``. In order:
@@ -13,7 +15,7 @@ with gradients on, outside no_sync), from the model's own ``comm_stats()``. In o
    bandwidth is lowered to what the baseline's large buckets saw, if less (a CPU transport
    shares the cores with the backward). Rank 0 feeds the median step, that link and each
    candidate's kernel cost (timed on scratch tensors) to the cost model
-   (fastddp/cost_model.py, as ``--advise`` does) and ranks the policy's candidates:
+   (fastddp/tuning/cost_model.py, as ``--advise`` does) and ranks the policy's candidates:
    ``lossless`` plain allreduce at bucket caps x1/4, x1 and x4; ``bf16`` also bf16 on the
    wire (summed in bf16, or in fp32); ``any`` also 8-bit wires (int8, fp8 e4m3: block
    scales, fp32 sums, error feedback) and PowerSGD of rank 1, 2, 4 and 8. On more than one
@@ -58,114 +60,39 @@ launcher's ``--emulate-link`` both groups get the one emulated link.
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fastddp import _hierarchical, advise
-from fastddp.link import Link, bus_factor
-from fastddp.link_emulator import EmulatedLinkGroup
+from fastddp import hooks
+from fastddp.hooks import _hierarchical
+from fastddp.hooks._auto import BF16, HIER, LOSSLESS, POWERSGD, AutoHook, lossy
+from fastddp.link.emulator import EmulatedLinkGroup
+from fastddp.link.model import Link, bus_factor
+from fastddp.tuning import advise
+from fastddp.tuning._auto_choice import (BLOCK_SAMPLES, best_measured, log_line, predict,
+                                         worth_trying)
 
-POLICIES = ("lossless", "bf16", "any")
 _MIB = 1024 * 1024
-_LOSSLESS = "allreduce_fp32"
-_BF16 = ("bf16", "bf16_fp32_accumulate")
-_QUANT8 = ("int8", "fp8")
-_POWERSGD = tuple(f"powersgd_r{r}" for r in (1, 2, 4, 8))
-_HIER = tuple(f"hier_{inner}" for inner in advise.HIER_INNERS)
-_HIER_16 = _HIER[:2]  # fp32 or bf16 between the nodes: the bf16 policy's
-_CAP_FACTORS = (0.25, 4.0)
 _POWERSGD_START_ITER = 2  # the least torch allows with error feedback
-_MIN_PREDICTED_GAIN = 0.02
 _LATENCY_PROBES = 5
 _BANDWIDTH_PROBES = 3
 _PROBE_MAX_NUMEL = 4 * 1024 * 1024  # 16 MB of fp32
 _UNBOUNDED_GBS = 1e4  # a link whose transfer time is lost in its latency
-_BLOCK_SAMPLES = 4  # measured steps per trial block; each trial runs two blocks
 _SWITCH_WARMUP = 1
-
-
-@dataclass(frozen=True)
-class AutoHook:
-    """What ``fastddp.hooks.auto()`` returns: register it like any hook."""
-
-    policy: str = "any"
-    warmup: int = 2
-    samples: int = 5
-    trials: int = 3
-    lossy_margin: float = 0.05
-    verbose: bool = True
-    local_size: int | None = None  # ranks per node (default: torchrun's LOCAL_WORLD_SIZE)
-    groups: Any = field(default=None, compare=False, repr=False)  # (intra, inter) groups
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"fastddp.hooks.auto: policy {self.policy!r} is not one of "
-                             f"{', '.join(POLICIES)}")
-        for name in ("warmup", "samples", "trials"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < (0 if name == "warmup" else 1):
-                raise ValueError(f"fastddp.hooks.auto: {name} must be a positive int, got "
-                                 f"{value!r}")
-        if not 0 <= self.lossy_margin < 1:
-            raise ValueError(f"fastddp.hooks.auto: lossy_margin must be in [0, 1), got "
-                             f"{self.lossy_margin!r}")
-        if self.local_size is not None and self.groups is not None:
-            raise ValueError("fastddp.hooks.auto: give at most one of local_size= and groups=")
-        if self.local_size is not None:
-            _hierarchical.check_local_size(self.local_size, "fastddp.hooks.auto")
-        if self.groups is not None and (not isinstance(self.groups, (tuple, list))
-                                        or len(self.groups) != 2):
-            raise TypeError("fastddp.hooks.auto: groups must be (intra_group, inter_group)")
-
-    @property
-    def __name__(self) -> str:  # torch's register_comm_hook and our logs read it
-        return f"fastddp_auto_{self.policy}_hook"
-
-    def __call__(self, state: object, bucket: Any) -> Any:
-        raise NotImplementedError(
-            "fastddp.hooks.auto() chooses among fastddp's native hooks while training and "
-            "runs only on fastddp.DistributedDataParallel, not under stock torch DDP")
-
-    def candidates(self, cap_mb: float, hierarchical: bool = False) -> list[str]:
-        """The policy's candidate names, in a fixed order every rank agrees on;
-        ``hierarchical``: the ranks span several nodes (Note [auto on several nodes])."""
-        names = [_LOSSLESS, *(advise.cap_variant(cap_mb * f) for f in _CAP_FACTORS)]
-        if self.policy in ("bf16", "any"):
-            names += _BF16
-        if self.policy == "any":
-            names += _QUANT8 + _POWERSGD
-        if hierarchical and self.policy != "lossless":
-            names += _HIER if self.policy == "any" else _HIER_16
-        return names
-
-
-def lossy(name: str) -> bool:
-    return not name.startswith(_LOSSLESS)
-
-
-def _family(name: str) -> str:
-    if not lossy(name):
-        return "bucket size"
-    if name in _HIER:
-        return "hierarchical"
-    return "bf16" if name in _BF16 else "8-bit" if name in _QUANT8 else "powersgd"
 
 
 def hook_for(name: str, groups: tuple | None = None) -> Any:
     """The fastddp.hooks built-in a candidate name stands for; hierarchical ones reduce over
     ``groups`` = (intra, inter)."""
-    from fastddp import hooks
-
-    if name in _HIER:
+    if name in HIER:
         if groups is None:
             raise ValueError(f"auto: candidate {name} needs the (intra, inter) groups")
         return hooks.hierarchical(inter=hook_for(name.removeprefix("hier_")), groups=groups)
     if not lossy(name):
         return hooks.allreduce()
-    if name in _BF16:
+    if name in BF16:
         return hooks.bf16(accumulate="fp32" if name == "bf16_fp32_accumulate" else "bf16")
     if name == "int8":
         return hooks.int8()
@@ -188,14 +115,14 @@ class AutoTuner:
         self.rank0 = self.group.rank() == 0
         self.queue: list[str] = []  # the trial blocks still to run, after the current one
         self._planned = False
-        self.current = _LOSSLESS
+        self.current = LOSSLESS
         self.times: dict[str, list[float]] = {}  # rank 0: measured step ms per candidate
         self.measured: dict[str, float] = {}
         self.predicted: dict[str, float] = {}
-        self.choice: str | None = None if self.group.size() > 1 else _LOSSLESS
+        self.choice: str | None = None if self.group.size() > 1 else LOSSLESS
         self.chosen_at_step: int | None = None
         # (first step, configuration, installed afresh): what replays this run's numbers.
-        self.history: list[tuple[int, str, bool]] = [(0, _LOSSLESS, True)]
+        self.history: list[tuple[int, str, bool]] = [(0, LOSSLESS, True)]
         self.step = 0  # synchronized steps seen, over all configurations
         self._natives: dict[str, Any] = {}  # trial hooks, kept across their blocks
         self._samples: list[dict[str, Any]] = []
@@ -208,7 +135,7 @@ class AutoTuner:
         self.link: str | None = None  # rank 0: the link the model used
 
     def initial_hook(self) -> Any:
-        return hook_for(_LOSSLESS)
+        return hook_for(LOSSLESS)
 
     def summary(self) -> dict[str, Any]:
         """What was decided (``model.auto_choice()``)."""
@@ -252,7 +179,7 @@ class AutoTuner:
 
     def _next_block(self) -> None:
         """The next trial block (the same configuration again just goes on), or the choice."""
-        self._wanted = _BLOCK_SAMPLES
+        self._wanted = BLOCK_SAMPLES
         if not self.queue:
             self._choose()
         elif (name := self.queue.pop(0)) != self.current:
@@ -270,14 +197,18 @@ class AutoTuner:
         order = [-1] * self.spec.trials
         link, hier_links = self._probe_links()
         if self.rank0:
-            self.measured[_LOSSLESS] = statistics.median(s["step_ms"] for s in self._samples)
+            self.measured[LOSSLESS] = statistics.median(s["step_ms"] for s in self._samples)
             try:
-                tries = self._worth_trying(self._predict(link, hier_links))[: self.spec.trials]
+                hier = None if hier_links is None else (self.hier_groups[0].size(), *hier_links)
+                self.predicted, self.link, ranked = predict(
+                    self._samples, self.names, self.group.size(),
+                    str(self.ddp._reducer_params[0].device), link, hier)
+                tries = self._worth_trying(ranked)[: self.spec.trials]
                 order[: len(tries)] = [self.names.index(n) for n in tries]
             except Exception as e:  # noqa: BLE001 -- a failed model keeps the baseline
                 self.error = f"{type(e).__name__}: {e}"
         tries = [self.names[i] for i in self._broadcast(order) if i >= 0]
-        self.queue = [*tries, _LOSSLESS, _LOSSLESS, *reversed(tries)] if tries else []
+        self.queue = [*tries, LOSSLESS, LOSSLESS, *reversed(tries)] if tries else []
 
     def _hier_groups(self) -> tuple | None:
         """(intra, inter) groups where the ranks span several nodes (Note [auto on several
@@ -330,60 +261,8 @@ class AutoTuner:
             _UNBOUNDED_GBS, bus_bytes / transfer_s / 1e9)
         return Link(bus_gbs, latency_s * 1e6)
 
-    def _training_link(self, probed: Link) -> Link:
-        """The probed link, slowed to what the baseline's large collectives saw in training
-        where that was slower: on a shared CPU the transport competes with the backward for
-        the cores, which is what compression would then save. Only buckets whose transfer
-        takes at least twice the latency at the probed bandwidth count (in a small one,
-        rank skew and latency dominate, and no compression shortens those)."""
-        n = self.group.size()
-        bus_bytes = served_ms = 0.0
-        for sample in self._samples:
-            previous_done = 0.0
-            for b in sorted(sample["stats"]["buckets"], key=lambda b: b["launched_ms"]):
-                start = max(b["launched_ms"], previous_done)
-                previous_done = max(previous_done, b["done_ms"])
-                nbytes = bus_factor("allreduce", n) * b["wire_bytes"]
-                if probed.ms("allreduce", b["wire_bytes"], n) < 3 * probed.latency_us * 1e-3:
-                    continue
-                bus_bytes += nbytes
-                served_ms += max(0.0, b["done_ms"] - start - probed.latency_us * 1e-3)
-        if bus_bytes <= 0 or served_ms <= 0:
-            return probed
-        return Link(min(probed.bus_gbs, bus_bytes / served_ms / 1e6), probed.latency_us)
-
-    def _predict(self, probed: Link, hier_probed: tuple[Link, Link] | None) -> list[str]:
-        link = self._training_link(probed)
-        hier = None
-        if hier_probed is not None:
-            # The transport's slowdown in training (shared cores) hits every group's.
-            slow = link.bus_gbs / probed.bus_gbs
-            intra, inter = (Link(x.bus_gbs * slow, x.latency_us) for x in hier_probed)
-            hier = (self.hier_groups[0].size(), intra, inter)
-        costs = advise.kernel_costs([s for b in self._samples[-1]["shapes"] for s in b],
-                                    str(self.ddp._reducer_params[0].device))
-        caps = [c for n in self.names if (c := advise.variant_cap(n)) is not None]
-        result = advise.advise(self._samples, link, _LOSSLESS, costs, caps_mb=caps, hier=hier)
-        rows = [r for r in result["candidates"] if r["candidate"] in self.names]
-        self.predicted = {r["candidate"]: r["predicted_step_ms"] for r in rows}
-        self.link = str(link) + ("" if hier is None else f"; intra-node {hier[1]}, inter-node "
-                                 f"{hier[2]}")
-        return [r["candidate"] for r in rows]
-
     def _worth_trying(self, ranked: list[str]) -> list[str]:
-        """The best predicted of each family (other bucket sizes, 16-bit wires, PowerSGD
-        ranks), best first, among those predicted to beat the baseline by 2%. The model ranks
-        within a family better than across families: on a CPU the transport takes the
-        backward's cores, which it does not see, and PowerSGD costs more than its bytes
-        (benchmarks/results/auto.md: PowerSGD predicted first, measured slower than bf16).
-        So each family that qualifies gets a real trial, and the measured lossy_margin
-        decides. On a compute-bound step none qualifies."""
-        baseline = self.predicted[_LOSSLESS]
-        families: dict[str, str] = {}
-        for name in ranked:
-            if name != _LOSSLESS and self.predicted[name] <= baseline * (1 - _MIN_PREDICTED_GAIN):
-                families.setdefault(_family(name), name)
-        return list(families.values())
+        return worth_trying(ranked, self.predicted)
 
     def _choose(self) -> None:
         index = -1
@@ -399,40 +278,16 @@ class AutoTuner:
             print(self.log_line(), flush=True)
 
     def _best_measured(self) -> str:
-        """The fastest median; a lossy one only if its median and each of its blocks' medians
-        beat the fastest lossless median by the margin. A win in one block and not in the
-        other is load, not the hook: on a compute-bound step (communication hidden) a loaded
-        CPU had measured PowerSGD 5% faster than plain allreduce over its two blocks together."""
-        lossless = min((n for n in self.measured if not lossy(n)), key=self.measured.get)
-        best = min(self.measured, key=self.measured.get)
-        if not lossy(best):
-            return best
-        times = self.times.get(best, [])
-        blocks = [times[i:i + _BLOCK_SAMPLES] for i in range(0, len(times), _BLOCK_SAMPLES)]
-        bound = (1 - self.spec.lossy_margin) * self.measured[lossless]
-        if max([self.measured[best], *map(statistics.median, blocks)]) > bound:
-            return lossless
-        return best
+        return best_measured(self.measured, self.times, self.spec.lossy_margin)
 
     def log_line(self) -> str:
-        def figures(name: str) -> str:
-            predicted = self.predicted.get(name)
-            return (f"{self.measured[name]:.2f} ms measured"
-                    + ("" if predicted is None else f", {predicted:.2f} predicted"))
-        others = "; ".join(f"{n} {figures(n)}" for n in sorted(self.measured, key=self.measured.get)
-                           if n != self.choice)
-        tried = (f"; also tried {others}" if others else
-                 "; no other candidate was predicted to beat it by its margin")
-        note = f" (cost model failed: {self.error})" if self.error else ""
-        return (f"[fastddp] auto:{self.spec.policy} chose {self.choice} from step "
-                f"{self.chosen_at_step}: {figures(self.choice)} a step{tried}{note}")
+        return log_line(self.spec.policy, self.choice, self.chosen_at_step, self.measured,
+                        self.predicted, self.error)
 
     def _switch(self, name: str, fresh: bool) -> None:
         """Installs ``name`` between two steps: its hook from its earlier block (PowerSGD
         keeps its warm-up count and error feedback) unless ``fresh``. The steps right after
         a switch (and a PowerSGD hook's plain warm-up steps) are not measured."""
-        from fastddp import hooks
-
         cap = advise.variant_cap(name)
         cap_bytes = int((cap if cap is not None else self.cap_mb) * _MIB)
         rebuilt = cap_bytes != self.ddp.bucket_bytes_cap
@@ -448,7 +303,7 @@ class AutoTuner:
         self._last = (id(self.ddp._reducer), self.ddp.comm_stats()["steps"], time.perf_counter())
         # After a rebuild, the first step runs on the not yet reordered buckets.
         self._skip = _SWITCH_WARMUP + (1 if rebuilt else 0) + (
-            _POWERSGD_START_ITER if first and name in _POWERSGD else 0)
+            _POWERSGD_START_ITER if first and name in POWERSGD else 0)
 
     def _broadcast(self, values: list[int]) -> list[int]:
         """Rank 0's ``values`` on every rank (one small broadcast on the model's group)."""

@@ -17,7 +17,7 @@ The model, per candidate:
    compute path: PowerSGD's matmuls and orthogonalization, the fp32 sum of bf16 shards).
 3. The link serves collectives one at a time, in the order they are issued:
    ``start = max(issue, end of the previous collective)``, ``end = start + T(c)`` with
-   ``T(c) = L + f(n) * bytes(c) / B`` (Note [collective cost] in fastddp/link.py:
+   ``T(c) = L + f(n) * bytes(c) / B`` (Note [collective cost] in fastddp/link/model.py:
    f = 2(n-1)/n for allreduce, (n-1)/n for alltoall and allgather).
 4. ``step_ms = fixed_ms + max(E, end of the last collective) + sum_i post_i``, where
    ``post_i = writeback_ms_per_mb * S_i / 1e6`` (decompression and write-back into the
@@ -57,8 +57,8 @@ C closes when C bytes have arrived since the previous one closed (the last one a
 and is ready then. Parameter boundaries are ignored: an estimate for ranking bucket sizes,
 which ``--hook auto`` then measures for real.
 
-Pure arithmetic on plain numbers, tested with hand-computed cases; ``report.py``'s
-``projected_step_ms`` is the one-bucket case (see tests/python/test_cost_model.py).
+Pure arithmetic on plain numbers, tested with hand-computed cases; ``launch/report.py``'s
+``projected_step_ms`` is the one-bucket case (see tests/python/tuning/test_cost_model.py).
 """
 
 import heapq
@@ -66,7 +66,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from fastddp.link import Link, bus_factor
+from fastddp.link.model import Link, bus_factor
 
 _MB = 1e6
 

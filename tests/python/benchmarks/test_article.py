@@ -1,5 +1,5 @@
 """benchmarks/article.py: its CPU mode end to end on a tiny model (2 real gloo ranks), and
-the projection arithmetic of fastddp.report with hand-computed numbers."""
+the projection arithmetic of fastddp.launch.report with hand-computed numbers."""
 
 import importlib.util
 import os
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import fastddp
-from fastddp.report import format_projection, projected_step_ms, ring_allreduce_ms
+from fastddp.launch.report import format_projection, projected_step_ms, ring_allreduce_ms
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ARTICLE = ROOT / "benchmarks" / "article.py"
 PACKAGE_DIR = Path(fastddp.__file__).resolve().parents[1]
 

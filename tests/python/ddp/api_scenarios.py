@@ -341,13 +341,13 @@ def sink_clone(clone: bool, mode: str) -> list[dict]:
 
 
 
-# --- fastddp.demo (make run) --------------------------------------------------------
+# --- fastddp.launch.demo (make run) -------------------------------------------------
 
 def demo_training(steps: int, batch: int, hidden: int, rounds: int) -> dict[str, list[float]]:
-    """fastddp.demo's two runs, as its main() sets them up on CPU, taking turns as there:
+    """fastddp.launch.demo's two runs, as its main() sets them up on CPU, taking turns as there:
     the trained models must be bit for bit equal (checked here, not by the demo's own
     comparison). Returns both runs' losses (averaged over the ranks, as the demo logs)."""
-    from fastddp import demo
+    from fastddp.launch import demo
 
     torch.manual_seed(0)
     init_state = {k: v.clone() for k, v in demo.mlp(hidden).state_dict().items()}

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 
 import fastddp  # noqa: E402
 from compile_step import counting_backend  # noqa: E402  (benchmarks/compile_step.py)

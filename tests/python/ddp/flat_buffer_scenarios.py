@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
-from fastddp._options import BUCKET_ALIGN_ENV
+from fastddp.ddp._options import BUCKET_ALIGN_ENV
 from hook_scenarios import EXACT, compare_grads
 from quant8_scenarios import quantization_bound
 from scenarios import compare_grads as compare_grads_ulps
@@ -181,7 +181,7 @@ def hook_case(case: str, align: int = 64, steps: int = PSGD_START + 3) -> str:
 def cuda_default_alignment() -> int:
     """On one GPU (FASTDDP_WORLD1_REDUCER=1, NCCL): without FASTDDP_BUCKET_ALIGN every .grad
     view starts 16-byte aligned, and the grads equal torch DDP's."""
-    from fastddp._options import WORLD1_REDUCER_ENV
+    from fastddp.ddp._options import WORLD1_REDUCER_ENV
 
     assert BUCKET_ALIGN_ENV not in os.environ
     os.environ[WORLD1_REDUCER_ENV] = "1"

@@ -1,4 +1,4 @@
-"""The code blocks and links of README.md and docs/*.md, for tests/python/test_docs.py.
+"""The code blocks and links of README.md and docs/*.md, for tests/python/docs/test_docs.py.
 
 Which fenced blocks run, and how, is said by the words after ``python`` in the block's info
 string (the convention is documented in docs/README.md, "Code blocks that run"):
@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^ {0,3}#{1,6}\s+(.*?)\s*#*\s*$")

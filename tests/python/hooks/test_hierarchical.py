@@ -13,7 +13,7 @@ import pytest
 import fastddp
 import hier_scenarios
 import hook_scenarios
-from fastddp.patch import HookSpec, parse_hook_spec
+from fastddp.launch.patch import HookSpec, parse_hook_spec
 from test_launcher import PACKAGE_DIR, SCRIPT, TIMEOUT_S
 
 

@@ -71,7 +71,7 @@ def test_options_are_checked():
 
 
 def test_launcher_spelling():
-    from fastddp.patch import (HookSpec, HookUnavailableError, fastddp_hook, parse_hook_spec,
+    from fastddp.launch.patch import (HookSpec, HookUnavailableError, fastddp_hook, parse_hook_spec,
                                torch_hook)
 
     assert parse_hook_spec("int8") == HookSpec("int8")

@@ -9,7 +9,7 @@ grads after every backward.
 As scenarios: run_case() on a 1-rank harness world (test_world1_hooks.py). As a script, in
 one process, what `make gpu-check` and its compute-sanitizer steps run:
 
-    python tests/python/world1_hook_scenarios.py [--device cuda] [--backend nccl]
+    python tests/python/hooks/world1_hook_scenarios.py [--device cuda] [--backend nccl]
         [--cases none,bf16,...] [--configs plain,bucket_view] [--steps 5]
 
 It prints one row per case and config, then a `gpu-check figures: {json}` line, and exits
@@ -33,11 +33,14 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
-from fastddp._options import WORLD1_REDUCER_ENV
-from hook_scenarios import EXACT, compare_grads, make_hook
-from powersgd_scenarios import (BATCHED_TOL, TOL, _differs_from_plain_mean,
+from fastddp.ddp._options import WORLD1_REDUCER_ENV
+
+# Run as a script (make gpu-check), the shared scenarios module is one folder up.
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from hook_scenarios import EXACT, compare_grads, make_hook  # noqa: E402
+from powersgd_scenarios import (BATCHED_TOL, TOL, _differs_from_plain_mean,  # noqa: E402
                                 serialized_batched_powerSGD_hook, serialized_powerSGD_hook)
-from scenarios import mlp, unwrap, vector_batch
+from scenarios import mlp, unwrap, vector_batch  # noqa: E402
 
 # fastddp's fused PowerSGD against torch's hook: powersgd_scenarios.py derives both bounds.
 PSGD_TOL, PSGD_BATCHED_TOL = TOL, BATCHED_TOL

@@ -70,8 +70,8 @@ def test_a_module_that_fails_to_load_says_how_to_rebuild(tmp_path):
     assert "cannot be loaded under torch" in done.stderr and "Rebuilding it" in done.stderr
 
 
-COMPAT_VENV = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "build", "torch-2.11-venv", "bin", "python")
+COMPAT_VENV = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "build",
+                                           "torch-2.11-venv", "bin", "python"))
 
 
 @pytest.mark.skipif(not os.path.exists(COMPAT_VENV),
@@ -100,7 +100,7 @@ def test_builds_against_torch_2_11_and_passes_the_self_check(tmp_path):
     # The oldest torch fastddp claims: the working tree copied, built there (CUDA sources
     # included, as on the GPU machine) and installed into the torch-2.11 venv, then
     # `python -m fastddp --check` from outside both trees. ccache keeps later runs short.
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
     src = os.path.join(root, "build", "compat-src")
     shutil.rmtree(src, ignore_errors=True)
     shutil.copytree(root, src, ignore=shutil.ignore_patterns(

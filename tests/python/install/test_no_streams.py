@@ -6,7 +6,7 @@ c10::str formats with an ostringstream in our translation unit) only in message.
 import pathlib
 import re
 
-CSRC = pathlib.Path(__file__).resolve().parents[2] / "csrc"
+CSRC = pathlib.Path(__file__).resolve().parents[3] / "csrc"
 ALLOWED = {CSRC / "reducer" / "message.h"}
 FORBIDDEN = re.compile(
     r"#include\s*<(sstream|iostream|istream|ostream|fstream|iomanip|locale)>"

@@ -17,7 +17,7 @@ import torch
 
 from build_env import ccache_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 # Under the checkout, so that ccache's base folder covers both source trees alike.
 SDIST_CHECK = os.path.join(ROOT, "build", "sdist-check")
 VERSION = "0.1.0"

@@ -9,7 +9,7 @@ import torch
 
 from launch_script import run_launcher
 
-SCRIPT = Path(__file__).parent / "scripts" / "train_api.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_api.py"
 TIMEOUT_S = 180  # a no-hang deadline only: a run takes about 15 s on 2 loaded cores
 NAN_MESSAGE = "non-finite gradient (NaN or Inf) in parameter '2.weight' on rank 1 at step 2"
 

@@ -1,4 +1,4 @@
-"""`make run`: fastddp.demo under `torchrun --nproc_per_node=2` at a tiny size (7 steps of
+"""`make run`: fastddp.launch.demo under `torchrun --nproc_per_node=2` at a tiny size (7 steps of
 a 16-wide MLP): its report, and fastddp's training against torch DDP's, checked here.
 No timing is asserted: the demo's step times and ratio are only read as numbers."""
 
@@ -12,7 +12,7 @@ import pytest
 
 import api_scenarios
 import fastddp
-from fastddp import demo
+from fastddp.launch import demo
 
 PACKAGE_DIR = Path(fastddp.__file__).resolve().parents[1]
 TIMEOUT_S = 180  # a no-hang deadline only: the run takes about 15 s on 2 loaded cores
@@ -27,7 +27,7 @@ def demo_output() -> str:
                 "MASTER_PORT"):
         env.pop(key, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node=2", "-m", "fastddp.demo",
+           "--nproc_per_node=2", "-m", "fastddp.launch.demo",
            *[f"--{k}={v}" for k, v in ARGS.items()]]
     proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True,
                           timeout=TIMEOUT_S)

@@ -22,7 +22,7 @@ import torch
 
 import fastddp
 
-SCRIPT = Path(__file__).parent / "scripts" / "elastic_train.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "elastic_train.py"
 PACKAGE_DIR = Path(fastddp.__file__).resolve().parents[1]
 TIMEOUT_S = 150  # per test; the runs and all their workers are killed past it
 KILL_AT, EVERY, STEPS = 6, 4, 12

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import fastddp
-from fastddp.launcher import split_command_line
-from fastddp.patch import HookSpec, HookUnavailableError, parse_hook_spec
-from fastddp.report import format_comm_stats
+from fastddp.launch.launcher import split_command_line
+from fastddp.launch.patch import HookSpec, HookUnavailableError, parse_hook_spec
+from fastddp.launch.report import format_comm_stats
 from launch_script import PACKAGE_DIR, run_launcher
 
-SCRIPT = Path(__file__).parent / "scripts" / "train_tiny.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_tiny.py"
 TIMEOUT_S = 120
 FASTDDP_CLASS = "fastddp.ddp.DistributedDataParallel"
 

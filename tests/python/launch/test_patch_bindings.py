@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fastddp
-from fastddp.patch import imported_bindings
+from fastddp.launch.patch import imported_bindings
 
 # patch() rebinds every module global that is torch's class, this module's own included;
 # held in a tuple, torch's class stays reachable while patched.

@@ -19,7 +19,7 @@ import fastddp
 
 pytestmark = pytest.mark.stacks
 
-STACKS = Path(__file__).resolve().parents[1] / "stacks"
+STACKS = Path(__file__).resolve().parents[2] / "stacks"
 PACKAGE_DIR = Path(fastddp.__file__).resolve().parents[1]
 TIMEOUT_S = 300
 FASTDDP_CLASS = "fastddp.ddp.DistributedDataParallel"

@@ -1,7 +1,7 @@
 """EmulatedLinkGroup scenarios, run on every rank of a harness world (see harness.py), and
 the fake clock that the emulator's timing tests run on.
 
-Timing: fastddp.link_emulator reads its clock through ``link_emulator._clock``; FakeClock
+Timing: fastddp.link.emulator reads its clock through ``link_emulator._clock``; FakeClock
 takes its place, so that emulated time moves only when the test moves it. A collective must
 not be complete just before the end that the test computed by hand from Note [collective
 cost], and must complete once the clock passes that end: the schedule is checked without
@@ -22,13 +22,13 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 import fastddp
-from fastddp import link_emulator
-from fastddp._emulate_link import LinkEmulation
-from fastddp.link_emulator import EmulatedLinkGroup
+from fastddp.launch._emulate_link import LinkEmulation
+from fastddp.link import EmulatedLinkGroup
+from fastddp.link import emulator as link_emulator
 
 # The benchmark's collective launchers (benchmarks/link_emulator.py), so that the schedule
 # checked here is the one whose wall time the benchmark measures.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 from link_emulator import collective as _collective  # noqa: E402
 
 MB = 1_000_000

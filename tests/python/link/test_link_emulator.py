@@ -1,4 +1,4 @@
-"""The link emulator (fastddp/link_emulator.py) and its link arithmetic (fastddp/link.py).
+"""The link emulator (fastddp/link/emulator.py) and its link arithmetic (fastddp/link/model.py).
 
 Expected times are computed here by hand from Note [collective cost] (L + f(n)·S/B with
 f = 2(n-1)/n for allreduce, (n-1)/n for alltoall and allgather, 1 for broadcast, 0 for
@@ -16,8 +16,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 import link_emulator_scenarios as scenarios
-from fastddp.link import Link, bus_factor, parse_link
-from fastddp.link_emulator import EmulatedLinkGroup
+from fastddp.link import EmulatedLinkGroup, Link, bus_factor, parse_link
 from harness import World
 from link_emulator_scenarios import FakeClock, launch_all, step_through
 

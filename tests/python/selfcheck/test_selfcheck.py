@@ -12,7 +12,7 @@ import torch
 
 from fastddp.selfcheck import cases, runner, worker
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
 
 def test_the_check_passes_and_shows_every_hook():

@@ -19,14 +19,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 
 import auto_runs  # noqa: E402  (benchmarks/auto_runs.py)
 import fastddp  # noqa: E402
 import sleep_model  # noqa: E402
-from fastddp import advise  # noqa: E402
-from fastddp import auto as auto_module  # noqa: E402
-from fastddp.link_emulator import EmulatedLinkGroup  # noqa: E402
+from fastddp.link import EmulatedLinkGroup  # noqa: E402
+from fastddp.tuning import advise  # noqa: E402
+from fastddp.tuning import auto as auto_module  # noqa: E402
 
 
 def _cap_mb(kind: str) -> float:

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 
 import fastddp
-from fastddp import advise
-from fastddp.launcher import _advised_command, split_command_line
-from fastddp.launcher import main as launcher_main
+from fastddp.tuning import advise
+from fastddp.launch.launcher import _advised_command, split_command_line
+from fastddp.launch.launcher import main as launcher_main
 from fastddp.link import Link
 from sleep_model import GRAD_BYTES
 
-SCRIPT = Path(__file__).parent / "scripts" / "train_wide.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_wide.py"
 PACKAGE_DIR = Path(fastddp.__file__).resolve().parents[1]
 CANDIDATES = ("allreduce_fp32", "bf16", "bf16_fp32_accumulate", "int8", "fp8", "powersgd_r1",
               "powersgd_r2", "powersgd_r4", "powersgd_r8")

@@ -1,4 +1,4 @@
-"""``--hook auto`` / ``fastddp.hooks.auto()`` (fastddp/auto.py).
+"""``--hook auto`` / ``fastddp.hooks.auto()`` (fastddp/tuning/auto.py).
 
 Multi-rank: gloo worlds of 2 and 4 ranks over emulated links (EmulatedLinkGroup). The
 decisions are taken on a model whose compute is a sleep in backward (sleep_model.py) over
@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 
 import fastddp
-from fastddp import auto
-from fastddp.patch import HookSpec, HookUnavailableError, parse_hook_spec, patch, torch_hook
+from fastddp.tuning import auto
+from fastddp.launch.patch import HookSpec, HookUnavailableError, parse_hook_spec, patch, torch_hook
 from harness import World
 
-SCRIPT = Path(__file__).parent / "scripts" / "train_wide.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_wide.py"
 PACKAGE_DIR = Path(fastddp.__file__).resolve().parents[1]
 
 

@@ -1,12 +1,12 @@
-"""fastddp.cost_model on synthetic measurements; every expected number is worked out by hand
+"""fastddp.tuning.cost_model on synthetic measurements; every expected number is worked out by hand
 in the comments (link: B bytes/s of bus bandwidth, L latency; allreduce 2(n-1)/n·S/B,
 alltoall and allgather (n-1)/n·S/B, plus L)."""
 
 import pytest
 
-from fastddp import cost_model as cm
+from fastddp.tuning import cost_model as cm
 from fastddp.link import Link
-from fastddp.report import projected_step_ms
+from fastddp.launch.report import projected_step_ms
 
 MB = 1e6
 # pytest.approx's default (1e-6 relative) throughout: the model's float64 sums of these
