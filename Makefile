@@ -16,10 +16,11 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.14.1
 MAX_JOBS ?= 2
 SUDO := $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
-# ccache keeps compiled objects by content, so that the sdist check (tests/python/test_sdist.py)
-# builds the same sources again in seconds: the compilers are ccache's (its masquerade folder
-# first on PATH, nvcc through torch's PYTORCH_NVCC), paths under the checkout relative
-# (CCACHE_BASEDIR), the build folder not hashed. tests/python/sdist_build.py sets the same.
+# ccache keeps compiled objects by content, so that the sdist check
+# (tests/python/install/test_sdist.py) builds the same sources again in seconds: the compilers
+# are ccache's (its masquerade folder first on PATH, nvcc through torch's PYTORCH_NVCC), paths
+# under the checkout relative (CCACHE_BASEDIR), the build folder not hashed.
+# tests/python/install/build_env.py sets the same.
 NVCC_PATH := $(firstword $(wildcard $(CUDA_HOME)/bin/nvcc /usr/local/cuda/bin/nvcc) \
   $(shell command -v nvcc 2>/dev/null))
 CCACHE_ENV := PATH=/usr/lib/ccache:$$PATH CCACHE_BASEDIR=$(CURDIR) CCACHE_NOHASHDIR=1 \
@@ -48,9 +49,9 @@ deps:
 	  || $(PYTHON) -m pip install -q expecttest numpy
 	@$(PYTHON) -c "import torch; print('[make] torch', torch.__version__, 'CUDA', torch.version.cuda)"
 
-# Lightning, Accelerate and transformers at the pinned versions, for tests/python/test_stacks.py;
-# only when one is missing or at another version. The installed torch is a constraint, so
-# pip fails rather than replace it.
+# Lightning, Accelerate and transformers at the pinned versions, for
+# tests/python/launch/test_stacks.py; only when one is missing or at another version. The
+# installed torch is a constraint, so pip fails rather than replace it.
 deps-stacks:
 	@$(PYTHON) -c "import sys, importlib.metadata as md; \
 	  pins = [l.strip().split('==') for l in open('$(STACKS_REQUIREMENTS)') if '==' in l and l[0] != '#']; \
@@ -70,8 +71,8 @@ $(BUILD_STAMP): $(SOURCES)
 	@touch $@
 
 # torch 2.11 (the oldest torch fastddp claims) in a venv of its own, for
-# tests/python/test_compat.py: a _C built against this torch must be refused there with a
-# clear ImportError, and fastddp built against 2.11 there must pass its self-check. --no-deps:
+# tests/python/install/test_compat.py: a _C built against this torch must be refused there
+# with a clear ImportError, and fastddp built against 2.11 there must pass its self-check. --no-deps:
 # the CUDA libraries come from the site-packages that holds this environment's torch (a .pth
 # at the end of its path; in a venv made with --system-site-packages that is the system's,
 # not the venv's own), so only torch's own 530 MB wheel is downloaded.
@@ -109,7 +110,7 @@ test-torch-ddp-suite: install
 run: install
 	$(PYTHON) -m torch.distributed.run --standalone \
 	  --nproc_per_node=$$($(PYTHON) -c "import torch; print(torch.cuda.device_count() or 2)") \
-	  -m fastddp.demo $(ARGS)
+	  -m fastddp.launch.demo $(ARGS)
 
 bench: install
 	$(PYTHON) benchmarks/step_time.py $(ARGS)

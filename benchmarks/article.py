@@ -32,8 +32,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import fastddp
-from fastddp.patch import HookSpec, fastddp_hook, torch_hook
-from fastddp.report import format_projection
+from fastddp.launch.patch import HookSpec, fastddp_hook, torch_hook
+from fastddp.launch.report import format_projection
 
 PRESETS = {  # ViT: image, patch, layers, width, heads, mlp, classes; batch; bucket sweep MB
     "vit_l_32": {"vit": (224, 32, 24, 1024, 16, 4096, 1000), "batch": 32,
@@ -325,7 +325,7 @@ def wire_bytes(params: list[torch.Tensor]) -> tuple[int, int]:
 
 
 def projection(result: dict, ns: list[int], bandwidths: list[tuple[str, float]]) -> str:
-    """Note [ring allreduce cost] (fastddp/report.py) for this run's model on this device,
+    """Note [ring allreduce cost] (fastddp/launch/report.py) for this run's model on this device,
     and for ViT-L/32 on the article's two machines."""
     k = result["kernels"]
     base = next(r["ms"]["no DDP"] for r in result["rows"] if "no DDP" in r["ms"])

@@ -1,7 +1,7 @@
 """Per-rank runs of ``fastddp.hooks.auto()`` against fixed configurations, on a link of the
 caller's choosing (an EmulatedLinkGroup over WORLD). benchmarks/auto.py calls these on
 every rank of a gloo world (its auto / best column is the speed comparison that the tests
-leave to it); tests/python/auto_scenarios.py uses the models.
+leave to it); tests/python/tuning/auto_scenarios.py uses the models.
 
 Timing is interleaved: every configuration (auto's tuned model among them) is its own model
 and optimizer, all alive at once; each round steps each of them once, in a rotating order,
@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch import nn
 
 import fastddp
-from fastddp import advise
-from fastddp import auto as auto_module
-from fastddp.link_emulator import EmulatedLinkGroup
+from fastddp.link import EmulatedLinkGroup
+from fastddp.tuning import advise
+from fastddp.tuning import auto as auto_module
 
 MIB = 1024 * 1024
 CAP_MB = 4.0  # bucket_cap_mb of every model: auto's lossless candidates are 1, 4 and 16 MB
@@ -92,7 +92,7 @@ class Run:
 
 
 def fixed(kind: str, group: dist.ProcessGroup, name: str) -> Run:
-    """A run of candidate ``name`` (fastddp/auto.py's names) from the first step."""
+    """A run of candidate ``name`` (fastddp/hooks/_auto.py's names) from the first step."""
     cap = advise.variant_cap(name)
     return Run(kind, group, auto_module.hook_for(name), cap if cap is not None else CAP_MB)
 

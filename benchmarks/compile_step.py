@@ -47,7 +47,7 @@ class Wrapped(nn.Module):
 
 def counting_backend(backend: str) -> tuple[dict, Callable]:
     """A dynamo backend that compiles with `backend` and counts the graphs it is handed
-    (tests/python/compile_scenarios.py counts with it too)."""
+    (tests/python/ddp/compile_scenarios.py counts with it too)."""
     inner = torch._dynamo.lookup_backend(backend)
     box = {"graphs": 0}
 

@@ -226,7 +226,7 @@ def article_figures(output: str) -> dict:
 def default_steps(out_dir: Path, python: str = sys.executable) -> list[Step]:
     """Cheapest and most basic first: the budget cuts the benchmarks, not the proofs."""
     here = "benchmarks/gpu_check_steps.py"
-    world1 = "tests/python/world1_hook_scenarios.py"
+    world1 = "tests/python/hooks/world1_hook_scenarios.py"
     sanitizer = find_sanitizer()
 
     def sanitized(tool: str) -> Step:
@@ -256,7 +256,7 @@ def default_steps(out_dir: Path, python: str = sys.executable) -> list[Step]:
         Step("pytest-gpu",
              [python, "-m", "pytest", "-m", "gpu", "tests/python", "-q", "-p",
               "no:cacheprovider", "-rfEs", "--deselect",
-              "tests/python/test_world1_hooks.py::test_world1_hooks_nccl"],
+              "tests/python/hooks/test_world1_hooks.py::test_world1_hooks_nccl"],
              240, "every GPU-marked test (the world-size-1 NCCL one is the next step)",
              figures=pytest_figures, verdict=pytest_verdict),
         Step("nccl-world1", [python, world1, "--device", "cuda", "--backend", "nccl"], 150,

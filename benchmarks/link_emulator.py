@@ -10,7 +10,7 @@ launch that waited for the link would take the whole time). The links are slow e
 the emulated time (0.1-1.5 s) is several times gloo's real time on loopback, so the
 emulator's own accuracy is what shows; the target is within 10% (Note [emulated link
 timing]: wake-ups can come late by the interpreter's switch interval). A benchmark, not a
-test: tests/python/test_link_emulator.py checks the schedule itself on a fake clock.
+test: tests/python/link/test_link_emulator.py checks the schedule itself on a fake clock.
 """
 
 import argparse
@@ -23,8 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import machine
-from fastddp.link import parse_link
-from fastddp.link_emulator import EmulatedLinkGroup
+from fastddp.link import EmulatedLinkGroup, parse_link
 
 MB = 1_000_000
 # (kind, S bytes, link)

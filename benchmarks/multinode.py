@@ -48,8 +48,7 @@ import torch.multiprocessing as mp
 import auto_runs  # benchmarks/auto_runs.py: scripts run from benchmarks/
 import fastddp
 import machine
-from fastddp.link import Link, bus_factor, parse_link
-from fastddp.link_emulator import EmulatedLinkGroup
+from fastddp.link import EmulatedLinkGroup, Link, bus_factor, parse_link
 
 LOCAL = 2
 WORLD = 4

@@ -17,7 +17,7 @@ namespace fastddp {
 // The dense buckets of one (device, dtype) are slices of one zero-filled
 // buffer, Megatron style, so that gradient_as_bucket_view puts every such
 // .grad in one allocation. With an alignment of A bytes (ReducerOptions::
-// align_bytes; 16 on CUDA by default, see fastddp/_options.py) every slot and
+// align_bytes; 16 on CUDA by default, see fastddp/ddp/_options.py) every slot and
 // every bucket starts A-aligned: the slot is padded up to the next multiple of
 // A. Our CUDA kernels (casts, scaling, the non-finite check) and ATen's
 // multi-tensor copies take their 16-byte vector path only when every tensor

@@ -14,7 +14,7 @@
 // that still defines stream or locale code (python/fastddp/_libstdcxx.py);
 // this header is the second line: fastddp's own messages are concatenated
 // with std::to_chars, and the message reaches c10 as one std::string, which
-// c10::str passes through untouched. tests/python/test_no_streams.py keeps
+// c10::str passes through untouched. tests/python/install/test_no_streams.py keeps
 // streams and the TORCH_CHECK family out of csrc/.
 #pragma once
 

@@ -81,7 +81,7 @@ void Reducer::install_hooks() {
     // Plain C++ called by the autograd engine: no GIL, no Python object. Compiled
     // autograd cannot trace it: it asks for compiled_args first, which raises a
     // message naming the setting rather than torch's generic "compiled_args nyi"
-    // (torch's own C++ reducer does the same; fastddp/_compile.py says why).
+    // (torch's own C++ reducer does the same; fastddp/ddp/_compile.py says why).
     hook_keys_.push_back(
         accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
             [this, i](const torch::autograd::variable_list& outputs,

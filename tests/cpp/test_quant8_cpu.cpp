@@ -2,7 +2,7 @@
 // scalar loop over the per-value codes (core/quant8_codes.h), and the block
 // rules of Note [8-bit wire formats]: zero blocks, non-finite blocks, the sum
 // of packed shards. (The codes themselves are checked against torch's float8
-// casts in tests/python/test_quant8_kernels.py.)
+// casts in tests/python/hooks/test_quant8_kernels.py.)
 #include <catch2/catch.hpp>
 
 #include <cmath>

@@ -1,4 +1,4 @@
-"""A tiny Accelerate run on CPU DDP (tests/python/test_stacks.py): gradient accumulation with
+"""A tiny Accelerate run on CPU DDP (tests/python/launch/test_stacks.py): gradient accumulation with
 ``accelerator.accumulate``, then steps whose last backward is synchronized by
 ``accelerator.trigger_sync_in_backward`` after forwards under ``accelerator.no_sync``.
 

@@ -1,4 +1,5 @@
-"""A tiny Hugging Face Trainer run on CPU DDP with default arguments (tests/python/test_stacks.py).
+"""A tiny Hugging Face Trainer run on CPU DDP with default arguments
+(tests/python/launch/test_stacks.py).
 
 The model is built from a small BertConfig (no download) and the data are synthetic.
 

@@ -1,4 +1,5 @@
-"""A tiny Lightning run on CPU DDP, automatic or manual optimization (tests/python/test_stacks.py).
+"""A tiny Lightning run on CPU DDP, automatic or manual optimization
+(tests/python/launch/test_stacks.py).
 
     torchrun --nproc_per_node=2 -m fastddp lightning_train.py --out OUT [--manual]
              [--find-unused]

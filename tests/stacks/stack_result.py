@@ -1,4 +1,5 @@
-"""What each stack script writes: one JSON file per rank, read by tests/python/test_stacks.py.
+"""What each stack script writes: one JSON file per rank, read by
+tests/python/launch/test_stacks.py.
 
 Not part of the scripts' training logic: it only records which DDP class the framework
 wrapped the model in, the losses, and the final state (parameters and buffers).

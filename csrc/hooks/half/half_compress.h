@@ -35,7 +35,7 @@
 // as its device's ATen kernel, and fastddp's bf16()/fp16() give torch's bits (torch's
 // own hooks run natively lose nothing). The two devices' roundings agree for every
 // bfloat16 value and divisor below 5000, but not for float16 (at 14, 26, 28, 30, ...
-// ranks some values differ; tests/python/test_kernels.py). The sums are the backend's
+// ranks some values differ; tests/python/hooks/test_kernels.py). The sums are the backend's
 // 16-bit allreduce in both.
 #pragma once
 

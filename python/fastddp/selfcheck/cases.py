@@ -44,7 +44,7 @@ EXACT = Tolerance()
 # The same algorithm, but fastddp fuses the orthogonalization and the low-rank products,
 # which round differently in float32; orthogonalizing amplifies that by the matrix's
 # condition number and error feedback carries it on: the test suite measured up to 4.2e-5
-# of the gradient's largest magnitude (tests/python/powersgd_scenarios.py derives it); 1e-4
+# of the gradient's largest magnitude (tests/python/hooks/powersgd_scenarios.py derives it); 1e-4
 # leaves a GPU's other BLAS rounding room, and the 3 steps here measure 4e-7 (0.0043).
 POWERSGD = Tolerance(of_max=1e-4)
 

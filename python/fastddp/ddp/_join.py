@@ -1,0 +1,97 @@
+"""Uneven inputs: fastddp's side of torch.distributed.algorithms.Join.
+
+Ranks that still have data run their usual forward and backward; ranks that
+ran out run ``_JoinHook.main_hook`` in the Join loop instead, which issues the
+same collectives in the same order with zero gradients (the reducer's
+``shadow_backward``), so nobody waits forever. The order, on both sides:
+Join's notify allreduce, the one bucket rebuild (a broadcast), the buffer
+broadcast from an agreed rank, the "will this backward sync" allreduce, then
+the buckets' reductions (and the used-parameter bitmap under
+find_unused_parameters).
+"""
+
+from __future__ import annotations
+
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import JoinHook
+# The model: fastddp's DistributedDataParallel, which imports this module; the hints name
+# torch's class, which it subclasses.
+from torch.nn.parallel import DistributedDataParallel
+
+from fastddp.ddp._hook_state import _hook_name
+from fastddp.ddp._module_sync import broadcast_tensors
+
+
+
+def find_common_rank(ddp: DistributedDataParallel, candidate: bool) -> int:
+    """The largest rank among those where ``candidate`` holds (one allreduce)."""
+    rank = torch.tensor([dist.get_rank(ddp.process_group) if candidate else -1], device=ddp.device)
+    dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=ddp.process_group)
+    common = int(rank.item())
+    if common < 0:
+        raise RuntimeError("fastddp join: no rank qualified as the authoritative model copy")
+    return common
+
+
+def announce_backward_sync(ddp: DistributedDataParallel, joined: bool) -> bool | None:
+    """Tells the joined ranks whether this iteration's backward synchronizes.
+
+    A training rank contributes 1 when it will sync and does not wait; a joined
+    rank contributes 0, waits and learns whether any rank syncs."""
+    flag = torch.ones(1, device=ddp.device)
+    if joined or not ddp.require_backward_grad_sync:
+        flag.zero_()
+    work = dist.all_reduce(flag, group=ddp.process_group, async_op=True)
+    if not joined:
+        return None
+    work.wait()
+    return bool(flag.item() != 0)
+
+
+def sync_buffers(ddp: DistributedDataParallel, joined: bool = False) -> None:
+    """Broadcasts the module's buffers before a forward: from rank 0, or under
+    join() from the largest rank still training (rank 0 may have stale ones)."""
+    src = find_common_rank(ddp, not joined) if ddp._join_config.enable else 0
+    try:
+        with torch.no_grad():
+            broadcast_tensors(ddp.process_group, ddp.modules_buffers, src=src)
+    except RuntimeError as e:
+        # Typically a dead or stuck peer: gloo's text names neither the collective nor
+        # what it carried, and this is the first collective of a step.
+        raise RuntimeError(
+            f"fastddp: the broadcast of the module's buffers from rank {src} before the "
+            f"forward (comm hook {_hook_name(ddp)!r}) failed on rank "
+            f"{ddp.process_group.rank()}: {e}") from e
+
+
+class _JoinHook(JoinHook):
+    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool):
+        self.ddp = ddp
+        ddp._divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        ddp = self.ddp
+        reducer = ddp._reducer
+        if reducer is None:
+            return
+        reducer.before_forward(False)
+        if ddp._will_sync_buffers():
+            sync_buffers(ddp, joined=True)
+        should_sync = announce_backward_sync(ddp, joined=True)
+        ddp.require_forward_param_sync = should_sync
+        if not should_sync:
+            return
+        reducer.shadow_backward()
+        reducer.record_default_ready_order()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Every rank takes the parameters and buffers of the last joiner."""
+        ddp = self.ddp
+        src = find_common_rank(ddp, is_last_joiner)
+        states = [p.detach() for p in ddp._module_parameters]
+        if ddp.forward_sync_buffers:
+            states += [b.detach() for b in ddp.modules_buffers]
+        with torch.no_grad():
+            broadcast_tensors(ddp.process_group, states, src=src)

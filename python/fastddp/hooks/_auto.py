@@ -1,0 +1,91 @@
+"""What ``fastddp.hooks.auto()`` returns (``AutoHook``: the policy and the tuner's settings,
+checked) and the names of the configurations it chooses among, which the tuner
+(fastddp/tuning/auto.py, Note [auto tuning]) and ``--advise`` (fastddp/tuning/advise.py)
+share: ``allreduce_fp32`` and its bucket-cap variants (``allreduce_fp32@16MB``), ``bf16``,
+``bf16_fp32_accumulate``, ``int8``, ``fp8``, ``powersgd_r<rank>``, ``hier_<inner>``."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastddp.hooks import _hierarchical
+
+POLICIES = ("lossless", "bf16", "any")
+# The inter-node hooks of the hierarchical candidates (cost model names).
+HIER_INNERS = ("allreduce_fp32", "bf16", "int8")
+LOSSLESS = "allreduce_fp32"
+BF16 = ("bf16", "bf16_fp32_accumulate")
+QUANT8 = ("int8", "fp8")
+POWERSGD = tuple(f"powersgd_r{r}" for r in (1, 2, 4, 8))
+HIER = tuple(f"hier_{inner}" for inner in HIER_INNERS)
+HIER_16 = HIER[:2]  # fp32 or bf16 between the nodes: the bf16 policy's
+CAP_FACTORS = (0.25, 4.0)
+
+
+@dataclass(frozen=True)
+class AutoHook:
+    """What ``fastddp.hooks.auto()`` returns: register it like any hook."""
+
+    policy: str = "any"
+    warmup: int = 2
+    samples: int = 5
+    trials: int = 3
+    lossy_margin: float = 0.05
+    verbose: bool = True
+    local_size: int | None = None  # ranks per node (default: torchrun's LOCAL_WORLD_SIZE)
+    groups: Any = field(default=None, compare=False, repr=False)  # (intra, inter) groups
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"fastddp.hooks.auto: policy {self.policy!r} is not one of "
+                             f"{', '.join(POLICIES)}")
+        for name in ("warmup", "samples", "trials"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (0 if name == "warmup" else 1):
+                raise ValueError(f"fastddp.hooks.auto: {name} must be a positive int, got "
+                                 f"{value!r}")
+        if not 0 <= self.lossy_margin < 1:
+            raise ValueError(f"fastddp.hooks.auto: lossy_margin must be in [0, 1), got "
+                             f"{self.lossy_margin!r}")
+        if self.local_size is not None and self.groups is not None:
+            raise ValueError("fastddp.hooks.auto: give at most one of local_size= and groups=")
+        if self.local_size is not None:
+            _hierarchical.check_local_size(self.local_size, "fastddp.hooks.auto")
+        if self.groups is not None and (not isinstance(self.groups, (tuple, list))
+                                        or len(self.groups) != 2):
+            raise TypeError("fastddp.hooks.auto: groups must be (intra_group, inter_group)")
+
+    @property
+    def __name__(self) -> str:  # torch's register_comm_hook and our logs read it
+        return f"fastddp_auto_{self.policy}_hook"
+
+    def __call__(self, state: object, bucket: Any) -> Any:
+        raise NotImplementedError(
+            "fastddp.hooks.auto() chooses among fastddp's native hooks while training and "
+            "runs only on fastddp.DistributedDataParallel, not under stock torch DDP")
+
+    def candidates(self, cap_mb: float, hierarchical: bool = False) -> list[str]:
+        """The policy's candidate names, in a fixed order every rank agrees on;
+        ``hierarchical``: the ranks span several nodes (Note [auto on several nodes])."""
+        names = [LOSSLESS, *(cap_variant(cap_mb * f) for f in CAP_FACTORS)]
+        if self.policy in ("bf16", "any"):
+            names += BF16
+        if self.policy == "any":
+            names += QUANT8 + POWERSGD
+        if hierarchical and self.policy != "lossless":
+            names += HIER if self.policy == "any" else HIER_16
+        return names
+
+
+def lossy(name: str) -> bool:
+    return not name.startswith(LOSSLESS)
+
+
+def cap_variant(cap_mb: float) -> str:
+    """The name of plain allreduce with buckets of ``cap_mb`` MiB."""
+    return f"allreduce_fp32@{cap_mb:g}MB"
+
+
+def variant_cap(name: str) -> float | None:
+    """The bucket cap in MiB a candidate name asks for (None: the run's own)."""
+    _, sep, cap = name.partition("@")
+    return float(cap.removesuffix("MB")) if sep else None

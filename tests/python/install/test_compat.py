@@ -1,0 +1,116 @@
+"""A fastddp._C built for another torch is refused at import with an ImportError that names
+both versions and the command that rebuilds it (fastddp/_compat.py), not an undefined-symbol
+error."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastddp
+from build_env import ccache_env
+from fastddp import _C, _compat
+
+PACKAGE = os.path.dirname(os.path.abspath(fastddp.__file__))
+
+
+def test_the_installed_module_carries_the_running_torch():
+    stamp = _compat.read_stamp(_C.__file__)
+    assert stamp["torch"] == torch.__version__
+    assert stamp["cuda"] == (torch.version.cuda if fastddp.build_info()["cuda"] else "none")
+    assert stamp["arch"] == fastddp.build_info()["torch_cuda_arch_list"]
+
+
+def test_another_torch_is_refused_with_both_versions_and_the_command():
+    why = _compat.refusal({"torch": "2.11.0+cu130", "cuda": "13.0"}, "2.14.1+cu130", "13.0",
+                          gpu_visible=False)
+    assert "built against torch 2.11.0+cu130, but torch 2.14.1+cu130 is installed" in why
+    assert "pip install --no-build-isolation" in why
+
+
+def test_a_cpu_build_is_refused_only_where_cuda_is_wanted():
+    cpu_build = {"torch": "2.14.1+cu130", "cuda": "none"}
+    assert _compat.refusal(cpu_build, "2.14.1+cu130", "13.0", gpu_visible=False) is None
+    assert _compat.refusal(cpu_build, "2.14.1+cu130", None, gpu_visible=True) is None
+    why = _compat.refusal(cpu_build, "2.14.1+cu130", "13.0", gpu_visible=True)
+    assert "built without CUDA" in why and "CUDA 13.0" in why
+    same = {"torch": "2.14.1+cu130", "cuda": "13.0"}
+    assert _compat.refusal(same, "2.14.1+cu130", "13.0", gpu_visible=True) is None
+
+
+def test_import_refuses_a_module_stamped_for_another_torch(tmp_path):
+    # The package as installed, with a _C of the same file name that only carries a stamp for
+    # torch 2.11: importing it would fail with an unreadable error, the stamp check first.
+    copy = tmp_path / "fastddp"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("_C*.so", "__pycache__"))
+    stamp = b"fastddp-build-stamp:torch=2.11.0+cu130;cuda=13.0;arch=9.0;"
+    (copy / os.path.basename(_C.__file__)).write_bytes(b"\0not a module\0" + stamp + b"\0")
+    done = subprocess.run([sys.executable, "-c", "import fastddp"], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()
+    assert last[-2].startswith("ImportError: fastddp._C was built against torch 2.11.0+cu130, "
+                               f"but torch {torch.__version__} is installed"), done.stderr
+    assert last[-1].strip().startswith("pip install --no-build-isolation"), done.stderr
+
+
+def test_a_module_that_fails_to_load_says_how_to_rebuild(tmp_path):
+    # A module with no stamp at all (older, or truncated) that the loader rejects.
+    copy = tmp_path / "fastddp"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("_C*.so", "__pycache__"))
+    (copy / os.path.basename(_C.__file__)).write_bytes(b"\x7fELF truncated")
+    done = subprocess.run([sys.executable, "-c", "import fastddp"], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    assert done.returncode == 1
+    assert "cannot be loaded under torch" in done.stderr and "Rebuilding it" in done.stderr
+
+
+COMPAT_VENV = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "build",
+                                           "torch-2.11-venv", "bin", "python"))
+
+
+@pytest.mark.skipif(not os.path.exists(COMPAT_VENV),
+                    reason="needs torch 2.11 in build/torch-2.11-venv (make deps-compat)")
+def test_the_real_module_under_torch_2_11_is_refused():
+    # This very _C (built against the torch running the suite) imported under torch 2.11:
+    # without the stamp check, undefined symbol: _ZN3c10... (see the second command).
+    python_dir = os.path.dirname(PACKAGE)
+    done = subprocess.run([COMPAT_VENV, "-c", "import torch; print(torch.__version__); "
+                           "import fastddp"], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=python_dir))
+    older = done.stdout.split()[0]
+    assert older.startswith("2.11.") and done.returncode == 1, done.stdout + done.stderr
+    assert (f"ImportError: fastddp._C was built against torch {torch.__version__}, but torch "
+            f"{older} is installed") in done.stderr, done.stderr
+    raw = subprocess.run([COMPAT_VENV, "-c", "import torch, importlib.util as u; "
+                          f"s = u.spec_from_file_location('fastddp._C', {_C.__file__!r}); "
+                          "s.loader.exec_module(u.module_from_spec(s))"],
+                         capture_output=True, text=True, timeout=300)
+    assert "undefined symbol" in raw.stderr, raw.stderr
+
+
+@pytest.mark.skipif(not os.path.exists(COMPAT_VENV),
+                    reason="needs torch 2.11 in build/torch-2.11-venv (make deps-compat)")
+def test_builds_against_torch_2_11_and_passes_the_self_check(tmp_path):
+    # The oldest torch fastddp claims: the working tree copied, built there (CUDA sources
+    # included, as on the GPU machine) and installed into the torch-2.11 venv, then
+    # `python -m fastddp --check` from outside both trees. ccache keeps later runs short.
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+    src = os.path.join(root, "build", "compat-src")
+    shutil.rmtree(src, ignore_errors=True)
+    shutil.copytree(root, src, ignore=shutil.ignore_patterns(
+        "build", ".git", "*.so", "__pycache__", "*.egg-info", ".benchmarks"))
+    built = subprocess.run([COMPAT_VENV, "-m", "pip", "install", "--no-build-isolation",
+                            "--no-deps", "--no-index", src], capture_output=True, text=True,
+                           timeout=1800, env=ccache_env(src))
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    check = subprocess.run([COMPAT_VENV, "-m", "fastddp", "--check"], capture_output=True,
+                           text=True, timeout=600, cwd=tmp_path)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "fastddp._C built against 2.11." in check.stdout, check.stdout
+    assert "fastddp self-check passed" in check.stdout
