@@ -78,10 +78,21 @@ void check_compress(HalfKind kind, const at::Tensor& src, const at::Tensor& dst)
                 ", dst ", dst.numel(), " on ", dst.device());
 }
 
-// Runs `chunk(begin, end, flag)` over src's elements on the CPU threads; *host_bad
-// (when given) becomes whether any chunk set its flag.
-template <typename Chunk>
-void parallel_compress(const at::Tensor& src, bool* host_bad, const Chunk& chunk) {
+// On CUDA, `on_cuda(stream)` under src's device guard; on the CPU, `chunk(begin, end,
+// flag)` over src's elements on the CPU threads, and *host_bad (when given) becomes
+// whether any chunk set its flag.
+template <typename OnCuda, typename Chunk>
+void run_to_half(const at::Tensor& src, bool* host_bad, const OnCuda& on_cuda,
+                 const Chunk& chunk) {
+  if (src.is_cuda()) {
+#if defined(FASTDDP_WITH_CUDA)
+    const c10::cuda::CUDAGuard guard(src.device());
+    on_cuda(current_stream(src));
+    return;
+#else
+    no_cuda();
+#endif
+  }
   FASTDDP_CHECK(src.is_cpu(), "fastddp half_compress: unsupported device ", src.device());
   std::atomic<int32_t> bad{0};
   at::parallel_for(0, src.numel(), kGrain, [&](int64_t begin, int64_t end) {
@@ -109,20 +120,15 @@ void half_compress_into(HalfKind kind, const at::Tensor& src, double scale,
   const float* s = src.data_ptr<float>();
   uint16_t* d = half_ptr(dst);
   const auto f_scale = static_cast<float>(scale);
-  if (src.is_cuda()) {
-#if defined(FASTDDP_WITH_CUDA)
-    const c10::cuda::CUDAGuard guard(src.device());
-    kernels::compress_cuda(kind, s, f_scale, r, d, src.numel(), current_stream(src),
-                           device_flag);
-    return;
-#else
-    no_cuda();
-#endif
-  }
-  parallel_compress(src, host_bad, [&](int64_t begin, int64_t end, int32_t* flag) {
-    kernels::compress_cpu(kind, s + begin, f_scale, r ? r + begin : nullptr, d + begin,
-                          end - begin, flag);
-  });
+  run_to_half(
+      src, host_bad,
+      [&](void* stream) {
+        kernels::compress_cuda(kind, s, f_scale, r, d, src.numel(), stream, device_flag);
+      },
+      [&](int64_t begin, int64_t end, int32_t* flag) {
+        kernels::compress_cpu(kind, s + begin, f_scale, r ? r + begin : nullptr, d + begin,
+                              end - begin, flag);
+      });
 }
 
 void half_cast_divide_into(HalfKind kind, const at::Tensor& src, int64_t divisor,
@@ -135,19 +141,14 @@ void half_cast_divide_into(HalfKind kind, const at::Tensor& src, int64_t divisor
   uint16_t* d = half_ptr(dst);
   // The scalar as ATen's opmath (float) sees it.
   const auto f_divisor = static_cast<float>(divisor);
-  if (src.is_cuda()) {
-#if defined(FASTDDP_WITH_CUDA)
-    const c10::cuda::CUDAGuard guard(src.device());
-    kernels::cast_divide_cuda(kind, s, f_divisor, d, src.numel(), current_stream(src),
-                              device_flag);
-    return;
-#else
-    no_cuda();
-#endif
-  }
-  parallel_compress(src, host_bad, [&](int64_t begin, int64_t end, int32_t* flag) {
-    kernels::cast_divide_cpu(kind, s + begin, f_divisor, d + begin, end - begin, flag);
-  });
+  run_to_half(
+      src, host_bad,
+      [&](void* stream) {
+        kernels::cast_divide_cuda(kind, s, f_divisor, d, src.numel(), stream, device_flag);
+      },
+      [&](int64_t begin, int64_t end, int32_t* flag) {
+        kernels::cast_divide_cpu(kind, s + begin, f_divisor, d + begin, end - begin, flag);
+      });
 }
 
 void half_decompress_many(HalfKind kind, const std::vector<at::Tensor>& srcs,

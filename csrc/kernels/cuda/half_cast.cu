@@ -32,80 +32,40 @@ bool aligned(const void* p, uintptr_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
-template <HalfKind K, bool kFeedback>
-__device__ __forceinline__ uint16_t compress_one(float g, float scale, float* residual,
-                                                 int64_t i) {
-  float v = mul_rn(g, scale);
-  if constexpr (kFeedback) v = add_rn(v, residual[i]);
-  const uint16_t h = half_bits_from_float<K>(v);
-  if constexpr (kFeedback) residual[i] = v - float_from_half_bits<K>(h);
-  return h;
-}
-
 __device__ __forceinline__ int nonfinite(float x) { return (x - x) != 0.0f; }
 
-// nonfinite_flag (check_for_nan_in_grad): set to 1 by any thread that saw a
-// NaN or an infinity; every writer stores the same value, so no atomics.
-template <HalfKind K, bool kFeedback, bool kVector>
-__global__ void compress_kernel(const float* __restrict__ src, float scale,
-                                float* __restrict__ residual, uint16_t* __restrict__ dst,
-                                int64_t n, int32_t* nonfinite_flag) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  int64_t scalar_begin = 0;
-  int bad = 0;
-  if constexpr (kVector) {
-    // Residual is read element by element: it needs no alignment.
-    const int64_t n4 = n / 4;
-    for (int64_t q = tid; q < n4; q += stride) {
-      const float4 g = reinterpret_cast<const float4*>(src)[q];
-      bad |= nonfinite(g.x) | nonfinite(g.y) | nonfinite(g.z) | nonfinite(g.w);
-      const int64_t i = 4 * q;
-      ushort4 h;
-      h.x = compress_one<K, kFeedback>(g.x, scale, residual, i);
-      h.y = compress_one<K, kFeedback>(g.y, scale, residual, i + 1);
-      h.z = compress_one<K, kFeedback>(g.z, scale, residual, i + 2);
-      h.w = compress_one<K, kFeedback>(g.w, scale, residual, i + 3);
-      reinterpret_cast<ushort4*>(dst)[q] = h;
-    }
-    scalar_begin = 4 * n4;
-  }
-  for (int64_t i = scalar_begin + tid; i < n; i += stride) {
-    bad |= nonfinite(src[i]);
-    dst[i] = compress_one<K, kFeedback>(src[i], scale, residual, i);
-  }
-  if (bad && nonfinite_flag != nullptr) *nonfinite_flag = 1;
-}
-
+// One element of the compression: scale, add the residual (error feedback), round.
 template <HalfKind K, bool kFeedback>
-void launch_compress(const float* src, float scale, float* residual, uint16_t* dst, int64_t n,
-                     cudaStream_t stream, int32_t* flag) {
-  const bool vector = aligned(src, 16) && aligned(dst, 8);
-  const int grid = grid_for(vector ? n / 4 : n);
-  if (vector) {
-    compress_kernel<K, kFeedback, true>
-        <<<grid, kThreads, 0, stream>>>(src, scale, residual, dst, n, flag);
-  } else {
-    compress_kernel<K, kFeedback, false>
-        <<<grid, kThreads, 0, stream>>>(src, scale, residual, dst, n, flag);
+struct CompressOp {
+  float scale;
+  float* residual;  // read element by element: it needs no alignment
+  __device__ __forceinline__ uint16_t operator()(float g, int64_t i) const {
+    float v = mul_rn(g, scale);
+    if constexpr (kFeedback) v = add_rn(v, residual[i]);
+    const uint16_t h = half_bits_from_float<K>(v);
+    if constexpr (kFeedback) residual[i] = v - float_from_half_bits<K>(h);
+    return h;
   }
-  check(cudaGetLastError(), "compress_cuda launch");
-}
+};
 
-// --- torch's rounding: cast, then divide (Note [torch's half rounding]) -----------
-
-// ATen's CUDA division by a CPU scalar multiplies by the float reciprocal
-// (BinaryDivTrueKernel.cu): one product, rounded once, then the 16-bit store.
+// torch's rounding: cast, then divide (Note [torch's half rounding]). ATen's CUDA
+// division by a CPU scalar multiplies by the float reciprocal (BinaryDivTrueKernel.cu):
+// one product, rounded once, then the 16-bit store.
 template <HalfKind K>
-__device__ __forceinline__ uint16_t cast_times(float g, float inverse) {
-  return half_bits_from_float<K>(mul_rn(float_from_half_bits<K>(half_bits_from_float<K>(g)),
-                                        inverse));
-}
+struct CastTimesOp {
+  float inverse;
+  __device__ __forceinline__ uint16_t operator()(float g, int64_t) const {
+    return half_bits_from_float<K>(mul_rn(float_from_half_bits<K>(half_bits_from_float<K>(g)),
+                                          inverse));
+  }
+};
 
-template <HalfKind K, bool kVector>
-__global__ void cast_divide_kernel(const float* __restrict__ src, float inverse,
-                                   uint16_t* __restrict__ dst, int64_t n,
-                                   int32_t* nonfinite_flag) {
+// dst[i] = op(src[i], i) over a grid-stride loop, 16-byte loads and 8-byte stores
+// when kVector. nonfinite_flag (check_for_nan_in_grad): set to 1 by any thread that
+// saw a NaN or an infinity; every writer stores the same value, so no atomics.
+template <typename Op, bool kVector>
+__global__ void to_half_kernel(const float* __restrict__ src, Op op, uint16_t* __restrict__ dst,
+                               int64_t n, int32_t* nonfinite_flag) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   int64_t scalar_begin = 0;
@@ -115,35 +75,54 @@ __global__ void cast_divide_kernel(const float* __restrict__ src, float inverse,
     for (int64_t q = tid; q < n4; q += stride) {
       const float4 g = reinterpret_cast<const float4*>(src)[q];
       bad |= nonfinite(g.x) | nonfinite(g.y) | nonfinite(g.z) | nonfinite(g.w);
+      const int64_t i = 4 * q;
       ushort4 h;
-      h.x = cast_times<K>(g.x, inverse);
-      h.y = cast_times<K>(g.y, inverse);
-      h.z = cast_times<K>(g.z, inverse);
-      h.w = cast_times<K>(g.w, inverse);
+      h.x = op(g.x, i);
+      h.y = op(g.y, i + 1);
+      h.z = op(g.z, i + 2);
+      h.w = op(g.w, i + 3);
       reinterpret_cast<ushort4*>(dst)[q] = h;
     }
     scalar_begin = 4 * n4;
   }
   for (int64_t i = scalar_begin + tid; i < n; i += stride) {
     bad |= nonfinite(src[i]);
-    dst[i] = cast_times<K>(src[i], inverse);
+    dst[i] = op(src[i], i);
   }
   if (bad && nonfinite_flag != nullptr) *nonfinite_flag = 1;
+}
+
+template <typename Op>
+void launch_to_half(const Op& op, const float* src, uint16_t* dst, int64_t n,
+                    cudaStream_t stream, int32_t* flag, const char* what) {
+  const bool vector = aligned(src, 16) && aligned(dst, 8);
+  const int grid = grid_for(vector ? n / 4 : n);
+  if (vector) {
+    to_half_kernel<Op, true><<<grid, kThreads, 0, stream>>>(src, op, dst, n, flag);
+  } else {
+    to_half_kernel<Op, false><<<grid, kThreads, 0, stream>>>(src, op, dst, n, flag);
+  }
+  check(cudaGetLastError(), what);
+}
+
+template <HalfKind K>
+void launch_compress(const float* src, float scale, float* residual, uint16_t* dst, int64_t n,
+                     cudaStream_t stream, int32_t* flag) {
+  if (residual != nullptr) {
+    launch_to_half(CompressOp<K, true>{scale, residual}, src, dst, n, stream, flag,
+                   "compress_cuda launch");
+  } else {
+    launch_to_half(CompressOp<K, false>{scale, nullptr}, src, dst, n, stream, flag,
+                   "compress_cuda launch");
+  }
 }
 
 template <HalfKind K>
 void launch_cast_divide(const float* src, float divisor, uint16_t* dst, int64_t n,
                         cudaStream_t stream, int32_t* flag) {
   // The reciprocal in float on the host, as ATen computes it (opmath_t(1.0) / b).
-  const float inverse = 1.0f / divisor;
-  const bool vector = aligned(src, 16) && aligned(dst, 8);
-  const int grid = grid_for(vector ? n / 4 : n);
-  if (vector) {
-    cast_divide_kernel<K, true><<<grid, kThreads, 0, stream>>>(src, inverse, dst, n, flag);
-  } else {
-    cast_divide_kernel<K, false><<<grid, kThreads, 0, stream>>>(src, inverse, dst, n, flag);
-  }
-  check(cudaGetLastError(), "cast_divide_cuda launch");
+  launch_to_half(CastTimesOp<K>{1.0f / divisor}, src, dst, n, stream, flag,
+                 "cast_divide_cuda launch");
 }
 
 // --- multi-tensor decompression ---------------------------------------------------
@@ -239,17 +218,9 @@ void compress_cuda(HalfKind kind, const float* src, float scale, float* residual
                    int64_t n, void* stream_ptr, int32_t* nonfinite) {
   if (n == 0) return;
   auto stream = static_cast<cudaStream_t>(stream_ptr);
-  if (kind == HalfKind::kBFloat16) {
-    residual
-        ? launch_compress<HalfKind::kBFloat16, true>(src, scale, residual, dst, n, stream, nonfinite)
-        : launch_compress<HalfKind::kBFloat16, false>(src, scale, residual, dst, n, stream,
-                                                      nonfinite);
-  } else {
-    residual
-        ? launch_compress<HalfKind::kFloat16, true>(src, scale, residual, dst, n, stream, nonfinite)
-        : launch_compress<HalfKind::kFloat16, false>(src, scale, residual, dst, n, stream,
-                                                     nonfinite);
-  }
+  kind == HalfKind::kBFloat16
+      ? launch_compress<HalfKind::kBFloat16>(src, scale, residual, dst, n, stream, nonfinite)
+      : launch_compress<HalfKind::kFloat16>(src, scale, residual, dst, n, stream, nonfinite);
 }
 
 void cast_divide_cuda(HalfKind kind, const float* src, float divisor, uint16_t* dst, int64_t n,

@@ -34,7 +34,6 @@ class DelayedAllReduce:
 
     def __init__(self, group: dist.ProcessGroup,
                  named_params: Sequence[tuple[str, nn.Parameter]], hook_param: nn.Parameter):
-        self.names = [name for name, _ in named_params]
         self.params = [param for _, param in named_params]
         self.group = group
         # torch makes it on device_ids[0] or the CPU, in the default dtype; the parameters'
