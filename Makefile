@@ -74,8 +74,9 @@ $(BUILD_STAMP): $(SOURCES)
 # tests/python/install/test_compat.py: a _C built against this torch must be refused there
 # with a clear ImportError, and fastddp built against 2.11 there must pass its self-check. --no-deps:
 # the CUDA libraries come from the site-packages that holds this environment's torch (a .pth
-# at the end of its path; in a venv made with --system-site-packages that is the system's,
-# not the venv's own), so only torch's own 530 MB wheel is downloaded.
+# at the end of its path; every site-packages folder of this environment's Python, not only
+# torch's: in a venv made with --system-site-packages the CUDA libraries may sit in the
+# system's while torch sits in the venv), so only torch's own 530 MB wheel is downloaded.
 COMPAT_VENV := build/torch-2.11-venv
 COMPAT_TORCH := torch==2.11.0
 deps-compat:
@@ -85,7 +86,8 @@ deps-compat:
 	       && $(COMPAT_VENV)/bin/pip install -q --no-deps "$(COMPAT_TORCH)" \
 	       && $(COMPAT_VENV)/bin/pip install -q typing-extensions sympy networkx jinja2 fsspec filelock \
 	          "setuptools>=77" wheel \
-	       && $(PYTHON) -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))" \
+	       && $(PYTHON) -c "import os, site, torch; \
+	          print(*dict.fromkeys([os.path.dirname(os.path.dirname(torch.__file__))] + site.getsitepackages()), sep='\n')" \
 	          > $$($(COMPAT_VENV)/bin/python -c "import site; print(site.getsitepackages()[0])")/zz_outer.pth; }
 	@$(COMPAT_VENV)/bin/python -c "import torch; print('[make] compat venv: torch', torch.__version__)"
 
