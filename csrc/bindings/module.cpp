@@ -68,6 +68,7 @@ py::dict comm_stats_dict(const Reducer& reducer) {
     bucket["ready_ms"] = t.ready_us / 1e3;
     bucket["launched_ms"] = t.launched_us / 1e3;
     bucket["done_ms"] = t.done_us / 1e3;
+    bucket["skipped"] = b < stats.skipped.size() && stats.skipped[b];
     buckets.append(bucket);
     reduced += stats.bucket_bytes[b];
     sent += stats.wire_bytes[b];
@@ -146,7 +147,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        std::shared_ptr<fastddp::CommHook> hook, bool gradient_as_bucket_view,
                        bool find_unused_parameters, bool static_graph,
                        std::vector<size_t> rebuild_limits, std::vector<bool> expect_sparse,
-                       bool check_for_nan_in_grad, int64_t align_bytes) {
+                       bool check_for_nan_in_grad, int64_t align_bytes,
+                       bool skip_all_reduce_unused_params) {
              ReducerOptions options;
              options.gradient_as_bucket_view = gradient_as_bucket_view;
              options.find_unused_parameters = find_unused_parameters;
@@ -155,6 +157,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              options.expect_sparse = std::move(expect_sparse);
              options.check_for_nan_in_grad = check_for_nan_in_grad;
              options.align_bytes = align_bytes;
+             options.skip_all_reduce_unused_params = skip_all_reduce_unused_params;
              if (!hook) hook = std::make_shared<fastddp::AllreduceHook>(group);
              return std::make_shared<Reducer>(std::move(params), std::move(names), std::move(plan),
                                               std::move(group), std::move(hook), options);
@@ -164,7 +167,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("find_unused_parameters") = false, py::arg("static_graph") = false,
            py::arg("rebuild_limits") = std::vector<size_t>{1024 * 1024, 25 * 1024 * 1024},
            py::arg("expect_sparse") = std::vector<bool>{},
-           py::arg("check_for_nan_in_grad") = false, py::arg("align_bytes") = 0)
+           py::arg("check_for_nan_in_grad") = false, py::arg("align_bytes") = 0,
+           py::arg("skip_all_reduce_unused_params") = false)
       // Every method that takes the reducer's lock releases the GIL first: the
       // autograd thread holds that lock while a Python comm hook wants the GIL.
       .def("before_forward", &Reducer::before_forward, py::arg("sync"), nogil())
@@ -199,5 +203,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("static_graph", &Reducer::static_graph)
       .def_property_readonly("has_rebuilt_buckets", &Reducer::has_rebuilt_buckets)
       .def_property_readonly("num_iterations", &Reducer::num_iterations)
-      .def_property_readonly("num_backward_syncs", &Reducer::num_backward_syncs);
+      .def_property_readonly("num_backward_syncs", &Reducer::num_backward_syncs)
+      .def_property_readonly("num_buckets_reduced", [](const Reducer& r) {
+        py::gil_scoped_release release;  // takes the reducer's lock
+        return r.num_buckets_reduced();
+      });
 }

@@ -72,6 +72,13 @@ class CommHook {
   // torch's do, may ignore it.
   virtual void set_divide_factor(int64_t factor) { (void)factor; }
 
+  // Every bucket of this step has been run() or skipped, the last one skipped
+  // (skip_all_reduce_unused_params, Note [skipping unused buckets]): no run()
+  // was told is_last, so a hook that holds work back for the last bucket
+  // (Note [pipelined hooks]) issues it now. Called on every rank alike, from
+  // the same place in the sequence of collectives.
+  virtual void drain() {}
+
   // The step failed after some buckets were run(): the reducer then waits for
   // their futures before the next step reuses their buffers, so a hook must
   // complete (or fail) every future it returned, also for work it will now

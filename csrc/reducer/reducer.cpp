@@ -142,6 +142,9 @@ void Reducer::reset_iteration() {
   marked_unused_ = false;
   last_ready_order_.clear();
   for (Bucket& bucket : buckets_) bucket.pending = bucket.params.size();
+  skip_.assign(buckets_.size(), false);  // vote_on_skips() decides, after the unused search
+  skipped_.assign(buckets_.size(), false);
+  buckets_reduced_ = 0;
   if (options_.static_graph) hooks_left_ = expected_hooks_;
   hook_->set_divide_factor(divide_factor_ > 0 ? divide_factor_ : world_size_);
   if (nonfinite_) nonfinite_->begin_step();
@@ -215,6 +218,20 @@ void Reducer::mark_ready(size_t index) {
   const auto [b, slot] = locator_[index];
   Bucket& bucket = buckets_[b];
   at::Tensor& view = bucket.views[slot];
+  // A bucket this rank votes to skip is skipped (or the step fails): its copy-in is
+  // torch's, which divides by the world size only when no comm hook is registered
+  // (our default hook does), else copies; a registered hook's own copy-in may
+  // write elsewhere (its wire buffer) and leave the view, which becomes the grad
+  // under gradient_as_bucket_view, stale. Note [skipping unused buckets].
+  const bool plain_copy_in =
+      hook_registered_ && b < my_votes_.size() && my_votes_[b] && !static_first_iteration();
+  const auto copy_in = [&](const at::Tensor& grad) {
+    if (plain_copy_in) {
+      hook_->CommHook::copy_in(bucket, slot, grad);
+    } else {
+      hook_->copy_in(bucket, slot, grad);
+    }
+  };
   grad_slot_.with_grad(params_[index], [&](at::Tensor& grad) {
     if (grad.defined()) {
       FASTDDP_CHECK(grad.is_sparse() == bucket.sparse, "fastddp: parameter '", names_[index],
@@ -237,9 +254,9 @@ void Reducer::mark_ready(size_t index) {
           "higher-order gradients for your use-case,  please ping "
           "https://github.com/pytorch/pytorch/issues/63929");
       const at::NoGradGuard no_grad;
-      hook_->copy_in(bucket, slot, grad.detach());
+      copy_in(grad.detach());
     } else {
-      hook_->copy_in(bucket, slot, grad);
+      copy_in(grad);
     }
     if (options_.gradient_as_bucket_view && !bucket.sparse && grad.defined() &&
         !grad.is_alias_of(view)) {
@@ -256,13 +273,31 @@ void Reducer::mark_ready(size_t index) {
 }
 
 void Reducer::launch_ready_buckets() {
+  // The ranks' votes are in long before the first bucket is (the forward ran
+  // meanwhile); read them once, before deciding on that bucket.
+  if (skip_pending_ && next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
+    read_skip_votes();
+  }
   // Buckets launch strictly in order so that every rank issues the same
   // sequence of collectives, whatever order its gradients arrive in.
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
     FASTDDP_PROFILE_RANGE("fastddp launch");
     Bucket& bucket = buckets_[next_bucket_];
+    const bool last = next_bucket_ + 1 == buckets_.size();
+    // Note [skipping unused buckets]: not the delayed first static-graph
+    // iteration, which reduces every bucket as torch's delay_all_reduce does.
+    if (skip_[next_bucket_] && !static_first_iteration()) {
+      skipped_[next_bucket_] = true;
+      stats_.timings[next_bucket_].launched_us = elapsed_us();
+      timeline_->mark(next_bucket_, DeviceTimeline::kLaunched);
+      // The last bucket run() was not told is_last: a pipelined hook still
+      // holds its second collective back (issued here, on every rank alike).
+      if (last) hook_->drain();
+      ++next_bucket_;
+      continue;
+    }
     try {
-      bucket.future = hook_->run(bucket, next_bucket_, next_bucket_ + 1 == buckets_.size());
+      bucket.future = hook_->run(bucket, next_bucket_, last);
     } catch (const c10::Error& e) {
       // A collective refused at enqueue (a peer already gone): name the bucket.
       FASTDDP_CHECK(false, "fastddp: the reduction of bucket ", next_bucket_, " (comm hook '",
@@ -272,6 +307,7 @@ void Reducer::launch_ready_buckets() {
                     hook_->name(), "') failed on rank ", rank_, ": ", e.what());
     }
     FASTDDP_CHECK(bucket.future, "fastddp: comm hook '", hook_->name(), "' returned no future");
+    if (!static_first_iteration()) ++buckets_reduced_;  // torch's delayed reduction counts none
     stats_.timings[next_bucket_].launched_us = elapsed_us();
     timeline_->mark(next_bucket_, DeviceTimeline::kLaunched);
     ++next_bucket_;

@@ -26,6 +26,34 @@
 // from the outputs does not reach are marked ready (as zeros) when the first
 // hook fires. A used-bitmap is allreduced after the last bucket; a parameter
 // unused on every rank keeps its .grad untouched (None stays None).
+//
+// Note [skipping unused buckets]
+// torch's skip_all_reduce_unused_params: a bucket whose parameters are all in
+// the unused set (the graph search above; under static_graph, the hooks that
+// did not fire in the first iteration) is not handed to the comm hook, and
+// its grads are not written back: None stays None. Its parameters are still
+// marked ready, with torch's copy-in and its side effects, which show under
+// gradient_as_bucket_view: a defined grad becomes (or stays) the bucket view,
+// holding grad / world size when no comm hook is registered (torch divides
+// while copying in, or in place, and nothing sums it back), grad itself when
+// one is. The first static-graph iteration reduces every bucket (torch's
+// delay_all_reduce does not skip). Comm hooks see the skipped bucket's index
+// missing, and GradBucket.is_last() only on the real last bucket, as under
+// torch; a pipelined hook is drained instead (CommHook::drain). torch counts
+// the buckets it reduced per backward (num_buckets_reduced in its logging
+// data; the delayed first static iteration counts none); so do we.
+// One difference, on purpose: torch's finalize waits on a skipped bucket's
+// future from the last step that reduced it, and under gradient_as_bucket_view
+// with a hook whose result is a new tensor copies that stale result into the
+// grads (measured on torch 2.14.1); here a skipped bucket's grads are left as
+// the copy-in made them.
+// torch decides per rank, and a bucket unused on one rank but used on another
+// mismatches the ranks' collectives (gloo aborts the process). Here every rank
+// votes first, in one small allreduce launched at the end of the forward (each
+// synchronized step; a rank shadowing a step under join() votes too): per
+// bucket, how many ranks would skip it and how many reduce it. A bucket is
+// skipped where no rank reduces it; where the two disagree every rank raises
+// the same error before its first collective of the backward.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -79,6 +107,8 @@ struct ReducerOptions {
   // Slot alignment of the flat buffers in bytes, 0: packed (Note [aligned
   // flat buffer]).
   int64_t align_bytes = 0;
+  // Buckets unused on every rank are not reduced: Note [skipping unused buckets].
+  bool skip_all_reduce_unused_params = false;
 };
 
 // Timings of one bucket in the last synchronized backward, in microseconds
@@ -97,6 +127,7 @@ struct CommStats {
   std::vector<int64_t> bucket_bytes;
   std::vector<int64_t> wire_bytes;
   std::vector<BucketTiming> timings;
+  std::vector<bool> skipped;  // last step: not reduced (Note [skipping unused buckets])
   int64_t backward_start_ns = 0;  // last step's first gradient, steady clock (CLOCK_MONOTONIC)
   double exposed_us = 0;        // last step: last gradient ready -> grads final
   double total_exposed_us = 0;  // over timed_steps steps
@@ -156,6 +187,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool has_rebuilt_buckets() const { return has_rebuilt_; }
   int64_t num_backward_syncs() const { return num_syncs_; }
   int64_t num_iterations() const { return num_iterations_; }
+  // Buckets the last synchronized backward reduced (Note [skipping unused buckets]).
+  int64_t num_buckets_reduced() const;
   bool static_graph() const { return options_.static_graph; }
   std::string hook_name() const;
   std::vector<int64_t> last_ready_order() const;
@@ -244,6 +277,21 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool finalize_queued_ = false;
   bool hooks_seen_ = false;  // a hook fired in this backward
   int64_t divide_factor_ = 0;  // 0: the world size
+
+  // Note [skipping unused buckets].
+  bool skip_votes_needed() const;
+  void vote_on_skips();          // after the forward: launches the votes
+  void read_skip_votes();        // before the first bucket: waits, decides, checks
+  void decide_skips(const int32_t* votes);
+  bool skippable(size_t bucket) const;  // all its parameters are in unused_
+  std::vector<bool> skip_;       // per bucket, this backward: agreed by every rank
+  std::vector<bool> skipped_;    // per bucket, this backward: was skipped
+  std::vector<bool> my_votes_;   // per bucket: this rank voted to skip (empty: shadowing)
+  bool hook_registered_ = false;  // set_comm_hook() was called: not torch's default reduction
+  at::Tensor skip_votes_;        // int32 [2 * buckets]: skip votes, then reduce votes
+  c10::intrusive_ptr<c10d::Work> skip_work_;  // their allreduce
+  bool skip_pending_ = false;    // launched, not yet read
+  int64_t buckets_reduced_ = 0;  // this backward's hook runs (torch's num_buckets_reduced_)
 
   // Unused-parameter accounting (Note [unused parameters]).
   std::vector<size_t> unused_;

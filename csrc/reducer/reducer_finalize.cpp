@@ -17,6 +17,13 @@ void Reducer::finalize_backward() {
     if (nonfinite_) check_finite_gradients();
     for (size_t b = 0; b < buckets_.size(); ++b) {
       Bucket& bucket = buckets_[b];
+      if (skipped_[b]) {
+        // Not reduced: its grads stay as the copy-in left them (Note
+        // [skipping unused buckets]); torch's finalize passes it by too.
+        stats_.timings[b].done_us = elapsed_us();
+        timeline_->mark(b, DeviceTimeline::kDone);
+        continue;
+      }
       {
         FASTDDP_PROFILE_RANGE("fastddp wait");
         bucket.future->wait();
@@ -57,6 +64,7 @@ void Reducer::finalize_backward() {
   timeline_->mark_end();
   ++num_syncs_;
   stats_.steps = num_syncs_;
+  stats_.skipped = skipped_;
   stats_.backward_start_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                                  backward_start_.time_since_epoch())
                                  .count();
@@ -78,6 +86,14 @@ void Reducer::fail_iteration(const std::exception_ptr& error) {
   // step writes into their buffers; then the next forward starts afresh
   // instead of reporting unready parameters.
   hook_->abandon_step();
+  if (skip_pending_) {  // the votes' buffer is reused by the next step
+    skip_pending_ = false;
+    try {
+      skip_work_->wait();
+    } catch (...) {
+      // Its error is the step's, which has failed already.
+    }
+  }
   for (Bucket& bucket : buckets_) {
     if (bucket.future) bucket.future->wait();  // its error, if any, is this step's
     bucket.future.reset();

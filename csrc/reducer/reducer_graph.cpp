@@ -63,6 +63,7 @@ std::vector<at::Tensor> Reducer::after_forward(bool sync, std::vector<at::Tensor
     phase_ = Phase::kExpecting;
     reset_iteration();
     if (dynamic_find_unused()) unused_ = search_unused_parameters(outputs);
+    vote_on_skips();  // Note [skipping unused buckets]
     sink = dynamic_find_unused() || (static_first_iteration() && !delayed_reduce_queued_);
     sink_clone = sink_clone_;
     // No output to hang the sink on: as prepare_for_backward, queue the first
@@ -81,6 +82,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   phase_ = Phase::kExpecting;
   reset_iteration();
   if (dynamic_find_unused()) unused_ = search_unused_parameters(outputs);
+  vote_on_skips();
   delay_from_first_hook_ = static_first_iteration();
 }
 

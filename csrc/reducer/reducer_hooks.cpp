@@ -23,6 +23,7 @@ void Reducer::set_comm_hook(std::shared_ptr<CommHook> hook) {
   check_hook_supports(*hook);
   hook_->set_nonfinite_guard(nullptr);
   hook_ = std::move(hook);
+  hook_registered_ = true;
   hook_->set_nonfinite_guard(nonfinite_.get());
   hook_->on_new_buckets(buckets_);
 }

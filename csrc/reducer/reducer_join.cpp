@@ -18,12 +18,36 @@ void Reducer::shadow_backward() {
     for (const Bucket& bucket : buckets_) shadow_buckets_.push_back(bucket.zeros_like());
   }
   hook_->set_divide_factor(world_size_);
+  skip_.assign(buckets_.size(), false);
+  if (skip_votes_needed()) {
+    // The training ranks vote at the end of their forward (Note [skipping
+    // unused buckets]); this rank takes part without a vote of its own, learns
+    // which buckets they skip, and skips them too (or raises their error).
+    if (skip_pending_) {
+      skip_work_->wait();
+      skip_pending_ = false;
+    }
+    my_votes_.clear();
+    skip_votes_ = at::zeros({static_cast<int64_t>(2 * buckets_.size())},
+                            at::TensorOptions().dtype(at::kInt).device(params_[0].device()));
+    std::vector<at::Tensor> tensors{skip_votes_};
+    if (world_size_ > 1) group_->allreduce(tensors)->wait();
+    const at::Tensor votes = skip_votes_.cpu();
+    decide_skips(votes.data_ptr<int32_t>());
+  }
+  std::vector<size_t> launched;
   for (size_t b = 0; b < buckets_.size(); ++b) {
+    const bool last = b + 1 == buckets_.size();
+    if (skip_[b]) {
+      if (last) hook_->drain();  // as launch_ready_buckets does
+      continue;
+    }
     Bucket& shadow = shadow_buckets_[b];
     shadow.flat.zero_();
     // Hooks may keep their own per-bucket buffers: fill them with zeros too.
     for (size_t k = 0; k < shadow.params.size(); ++k) hook_->copy_in(shadow, k, at::Tensor());
-    futures.push_back(hook_->run(shadow, b, b + 1 == buckets_.size()));
+    futures.push_back(hook_->run(shadow, b, last));
+    launched.push_back(b);
   }
   if (track_usage()) {
     used_map_.zero_();
@@ -32,10 +56,11 @@ void Reducer::shadow_backward() {
     used_map_reduced_ = true;
   }
   if (nonfinite_) nonfinite_->begin_step();  // the training ranks' guard collective
-  for (size_t b = 0; b < futures.size(); ++b) {
-    futures[b]->wait();
-    FASTDDP_CHECK(!futures[b]->hasError(), "fastddp: join: the shadow reduction of bucket ", b,
-                  " failed on rank ", rank_, ": ", futures[b]->tryRetrieveErrorMessage());
+  for (size_t k = 0; k < futures.size(); ++k) {
+    futures[k]->wait();
+    FASTDDP_CHECK(!futures[k]->hasError(), "fastddp: join: the shadow reduction of bucket ",
+                  launched[k], " failed on rank ", rank_, ": ",
+                  futures[k]->tryRetrieveErrorMessage());
   }
   if (nonfinite_) check_finite_gradients();
   if (dynamic_find_unused()) used_map_.zero_();

@@ -42,6 +42,12 @@ c10::intrusive_ptr<c10::ivalue::Future> PipelinedHook::run(Bucket& bucket, size_
   return done;
 }
 
+void PipelinedHook::drain() {
+  if (!pending_) return;
+  std::shared_ptr<Stage> stage = std::move(pending_);
+  finish_or_fail(*stage);
+}
+
 void PipelinedHook::abandon_step() {
   if (!pending_) return;
   std::shared_ptr<Stage> stage = std::move(pending_);

@@ -64,6 +64,10 @@ class PipelinedHook : public CommHook {
     virtual void wait_first() = 0;
   };
 
+  // The last bucket was skipped: finishes the pending stage, as run() does
+  // for an is_last bucket.
+  void drain() final;
+
   // The reducer gave the step up: waits for the pending stage's first
   // collective and fails the stage's future (its second is never issued).
   void abandon_step() final;

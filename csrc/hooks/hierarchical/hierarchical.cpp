@@ -151,19 +151,26 @@ c10::intrusive_ptr<c10::ivalue::Future> HierarchicalHook::run(Bucket& bucket, si
     inner_running_.pop_front();
     start_allgather(oldest);
   }
-  if (is_last) {
-    while (!scattering_.empty()) {
-      Stage last = std::move(scattering_.front());
-      scattering_.pop_front();
-      start_inner(last, scattering_.empty());
-    }
-    while (!inner_running_.empty()) {
-      Stage next = std::move(inner_running_.front());
-      inner_running_.pop_front();
-      start_allgather(next);
-    }
-  }
+  if (is_last) drain_stages(true);
   return done;
+}
+
+void HierarchicalHook::drain() { drain_stages(false); }
+
+void HierarchicalHook::drain_stages(bool is_last) {
+  while (!scattering_.empty()) {
+    Stage last = std::move(scattering_.front());
+    scattering_.pop_front();
+    start_inner(last, is_last && scattering_.empty());
+  }
+  // Not told is_last (the real last bucket was skipped): a pipelined inner
+  // hook still holds its last shard's second collective.
+  if (!is_last) inner_->drain();
+  while (!inner_running_.empty()) {
+    Stage next = std::move(inner_running_.front());
+    inner_running_.pop_front();
+    start_allgather(next);
+  }
 }
 
 void HierarchicalHook::start_inner(Stage& stage, bool is_last) {

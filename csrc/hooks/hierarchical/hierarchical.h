@@ -31,9 +31,11 @@
 //     run(i-1) has finished it if the inner is itself pipelined), inner
 //     write_back, allgather(i-2);
 // and on the last bucket drains: inner run(last, is_last), then the
-// remaining allgathers in order. A bucket's future completes when its
-// allgather has. On CUDA the waits are stream waits on the side stream (Note
-// [hook streams]); on the CPU they block, one or two buckets after issue.
+// remaining allgathers in order (drain(), when the last bucket is skipped:
+// the same without is_last, and the inner hook's drain() in between). A
+// bucket's future completes when its allgather has. On CUDA the waits are
+// stream waits on the side stream (Note [hook streams]); on the CPU they
+// block, one or two buckets after issue.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -67,6 +69,7 @@ class HierarchicalHook : public CommHook {
   c10::intrusive_ptr<c10::ivalue::Future> run(Bucket& bucket, size_t index,
                                               bool is_last) override;
   void set_divide_factor(int64_t factor) override;
+  void drain() override;
   void abandon_step() override;
   std::vector<at::Tensor> step_state() override { return inner_->step_state(); }
   // The inner hook's bytes for this rank's shard: what crosses the inter-node
@@ -99,6 +102,8 @@ class HierarchicalHook : public CommHook {
 
   int64_t padded_numel(int64_t numel) const;
   std::shared_ptr<BucketState> state_for(const Bucket& bucket);
+  // The stages still in flight, in order (run() of the last bucket, or drain()).
+  void drain_stages(bool is_last);
   // reduce_scatter done -> the inner hook's copy_in and run (is_last: its last bucket).
   void start_inner(Stage& stage, bool is_last);
   // The inner future done -> its write_back into the shard, the allgather.

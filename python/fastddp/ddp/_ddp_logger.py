@@ -62,11 +62,13 @@ class DdpLogger:
     def forward_done(self, start: int) -> None:
         self._forward = (start, self.now())
 
-    def before_forward(self, completed: int, comm_stats: Callable[[], dict[str, Any]]) -> None:
+    def before_forward(self, completed: int, comm_stats: Callable[[], dict[str, Any]],
+                       buckets_reduced: Callable[[], int] | None = None) -> None:
         """At a synchronized forward, `completed` synchronized iterations in: records the
         previous one's statistics if this count is sampled (torch's
-        set_runtime_stats_and_log, called from the same place). `comm_stats` is read only
-        then."""
+        set_runtime_stats_and_log, called from the same place), with how many buckets its
+        backward reduced (torch's num_buckets_reduced: skip_all_reduce_unused_params
+        skips some). `comm_stats` and `buckets_reduced` are read only then."""
         if completed <= 0 or not (completed <= _ALWAYS_SAMPLED
                                   or completed % self.sample_rate == 0):
             return
@@ -91,6 +93,8 @@ class DdpLogger:
             "backward_comm_time": max(comm_end - comm_start, 1),
             "backward_compute_comm_overlap_time": max(compute_end - comm_start, 0),
         }
+        if buckets_reduced is not None:
+            current["num_buckets_reduced"] = buckets_reduced()
         self._samples += 1
         for key in _TIMES:
             avg = f"avg_{key}"

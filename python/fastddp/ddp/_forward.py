@@ -42,7 +42,8 @@ def before_module(ddp: DistributedDataParallel, inputs: tuple, kwargs: dict
         work.wait()
         reducer.set_divide_factor(int(work.get_future().value()[0].item()))
     if sync:
-        ddp.logger.before_forward(reducer.num_iterations, reducer.comm_stats)
+        ddp.logger.before_forward(reducer.num_iterations, reducer.comm_stats,
+                                  lambda: reducer.num_buckets_reduced)
     if grad_enabled:
         with ddp.logger.recording_errors():
             reducer.before_forward(sync)

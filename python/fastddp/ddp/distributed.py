@@ -80,7 +80,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         check_delay_arguments(delay_all_reduce_named_params, param_to_hook_all_reduce)
         _reject_unsupported(
             mixed_precision=mixed_precision,
-            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
             lazy_bucket_allocation=lazy_bucket_allocation,
         )
         if check_reduction:
@@ -119,6 +118,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.dim = dim
         self.static_graph = False
         self.find_unused_parameters = find_unused_parameters
+        # As torch: buckets whose parameters are all unused are not reduced (the C++
+        # reducer's Note [skipping unused buckets]); the ranks must agree on them.
+        self.skip_all_reduce_unused_params = bool(skip_all_reduce_unused_params)
         self._divide_by_initial_world_size = True
         self.gradient_as_bucket_view = gradient_as_bucket_view
         # fastddp's own (Megatron's name): raise on NaN/Inf gradients, see docs/failures.md.
@@ -210,6 +212,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             check_for_nan_in_grad=getattr(self, "check_for_nan_in_grad", False),
             align_bytes=bucket_align_bytes(self._reducer_params[0].device
                                            if self._reducer_params else torch.device("cpu")),
+            skip_all_reduce_unused_params=getattr(self, "skip_all_reduce_unused_params", False),
         )
         if not self._ddp_sink_clone:
             self._reducer.set_sink_clone(False)

@@ -165,7 +165,7 @@ LOGGING_KEYS = ("bucket_sizes", "rebuilt_bucket_sizes", "rebuilt_per_bucket_para
                 "has_rebuilt_buckets", "num_parameter_tensors", "total_parameter_size_bytes",
                 "bucket_cap_bytes", "world_size", "rank", "find_unused_parameters",
                 "gradient_as_bucket_view", "broadcast_buffers", "dtypes", "module_name",
-                "prev_iteration_grad_ready_order_indices", "iteration")
+                "prev_iteration_grad_ready_order_indices", "iteration", "num_buckets_reduced")
 
 
 def logging_data(find_unused_parameters: bool) -> dict:

@@ -45,7 +45,6 @@ def sparse_embedding_with_bf16() -> None:
 
 def unsupported_argument(argument: str) -> None:
     values = {
-        "skip_all_reduce_unused_params": True,
         "mixed_precision": _MixedPrecision(param_dtype=torch.float16),
     }
     fastddp.DistributedDataParallel(mlp(), **{argument: values[argument]})
