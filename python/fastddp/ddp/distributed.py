@@ -90,7 +90,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 FutureWarning,
                 stacklevel=2,
             )
-        self.process_group = _resolve_group(process_group, device_mesh)
+        self.process_group = _resolve_group(process_group, device_mesh, module)
         if device_mesh is not None:
             self.device_mesh = device_mesh
 
