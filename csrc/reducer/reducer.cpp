@@ -94,8 +94,9 @@ void Reducer::install_hooks() {
                   false,
                   "fastddp.DistributedDataParallel: backward under compiled autograd is not "
                   "supported: fastddp's reducer hooks are C++ autograd hooks that compiled "
-                  "autograd cannot trace; compile the model (torch.compile) with the default "
-                  "eager backward, or use torch's DistributedDataParallel for compiled autograd");
+                  "autograd cannot trace; as with torch's DistributedDataParallel, build the "
+                  "model under torch._dynamo.config.optimize_ddp=\"python_reducer\" for "
+                  "compiled autograd, or compile the model with the default eager backward");
             })));
     // The engine holds accumulators weakly; keeping them alive keeps our hooks.
     grad_accumulators_.push_back(std::move(accumulator));

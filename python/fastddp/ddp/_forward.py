@@ -33,8 +33,6 @@ def before_module(ddp: DistributedDataParallel, inputs: tuple, kwargs: dict
         _hook_state.log_stats(ddp._native_hook)
     grad_enabled = torch.is_grad_enabled()
     sync = grad_enabled and ddp.require_backward_grad_sync
-    if grad_enabled:
-        _compile.check_python_reducer_mode()  # may be set after construction
     # Collective order must match _join.py's main_hook on joined ranks.
     work = Join.notify_join_context(ddp)
     if work is not None and not ddp._divide_by_initial_world_size:

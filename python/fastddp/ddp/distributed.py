@@ -12,7 +12,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from fastddp import _C
 from fastddp import hooks as fastddp_hooks
-from fastddp.ddp import _compile, _forward, _hook_install, _hook_state
+from fastddp.ddp import _compile, _forward, _hook_install, _hook_state, _python_reducer
 from fastddp.ddp._construction import (_check_module, _expect_sparse_gradients, _not_yet,
                                        _params_for_reducer, _reject_unsupported,
                                        _resolve_device_ids, _resolve_group, bucket_limits,
@@ -76,7 +76,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         # Joinable parts of the base classes are wanted.
         nn.Module.__init__(self)
         Joinable.__init__(self)
-        _compile.check_python_reducer_mode()
+        # As torch, decided once, here (Note [python reducer]).
+        self._use_python_reducer = _python_reducer.requested()
         check_delay_arguments(delay_all_reduce_named_params, param_to_hook_all_reduce)
         _reject_unsupported(
             mixed_precision=mixed_precision,
@@ -180,6 +181,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         # no flat buffers, and forward is the bare module's.
         if self._wants_reducer():
             self._build_reducer(plan)
+        self._python_reducer = _python_reducer.attach(self, bucket_cap_mb)
         self.reducer = ReducerProxy(self)  # torch's ddp.reducer, for frameworks that call it
         self._delayed = (DelayedAllReduce(self.process_group, delayed, param_to_hook_all_reduce)
                          if delayed else None)
@@ -190,6 +192,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     def _wants_reducer(self) -> bool:
         """Whether the reducer is built before any hook is registered (registering one
         builds it at world size 1 too, see _hook_install.py)."""
+        if getattr(self, "_use_python_reducer", False):  # Note [python reducer]
+            return False
         return (self.process_group.size() > 1 or world1_reducer_requested()
                 or written_in_python(self.process_group)
                 or getattr(self, "check_for_nan_in_grad", False))
@@ -231,6 +235,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     @_compile.nonrecursive_disable
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         _compile.skip_this_frame_from_now_on()
+        if self._use_python_reducer:  # torch's forward in this mode: the bare module call
+            return self.module(*inputs, **kwargs)
         if not self._lazy_init_ran:
             self._lazy_init_ran = True
             self._in_backward = InBackwardOptimizers.find(self._module_parameters)
@@ -304,7 +310,10 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             message = "register_comm_hook or register_builtin_comm_hook can only be called once."
             self.logger.set_error_and_log(message)
             raise RuntimeError(message)
-        _hook_install.install(self, state, hook)  # raises before anything is registered
+        if self._use_python_reducer:  # called per parameter (Note [python reducer])
+            _python_reducer.check_comm_hook(hook)
+        else:
+            _hook_install.install(self, state, hook)  # raises before anything is registered
         self._comm_hooks.append((hook, state))
 
     def _auto_install(self, native: Any, cap_bytes: int) -> None:
@@ -329,6 +338,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
         """torch's built-in hook types (ALLREDUCE, FP16_COMPRESS) as fastddp built-ins."""
         hook = fastddp_hooks.builtin_for_type(comm_hook_type)
+        if self._use_python_reducer:  # torch's would sit, unused, on its idle C++ reducer
+            _python_reducer.check_comm_hook(hook)
         if self._comm_hooks:
             raise RuntimeError(
                 "register_builtin_comm_hook or register_comm_hook can only be called once.")
@@ -377,7 +388,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                            "the delayed allreduce's hook is not rebuilt on load")
         attrs = copy.copy(self.__dict__)
         for native in ("process_group", "_reducer", "_native_hook", "reducer", "_auto",
-                       "_in_backward"):
+                       "_in_backward", "_python_reducer"):
             attrs.pop(native, None)
         attrs["_lazy_init_ran"] = False  # the copy finds its own optimizers in backward
         return attrs
@@ -390,11 +401,12 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._auto = None
         self._in_backward = None
         self.reducer = ReducerProxy(self)
+        self._python_reducer = _python_reducer.attach(self)
         self.require_forward_param_sync = True
         self.require_backward_grad_sync = True
         if self._wants_reducer():
             self._build_reducer()
-        if self._comm_hooks:
+        if self._comm_hooks and not self._use_python_reducer:  # that one reads _comm_hooks
             # torch loses the hook with its reducer; fastddp keeps it (no silent change of
             # what is on the wire).
             hook, hook_state = self._comm_hooks[0]
