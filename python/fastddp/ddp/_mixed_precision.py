@@ -31,7 +31,9 @@ in full precision between steps keeps the new tensor (torch puts its old ``_fp_p
 back), ``param_dtype=None`` leaves the parameters alone (torch's cast to the same dtype
 hooks the reducer twice), and with ``gradient_as_bucket_view=True`` each ``.grad`` is a
 full-precision tensor of its own, as torch's upcast makes it, but holding this step's
-averaged gradient.
+averaged gradient. torch's first backward averages stale bucket contents (its
+``_set_mixed_precision_param_dtype`` leaves the parameters' bucket views on the old buffers
+until the rebuild); fastddp's averages that backward's gradients (docs/arguments.md).
 """
 
 from __future__ import annotations
