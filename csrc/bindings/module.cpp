@@ -6,6 +6,7 @@
 
 #include "../core/bucket_plan.h"
 #include "../hooks/common/allreduce.h"
+#include "../hooks/common/upcast_allreduce.h"
 #include "../reducer/comm_hook.h"
 #include "../reducer/reducer.h"
 #include "../reducer/message.h"
@@ -133,6 +134,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<fastddp::AllreduceHook, fastddp::CommHook, std::shared_ptr<fastddp::AllreduceHook>>(
       m, "AllreduceHook")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("process_group"));
+  py::class_<fastddp::UpcastAllreduceHook, fastddp::CommHook,
+             std::shared_ptr<fastddp::UpcastAllreduceHook>>(m, "UpcastAllreduceHook")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("process_group"));
   fastddp::bind_hooks(m);  // the registry, the other hooks, the half-cast kernels
   fastddp::bind_powersgd(m);
   fastddp::bind_powersgd_batched(m);
@@ -146,7 +150,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        std::shared_ptr<fastddp::CommHook> hook, bool gradient_as_bucket_view,
                        bool find_unused_parameters, bool static_graph,
                        std::vector<size_t> rebuild_limits, std::vector<bool> expect_sparse,
-                       bool check_for_nan_in_grad, int64_t align_bytes) {
+                       bool check_for_nan_in_grad, int64_t align_bytes, bool mixed_precision,
+                       std::optional<at::ScalarType> param_dtype,
+                       std::optional<at::ScalarType> reduce_dtype) {
              ReducerOptions options;
              options.gradient_as_bucket_view = gradient_as_bucket_view;
              options.find_unused_parameters = find_unused_parameters;
@@ -155,6 +161,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              options.expect_sparse = std::move(expect_sparse);
              options.check_for_nan_in_grad = check_for_nan_in_grad;
              options.align_bytes = align_bytes;
+             options.mixed_precision = mixed_precision;
+             options.param_dtype = param_dtype;
+             options.reduce_dtype = reduce_dtype;
              if (!hook) hook = std::make_shared<fastddp::AllreduceHook>(group);
              return std::make_shared<Reducer>(std::move(params), std::move(names), std::move(plan),
                                               std::move(group), std::move(hook), options);
@@ -164,7 +173,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("find_unused_parameters") = false, py::arg("static_graph") = false,
            py::arg("rebuild_limits") = std::vector<size_t>{1024 * 1024, 25 * 1024 * 1024},
            py::arg("expect_sparse") = std::vector<bool>{},
-           py::arg("check_for_nan_in_grad") = false, py::arg("align_bytes") = 0)
+           py::arg("check_for_nan_in_grad") = false, py::arg("align_bytes") = 0,
+           py::arg("mixed_precision") = false, py::arg("param_dtype") = py::none(),
+           py::arg("reduce_dtype") = py::none())
       // Every method that takes the reducer's lock releases the GIL first: the
       // autograd thread holds that lock while a Python comm hook wants the GIL.
       .def("before_forward", &Reducer::before_forward, py::arg("sync"), nogil())
@@ -178,6 +189,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                return r.needs_outputs();
                              })
       .def("set_comm_hook", &Reducer::set_comm_hook, py::arg("hook"), nogil())
+      .def("after_param_cast", &Reducer::after_param_cast, py::arg("params"),
+           py::arg("masters"), nogil())
       .def("set_sink_clone", &Reducer::set_sink_clone, py::arg("clone"), nogil())
       .def("set_static_graph", &Reducer::set_static_graph, nogil())
       .def("set_divide_factor", &Reducer::set_divide_factor, py::arg("factor"), nogil())

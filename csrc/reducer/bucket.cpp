@@ -77,7 +77,8 @@ int64_t lay_out(Bucket& bucket, const std::vector<at::Tensor>& params, int64_t a
 
 std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
                                  const std::vector<std::vector<size_t>>& plan,
-                                 const std::vector<bool>& sparse, int64_t align_bytes) {
+                                 const std::vector<bool>& sparse, int64_t align_bytes,
+                                 std::optional<c10::ScalarType> dtype) {
   FASTDDP_CHECK(align_bytes >= 0 && (align_bytes & (align_bytes - 1)) == 0,
                 "fastddp: the bucket alignment must be 0 or a power of two, got ", align_bytes);
   std::vector<Bucket> buckets(plan.size());
@@ -108,9 +109,10 @@ std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
                     " with ", p.scalar_type(), " on ", p.device(), " (parameter ", index, ")");
       bucket.params.push_back(index);
     }
-    const int64_t esize = static_cast<int64_t>(first.element_size());
+    const c10::ScalarType type = dtype.value_or(first.scalar_type());
+    const int64_t esize = static_cast<int64_t>(c10::elementSize(type));
     const int64_t align = std::max<int64_t>(1, align_bytes / esize);
-    const auto key = std::make_pair(first.device().str(), first.scalar_type());
+    const auto key = std::make_pair(first.device().str(), type);
     int64_t& used = group_numel[key];
     groups[key].emplace_back(b, used);
     used += lay_out(bucket, params, align);
@@ -118,8 +120,8 @@ std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
   for (const auto& [key, members] : groups) {
     const at::Tensor& like = params[buckets[members.front().first].params.front()];
     const int64_t total = group_numel[key];
-    const auto options = like.options().requires_grad(false);
-    const int64_t esize = static_cast<int64_t>(like.element_size());
+    const auto options = like.options().dtype(key.second).requires_grad(false);
+    const int64_t esize = static_cast<int64_t>(c10::elementSize(key.second));
     at::Tensor buffer;
     if (align_bytes > esize) {
       // Zeros: the padding is reduced with the slots, so it must be finite.

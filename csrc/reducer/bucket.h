@@ -7,6 +7,7 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "../core/bucket_plan.h"
@@ -68,10 +69,12 @@ TensorSpec spec_of(const at::Tensor& tensor, bool expect_sparse);
 // Every bucket must hold parameters of a single dtype and device.
 // `sparse[i]`: parameter i gets sparse gradients (empty: none does).
 // `align_bytes`: 0 packs the slots; else a power of two that every slot's
-// start is rounded up to.
+// start is rounded up to. `dtype`: the buffers' dtype when not the
+// parameters' (mixed_precision's reduce_dtype, Note [mixed precision]).
 std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
                                  const std::vector<std::vector<size_t>>& plan,
-                                 const std::vector<bool>& sparse, int64_t align_bytes);
+                                 const std::vector<bool>& sparse, int64_t align_bytes,
+                                 std::optional<c10::ScalarType> dtype = std::nullopt);
 
 // Slots (of `numels` elements at `offsets` of `flat`) back to back into
 // `packed`, or back: one multi-tensor copy (ATen's _foreach_copy_), or one

@@ -48,7 +48,9 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   if (options_.expect_sparse.empty()) options_.expect_sparse.assign(params_.size(), false);
   FASTDDP_CHECK(options_.expect_sparse.size() == params_.size(), "fastddp: expect_sparse has ",
                 options_.expect_sparse.size(), " entries for ", params_.size(), " parameters");
-  buckets_ = make_buckets(params_, plan, options_.expect_sparse, options_.align_bytes);
+  for (const at::Tensor& p : params_) master_dtypes_.push_back(p.scalar_type());
+  buckets_ = make_buckets(params_, plan, options_.expect_sparse, options_.align_bytes,
+                          options_.reduce_dtype);
   check_hook_supports(*hook_);
   timeline_ = std::make_unique<DeviceTimeline>(params_[0].device());
   reset_bucket_views();
@@ -74,33 +76,39 @@ Reducer::~Reducer() {
 }
 
 void Reducer::install_hooks() {
-  for (size_t i = 0; i < params_.size(); ++i) {
-    // `auto`: the pointer type changed in torch 2.13 (see GradAccumulatorPtr).
-    auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
-    FASTDDP_CHECK(accumulator, "fastddp: parameter '", names_[i], "' has no grad accumulator");
-    // Plain C++ called by the autograd engine: no GIL, no Python object. Compiled
-    // autograd cannot trace it: it asks for compiled_args first, which raises a
-    // message naming the setting rather than torch's generic "compiled_args nyi"
-    // (torch's own C++ reducer does the same; fastddp/ddp/_compile.py says why).
-    hook_keys_.push_back(
-        accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-            [this, i](const torch::autograd::variable_list& outputs,
-                      const torch::autograd::variable_list&) {
-              on_grad_ready(i);
-              return outputs;
-            },
-            [](auto&) {
-              FASTDDP_CHECK_NOT_IMPLEMENTED(
-                  false,
-                  "fastddp.DistributedDataParallel: backward under compiled autograd is not "
-                  "supported: fastddp's reducer hooks are C++ autograd hooks that compiled "
-                  "autograd cannot trace; as with torch's DistributedDataParallel, build the "
-                  "model under torch._dynamo.config.optimize_ddp=\"python_reducer\" for "
-                  "compiled autograd, or compile the model with the default eager backward");
-            })));
-    // The engine holds accumulators weakly; keeping them alive keeps our hooks.
-    grad_accumulators_.push_back(std::move(accumulator));
-  }
+  grad_accumulators_.resize(params_.size());
+  hook_keys_.resize(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) hook_accumulator(i);
+}
+
+void Reducer::hook_accumulator(size_t i) {
+  // `auto`: the pointer type changed in torch 2.13 (see GradAccumulatorPtr).
+  auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
+  FASTDDP_CHECK(accumulator, "fastddp: parameter '", names_[i], "' has no grad accumulator");
+  if (accumulator == grad_accumulators_[i]) return;
+  if (grad_accumulators_[i]) grad_accumulators_[i]->del_post_hook(hook_keys_[i]);
+  // Plain C++ called by the autograd engine: no GIL, no Python object. Compiled
+  // autograd cannot trace it: it asks for compiled_args first, which raises a
+  // message naming the setting rather than torch's generic "compiled_args nyi"
+  // (torch's own C++ reducer does the same; fastddp/ddp/_compile.py says why).
+  hook_keys_[i] =
+      accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+          [this, i](const torch::autograd::variable_list& outputs,
+                    const torch::autograd::variable_list&) {
+            on_grad_ready(i);
+            return outputs;
+          },
+          [](auto&) {
+            FASTDDP_CHECK_NOT_IMPLEMENTED(
+                false,
+                "fastddp.DistributedDataParallel: backward under compiled autograd is not "
+                "supported: fastddp's reducer hooks are C++ autograd hooks that compiled "
+                "autograd cannot trace; as with torch's DistributedDataParallel, build the "
+                "model under torch._dynamo.config.optimize_ddp=\"python_reducer\" for "
+                "compiled autograd, or compile the model with the default eager backward");
+          }));
+  // The engine holds accumulators weakly; keeping them alive keeps our hooks.
+  grad_accumulators_[i] = std::move(accumulator);
 }
 
 bool Reducer::static_first_iteration() const {
@@ -222,10 +230,14 @@ void Reducer::mark_ready(size_t index) {
                     "' produced a ", grad.is_sparse() ? "sparse" : "dense", " gradient, but ",
                     bucket.sparse ? "sparse" : "dense", " gradients were expected (they are "
                     "expected sparse for nn.Embedding / nn.EmbeddingBag with sparse=True)");
-      FASTDDP_CHECK(grad.scalar_type() == view.scalar_type() && grad.device() == view.device(),
+      // Under mixed_precision the gradient is of the parameter's (cast) dtype and
+      // the copy-in casts it to the bucket's (Note [mixed precision]).
+      const c10::ScalarType expected =
+          options_.mixed_precision ? params_[index].scalar_type() : view.scalar_type();
+      FASTDDP_CHECK(grad.scalar_type() == expected && grad.device() == view.device(),
                     "fastddp: parameter '", names_[index], "' got a gradient of ",
-                    grad.scalar_type(), " on ", grad.device(), ", expected ", view.scalar_type(),
-                    " on ", view.device());
+                    grad.scalar_type(), " on ", grad.device(), ", expected ", expected, " on ",
+                    view.device());
     }
     FASTDDP_PROFILE_RANGE("fastddp copy-in");
     if (grad.defined() && grad.requires_grad()) {

@@ -26,6 +26,24 @@
 // from the outputs does not reach are marked ready (as zeros) when the first
 // hook fires. A used-bitmap is allreduced after the last bucket; a parameter
 // unused on every rank keeps its .grad untouched (None stays None).
+//
+// Note [mixed precision]
+// torch DDP's mixed_precision (_MixedPrecision(param_dtype, reduce_dtype,
+// buffer_dtype)). Python (fastddp/ddp/_mixed_precision.py) casts the
+// parameters to param_dtype at each forward of the module (torch's
+// _root_copy_hook: `param.data` swapped for a param_dtype copy, the fp32
+// tensor kept as the master) and hands both lists to after_param_cast(). A
+// parameter whose dtype changes gets a new grad accumulator, so the reducer
+// moves its hooks there (torch re-registers them per forward in
+// _module_wait_for_copy_hook). The buckets are in reduce_dtype; the comm hook
+// is UpcastAllreduceHook (torch's _reducer_allreduce_and_upcast_hook): the
+// param_dtype gradient is cast into the bucket as it is copied in, summed,
+// divided by the world size in reduce_dtype, and cast up into a .grad of the
+// master's dtype at the write-back. At the end of the synchronized backward
+// the masters go back into the parameters, as torch's hook and end-of-backward
+// callback put back `_fp_param`; under no_sync() nothing is reduced and the
+// parameters and their gradients stay in param_dtype until the next
+// synchronized backward, as in torch.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -79,6 +97,12 @@ struct ReducerOptions {
   // Slot alignment of the flat buffers in bytes, 0: packed (Note [aligned
   // flat buffer]).
   int64_t align_bytes = 0;
+  // DDP's mixed_precision, see Note [mixed precision]. param_dtype: the
+  // parameters' dtype in forward and backward (nullopt: not cast);
+  // reduce_dtype: the buckets' (nullopt: the parameters').
+  bool mixed_precision = false;
+  std::optional<c10::ScalarType> param_dtype;
+  std::optional<c10::ScalarType> reduce_dtype;
 };
 
 // Timings of one bucket in the last synchronized backward, in microseconds
@@ -174,6 +198,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Called by the output sink's backward (reducer_graph.cpp).
   void on_output_grad();
 
+  // mixed_precision: `params` were just cast to param_dtype and `masters` hold
+  // their full-precision data; see Note [mixed precision].
+  void after_param_cast(std::vector<at::Tensor> params, std::vector<at::Tensor> masters);
+
  private:
   enum class Phase {
     kIdle,       // no synchronized backward expected: hooks do nothing
@@ -182,6 +210,15 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   };
 
   void install_hooks();
+  // Puts the reducer's post-hook on parameter i's current grad accumulator
+  // (moving it from the one it was on, if that changed).
+  void hook_accumulator(size_t i);
+  // mixed_precision (reducer_mixed_precision.cpp): the write-back's .grad for
+  // parameter `index`, of the master's dtype; the masters back into the
+  // parameters; whether a parameter's dtype is one it may have.
+  void full_precision_grad(size_t index, bool keep_values);
+  void restore_masters();
+  bool expected_dtype(size_t index, c10::ScalarType dtype) const;
   void on_grad_ready(size_t index);
   void handle_grad_ready(size_t index);  // on_grad_ready under the lock
   void mark_ready(size_t index);
@@ -218,6 +255,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   double elapsed_us() const;
 
   std::vector<at::Tensor> params_;
+  std::vector<c10::ScalarType> master_dtypes_;  // the parameters' dtypes at construction
   std::vector<std::string> names_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   std::shared_ptr<CommHook> hook_;
@@ -259,6 +297,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool delayed_reduce_queued_ = false;
   bool delay_from_first_hook_ = false;  // armed by prepare_for_backward: no sink
   void queue_delayed_reduce();
+
+  // mixed_precision: the parameters cast for the last forward and their
+  // full-precision data (Note [mixed precision]).
+  std::vector<at::Tensor> cast_params_;
+  std::vector<at::Tensor> masters_;
 
   bool sink_clone_ = true;
   bool has_rebuilt_ = false;

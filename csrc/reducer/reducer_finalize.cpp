@@ -36,6 +36,7 @@ void Reducer::finalize_backward() {
       timeline_->mark(b, DeviceTimeline::kDone);
     }
     if (track_usage() && used_work_ && !used_map_reduced_) used_work_->wait();
+    if (options_.mixed_precision) restore_masters();
     if (!reduced_.empty()) {  // Note [a bad step leaves no trace]
       const at::NoGradGuard no_grad;
       const at::Tensor finite = all_finite(reduced_);
@@ -116,7 +117,11 @@ void Reducer::write_back(Bucket& bucket, const c10::IValue& result) {
   std::vector<at::Tensor> dsts(bucket.params.size());
   for (size_t k = 0; k < bucket.params.size(); ++k) {
     const size_t index = bucket.params[k];
-    if (check_usage && globally_unused(index)) continue;  // .grad stays as it is
+    const bool unused = check_usage && globally_unused(index);
+    // As torch's upcast hook: every gradient of the bucket back to the master's dtype,
+    // keeping its values only where the reduction does not overwrite them.
+    if (options_.mixed_precision) full_precision_grad(index, unused);
+    if (unused) continue;  // .grad stays as it is
     at::Tensor& view = bucket.views[k];
     grad_slot_.with_grad(params_[index], [&](at::Tensor& grad) {
       bool replaced = false;
@@ -132,7 +137,9 @@ void Reducer::write_back(Bucket& bucket, const c10::IValue& result) {
         dsts[k] = view;
       } else {
         if (!grad.defined()) {
-          grad = at::empty_like(view, at::MemoryFormat::Preserve);
+          // Of the parameter's dtype: the bucket's is reduce_dtype under mixed_precision.
+          grad = at::empty_like(view, view.options().dtype(master_dtypes_[index]),
+                                at::MemoryFormat::Preserve);
           replaced = true;
         }
         dsts[k] = grad;  // shares storage with the slot's tensor: written in place

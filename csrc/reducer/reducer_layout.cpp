@@ -14,11 +14,16 @@ void Reducer::rebuild_buckets() {
   std::vector<TensorSpec> specs;
   specs.reserve(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
-    specs.push_back(spec_of(params_[i], options_.expect_sparse[i]));
+    TensorSpec spec = spec_of(params_[i], options_.expect_sparse[i]);
+    // Planned by the full-precision sizes whatever dtype the parameter has now, as
+    // torch's rebuild (before its forward's cast) plans them under mixed_precision.
+    spec.dtype = static_cast<int32_t>(master_dtypes_[i]);
+    spec.element_size = static_cast<int64_t>(c10::elementSize(master_dtypes_[i]));
+    specs.push_back(spec);
   }
   BucketPlan plan = plan_buckets_from_ready_order(specs, ready_order_, options_.rebuild_limits);
   buckets_ = make_buckets(params_, broadcast_plan(plan.buckets), options_.expect_sparse,
-                          options_.align_bytes);
+                          options_.align_bytes, options_.reduce_dtype);
   shadow_buckets_.clear();
   reset_bucket_views();
   // Armed already when a framework's prepare_for_backward came first.
@@ -150,11 +155,11 @@ void Reducer::check_parameters_unchanged() const {
     const auto [b, slot] = locator_[i];
     const at::Tensor& view = buckets_[b].views[slot];
     const at::Tensor& p = params_[i];
-    FASTDDP_CHECK(p.scalar_type() == view.scalar_type() && p.device() == view.device() &&
+    FASTDDP_CHECK(expected_dtype(i, p.scalar_type()) && p.device() == view.device() &&
                     p.sizes() == view.sizes(),
                   "fastddp: parameter '", names_[i], "' is now ", p.scalar_type(), " on ",
                   p.device(), " of shape ", p.sizes(),
-                  ", but DistributedDataParallel was built for it ", view.scalar_type(), " on ",
+                  ", but DistributedDataParallel was built for it ", master_dtypes_[i], " on ",
                   view.device(), " of shape ", view.sizes(),
                   " (rank ", rank_, "): after wrapping, its gradients would no longer be averaged. "
                   "Convert or move the module before wrapping it.");

@@ -17,8 +17,6 @@ def _not_yet(argument: str, why: str) -> NotImplementedError:
 
 def _reject_unsupported(**arguments: Any) -> None:
     reasons = {
-        "mixed_precision": "DDP's experimental mixed_precision is not implemented yet; "
-        "cast the module (model.to(dtype)) instead",
         "skip_all_reduce_unused_params": "skipping the reduction of all-unused buckets is not "
         "implemented yet",
         "lazy_bucket_allocation": "buckets are allocated at construction",

@@ -24,6 +24,8 @@ def before_module(ddp: DistributedDataParallel, inputs: tuple, kwargs: dict
     """forward up to the module call: inputs, kwargs, and what after_module needs."""
     if ddp.device_ids:
         inputs, kwargs = _move_inputs(inputs, kwargs, ddp.device_type, ddp.device_ids[0])
+    if ddp._mp is not None:  # as torch's _pre_forward, after the move
+        inputs, kwargs = ddp._mp.cast_inputs(inputs, kwargs)
     if ddp._auto is not None and torch.is_grad_enabled() and ddp.require_backward_grad_sync:
         ddp._auto.before_forward()  # may change the hook or rebuild the reducer
     reducer = ddp._reducer

@@ -48,6 +48,11 @@ def attach(ddp: Any, *bucket_cap_mb: float | None) -> "PythonReducer | None":
     ddp._use_python_reducer = getattr(ddp, "_use_python_reducer", False)
     if not ddp._use_python_reducer:
         return None
+    if getattr(ddp, "mixed_precision", None) is not None:  # torch's upcast hook is per bucket
+        raise NotImplementedError(
+            "fastddp.DistributedDataParallel: mixed_precision under torch._dynamo.config."
+            "optimize_ddp=\"python_reducer\" is not supported: its reduction is a bucket "
+            "hook, and this mode reduces one parameter at a time")
     if bucket_cap_mb:
         import torch._inductor.config as inductor
 

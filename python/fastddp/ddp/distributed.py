@@ -1,7 +1,6 @@
 """fastddp.DistributedDataParallel: torch DDP's interface over fastddp's C++ reducer."""
 
 import contextlib
-import copy
 import warnings
 from typing import Any
 
@@ -12,7 +11,8 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from fastddp import _C
 from fastddp import hooks as fastddp_hooks
-from fastddp.ddp import _compile, _forward, _hook_install, _hook_state, _python_reducer
+from fastddp.ddp import (_compile, _forward, _hook_install, _hook_state, _pickling,
+                         _python_reducer)
 from fastddp.ddp._construction import (_check_module, _expect_sparse_gradients, _not_yet,
                                        _params_for_reducer, _reject_unsupported,
                                        _resolve_device_ids, _resolve_group, bucket_limits,
@@ -22,6 +22,8 @@ from fastddp.ddp._delayed_allreduce import DelayedAllReduce
 from fastddp.ddp._delayed_allreduce import check_arguments as check_delay_arguments
 from fastddp.ddp._introspection import bucket_sizes, comm_stats, logging_data
 from fastddp.ddp._join import _JoinHook
+from fastddp.ddp._mixed_precision import MixedPrecision, reducer_arguments
+from fastddp.ddp._mixed_precision import check_arguments as check_mixed_precision
 from fastddp.ddp._module_sync import (broadcast_tensors, verify_bucket_layout,
                                       verify_param_shapes, written_in_python)
 from fastddp.ddp._optim_in_backward import InBackwardOptimizers
@@ -80,7 +82,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._use_python_reducer = _python_reducer.requested()
         check_delay_arguments(delay_all_reduce_named_params, param_to_hook_all_reduce)
         _reject_unsupported(
-            mixed_precision=mixed_precision,
             skip_all_reduce_unused_params=skip_all_reduce_unused_params,
             lazy_bucket_allocation=lazy_bucket_allocation,
         )
@@ -105,6 +106,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._reducer_param_names = names
         self._reducer_params = params
         self._expect_sparse = _expect_sparse_gradients(module, params)
+        check_mixed_precision(mixed_precision, delayed=bool(delayed),
+                              sparse=any(self._expect_sparse))
         self._module_parameters = [
             p for n, p in module.named_parameters() if n not in self.parameters_to_ignore
         ]
@@ -125,7 +128,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         # fastddp's own (Megatron's name): raise on NaN/Inf gradients, see docs/failures.md.
         self.check_for_nan_in_grad = bool(check_for_nan_in_grad)
         self.batched_grad_copy = batched_grad_copy
-        self.mixed_precision = None
+        self.mixed_precision = mixed_precision  # torch's attribute
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._lazy_init_ran = False  # as torch: optimizers in backward are found at forward 1
@@ -186,6 +189,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._delayed = (DelayedAllReduce(self.process_group, delayed, param_to_hook_all_reduce)
                          if delayed else None)
         self._delay_all_reduce_params = [p for _, p in delayed]  # torch's attribute
+        # After the initial broadcast (fp32 buffers, as torch's) and the reducer.
+        self._mp = MixedPrecision(self, mixed_precision) if mixed_precision is not None else None
         if static_graph:
             self._set_static_graph()
 
@@ -195,7 +200,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if getattr(self, "_use_python_reducer", False):  # Note [python reducer]
             return False
         return (self.process_group.size() > 1 or world1_reducer_requested()
-                or written_in_python(self.process_group)
+                or written_in_python(self.process_group) or self.mixed_precision is not None
                 or getattr(self, "check_for_nan_in_grad", False))
 
     def _initial_plan(self) -> list[list[int]]:
@@ -204,16 +209,18 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         return list(reversed(plan))
 
     def _build_reducer(self, plan: list[list[int]] | None = None) -> None:
+        options = {"gradient_as_bucket_view": self.gradient_as_bucket_view,
+                   **reducer_arguments(self)}  # mixed_precision's replace some
         self._reducer = _C.Reducer(
             self._reducer_params, self._reducer_param_names,
             plan if plan is not None else self._initial_plan(), self.process_group,
-            gradient_as_bucket_view=self.gradient_as_bucket_view,
             find_unused_parameters=self.find_unused_parameters,
             rebuild_limits=self._bucket_limits[1],
             expect_sparse=self._expect_sparse,
             check_for_nan_in_grad=getattr(self, "check_for_nan_in_grad", False),
             align_bytes=bucket_align_bytes(self._reducer_params[0].device
                                            if self._reducer_params else torch.device("cpu")),
+            **options,
         )
         if not self._ddp_sink_clone:
             self._reducer.set_sink_clone(False)
@@ -343,8 +350,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if self._comm_hooks:
             raise RuntimeError(
                 "register_builtin_comm_hook or register_comm_hook can only be called once.")
+        _hook_install.install(self, None, hook)  # raises before anything is registered
         self._comm_hooks.append((hook, None))
-        _hook_install.install(self, None, hook)
 
     def _register_fused_optim(self, optim: Any, *args: Any, **kwargs: Any) -> None:
         raise _not_yet("_register_fused_optim", "it needs communication hooks")
@@ -380,37 +387,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             )
 
     def __getstate__(self) -> dict:
-        """As torch DDP: only with the default process group; the C++ reducer is rebuilt
-        by __setstate__ (torch.save(model), copy.deepcopy, pickle)."""
-        self._check_default_group()
-        if self._delayed is not None:  # its tensor hook and group do not travel
-            raise _not_yet("pickling a model with delay_all_reduce_named_params",
-                           "the delayed allreduce's hook is not rebuilt on load")
-        attrs = copy.copy(self.__dict__)
-        for native in ("process_group", "_reducer", "_native_hook", "reducer", "_auto",
-                       "_in_backward", "_python_reducer"):
-            attrs.pop(native, None)
-        attrs["_lazy_init_ran"] = False  # the copy finds its own optimizers in backward
-        return attrs
+        """As torch DDP (torch.save(model), copy.deepcopy, pickle): see _pickling.py."""
+        return _pickling.state_of(self)
 
     def __setstate__(self, state: dict) -> None:
-        self.process_group = dist.distributed_c10d._get_default_group()
-        nn.Module.__setstate__(self, state)  # not torch DDP's: it builds torch's reducer
-        self._reducer = None
-        self._native_hook = None
-        self._auto = None
-        self._in_backward = None
-        self.reducer = ReducerProxy(self)
-        self._python_reducer = _python_reducer.attach(self)
-        self.require_forward_param_sync = True
-        self.require_backward_grad_sync = True
-        if self._wants_reducer():
-            self._build_reducer()
-        if self._comm_hooks and not self._use_python_reducer:  # that one reads _comm_hooks
-            # torch loses the hook with its reducer; fastddp keeps it (no silent change of
-            # what is on the wire).
-            hook, hook_state = self._comm_hooks[0]
-            _hook_install.install(self, hook_state, hook)
+        _pickling.restore(self, state)
 
     def _set_ddp_sink_clone(self, val: bool) -> None:
         """torch's switch: whether outputs passing the output sink (find_unused_parameters,

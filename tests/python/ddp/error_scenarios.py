@@ -6,7 +6,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
-from torch.nn.parallel.distributed import _MixedPrecision
 
 import fastddp
 from scenarios import mlp, vector_batch
@@ -44,10 +43,7 @@ def sparse_embedding_with_bf16() -> None:
 
 
 def unsupported_argument(argument: str) -> None:
-    values = {
-        "skip_all_reduce_unused_params": True,
-        "mixed_precision": _MixedPrecision(param_dtype=torch.float16),
-    }
+    values = {"skip_all_reduce_unused_params": True}
     fastddp.DistributedDataParallel(mlp(), **{argument: values[argument]})
 
 

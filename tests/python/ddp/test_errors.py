@@ -37,7 +37,8 @@ def test_sparse_gradients_with_a_dense_only_hook(world):
         assert "'bf16'" in message and "'0.weight'" in message, message
 
 
-@pytest.mark.parametrize("argument", ["skip_all_reduce_unused_params", "mixed_precision"])
+# mixed_precision is supported now: test_mixed_precision.py.
+@pytest.mark.parametrize("argument", ["skip_all_reduce_unused_params"])
 def test_unsupported_arguments(world, argument):
     world.expect_error(error_scenarios.unsupported_argument, NotImplementedError,
                        match=argument, argument=argument)
