@@ -96,8 +96,3 @@ class PythonReducer:
         group = ddp.process_group
         gradient = fcol.all_reduce(param.grad / group.size(), "sum", group)
         param.grad.copy_(gradient)
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
