@@ -124,11 +124,7 @@ def training(model: str, param: str, reduce: str | None, buffer: str | None,
         ref.zero_grad()
         F.mse_loss(fast(inputs).float(), target).backward()
         ref.forward_backward(inputs, target)
-        ref.reduce(fast.bucket_plan())
-        agree(lambda s=step: check_grads(ref, fast, f"step {s}"))
-        opt.step()
-        ref.opt.step()
-        agree(lambda s=step: check_state(ref, fast, f"after step {s}"))
+        _reduce_and_step(ref, fast, opt, step)
     assert seen == [(mp.param_dtype, {mp.param_dtype})] * steps, seen
     for p in fast.parameters():  # torch's attributes
         assert (p._mp_param.dtype, p._fp_param.dtype) == (mp.param_dtype, torch.float32)
@@ -137,6 +133,17 @@ def training(model: str, param: str, reduce: str | None, buffer: str | None,
     _cast_buffers(mp, expected)  # torch's own: what its state_dict holds
     dtypes = {k: v.dtype for k, v in fast.module.state_dict().items()}
     assert dtypes == {k: v.dtype for k, v in expected.state_dict().items()}, dtypes
+
+
+def _reduce_and_step(ref: "Reference", fast: nn.Module, opt: torch.optim.Optimizer,
+                     step: int) -> None:
+    """The reference's reduction of this step, then both compared: the grads, and after
+    both optimizers' steps the parameters and buffers."""
+    ref.reduce(fast.bucket_plan())
+    agree(lambda: check_grads(ref, fast, f"step {step}"))
+    opt.step()
+    ref.opt.step()
+    agree(lambda: check_state(ref, fast, f"after step {step}"))
 
 
 def accumulation(param: str, reduce: str) -> None:
@@ -159,11 +166,7 @@ def accumulation(param: str, reduce: str) -> None:
         F.mse_loss(fast(b).float(), tb).backward()
         ref.forward_backward(a, ta)
         ref.forward_backward(b, tb)
-        ref.reduce(fast.bucket_plan())
-        agree(lambda s=step: check_grads(ref, fast, f"step {s}"))
-        opt.step()
-        ref.opt.step()
-        agree(lambda s=step: check_state(ref, fast, f"after step {s}"))
+        _reduce_and_step(ref, fast, opt, step)
 
 
 def refusals() -> None:
