@@ -197,7 +197,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     def _wants_reducer(self) -> bool:
         """Whether the reducer is built before any hook is registered (registering one
         builds it at world size 1 too, see _hook_install.py)."""
-        if getattr(self, "_use_python_reducer", False):  # Note [python reducer]
+        if self._use_python_reducer:  # Note [python reducer]
             return False
         return (self.process_group.size() > 1 or world1_reducer_requested()
                 or written_in_python(self.process_group) or self.mixed_precision is not None
