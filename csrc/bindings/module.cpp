@@ -10,6 +10,7 @@
 #include "../reducer/comm_hook.h"
 #include "../reducer/reducer.h"
 #include "../reducer/message.h"
+#include "../reducer/optimizer_step.h"
 
 namespace py = pybind11;
 
@@ -18,6 +19,7 @@ void bind_hooks(py::module& m);             // hooks_py.cpp
 void bind_powersgd(py::module& m);          // powersgd_py.cpp
 void bind_powersgd_batched(py::module& m);  // powersgd_batched_py.cpp
 void bind_hook_runner(py::module& m);       // hook_runner.cpp
+void bind_optimizer_step(py::module& m);    // optimizer_step_py.cpp
 
 namespace {
 
@@ -141,6 +143,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   fastddp::bind_powersgd(m);
   fastddp::bind_powersgd_batched(m);
   fastddp::bind_hook_runner(m);  // hooks on given gradients, for benchmarks and tests
+  fastddp::bind_optimizer_step(m);
 
   using Tensors = std::vector<at::Tensor>;
   py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer")
@@ -189,6 +192,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                return r.needs_outputs();
                              })
       .def("set_comm_hook", &Reducer::set_comm_hook, py::arg("hook"), nogil())
+      .def("set_optimizer_step", &Reducer::set_optimizer_step, py::arg("step"), nogil())
       .def("after_param_cast", &Reducer::after_param_cast, py::arg("params"),
            py::arg("masters"), nogil())
       .def("set_sink_clone", &Reducer::set_sink_clone, py::arg("clone"), nogil())

@@ -289,6 +289,7 @@ void Reducer::launch_ready_buckets() {
     timeline_->mark(next_bucket_, DeviceTimeline::kLaunched);
     ++next_bucket_;
   }
+  finish_completed_buckets();
   if (next_bucket_ == buckets_.size() && !finalize_queued_) {
     if (dynamic_find_unused()) launch_used_map_allreduce();
     queue_finalize();

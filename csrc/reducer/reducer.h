@@ -74,6 +74,7 @@ namespace fastddp {
 
 class DeviceTimeline;
 class NonFiniteGuard;
+class OptimizerStep;
 
 // std::shared_ptr<Node> before torch 2.13, c10::intrusive_ptr<Node> from 2.13.
 using GradAccumulatorPtr =
@@ -160,6 +161,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool needs_outputs() const;
 
   void set_comm_hook(std::shared_ptr<CommHook> hook);
+  // The optimizer stepped bucket by bucket after each synchronized backward's
+  // write-back (Note [overlapped optimizer]); nullptr: none.
+  void set_optimizer_step(std::shared_ptr<OptimizerStep> step);
   // torch's _set_ddp_sink_clone: whether the output sink returns clones
   // (default; in-place ops on outputs then work) or the outputs themselves.
   void set_sink_clone(bool clone);
@@ -225,6 +229,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void launch_ready_buckets();
   void queue_finalize();
   void finalize_backward();
+  // Waits for bucket b's reduction, writes its averaged gradients and hands
+  // them to the overlapped optimizer, if any.
+  void finish_bucket(size_t b);
+  // Note [overlapped optimizer]: the launched buckets whose reductions have
+  // completed, finished during backward, in order.
+  void finish_completed_buckets();
   void reduce_all_delayed();  // the first static-graph iteration, see Note [static graph]
   void write_back(Bucket& bucket, const c10::IValue& result);
   bool globally_unused(size_t index);
@@ -259,6 +269,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<std::string> names_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   std::shared_ptr<CommHook> hook_;
+  std::shared_ptr<OptimizerStep> optimizer_step_;
   ReducerOptions options_;
   int rank_;
   int world_size_;

@@ -8,6 +8,7 @@
 
 #include "device_timeline.h"
 #include "message.h"
+#include "optimizer_step.h"
 #include "profile_range.h"
 
 namespace fastddp {
@@ -16,24 +17,7 @@ void Reducer::finalize_backward() {
   try {
     if (nonfinite_) check_finite_gradients();
     for (size_t b = 0; b < buckets_.size(); ++b) {
-      Bucket& bucket = buckets_[b];
-      {
-        FASTDDP_PROFILE_RANGE("fastddp wait");
-        bucket.future->wait();
-      }
-      if (bucket.future->hasError()) {
-        const char* what = hook_->launched_collective(b);
-        FASTDDP_CHECK(false, "fastddp: the reduction of bucket ", b, " (comm hook '", hook_->name(),
-                      "') failed on rank ", rank_, ": ", what ? what : "",
-                      what ? " failed: " : "", bucket.future->tryRetrieveErrorMessage());
-      }
-      {
-        FASTDDP_PROFILE_RANGE("fastddp write-back");
-        write_back(bucket, bucket.future->value());
-      }
-      bucket.future.reset();
-      stats_.timings[b].done_us = elapsed_us();
-      timeline_->mark(b, DeviceTimeline::kDone);
+      if (buckets_[b].future) finish_bucket(b);  // else finished during backward
     }
     if (track_usage() && used_work_ && !used_map_reduced_) used_work_->wait();
     if (options_.mixed_precision) restore_masters();
@@ -43,6 +27,10 @@ void Reducer::finalize_backward() {
       step_state_.keep_if_finite(hook_->step_state(), finite);
       if (track_finite_) last_finite_ = finite;
       reduced_.clear();
+    }
+    if (optimizer_step_) {
+      FASTDDP_PROFILE_RANGE("fastddp optimizer step");
+      optimizer_step_->end_of_backward();
     }
   } catch (...) {
     fail_iteration(std::current_exception());
@@ -63,6 +51,46 @@ void Reducer::finalize_backward() {
                                  .count();
   stats_.exposed_us = std::max(0.0, elapsed_us() - last_ready_us_);
   stats_.total_exposed_us += stats_.exposed_us;
+}
+
+void Reducer::finish_bucket(size_t b) {
+  Bucket& bucket = buckets_[b];
+  {
+    FASTDDP_PROFILE_RANGE("fastddp wait");
+    bucket.future->wait();
+  }
+  if (bucket.future->hasError()) {
+    const char* what = hook_->launched_collective(b);
+    FASTDDP_CHECK(false, "fastddp: the reduction of bucket ", b, " (comm hook '", hook_->name(),
+                  "') failed on rank ", rank_, ": ", what ? what : "", what ? " failed: " : "",
+                  bucket.future->tryRetrieveErrorMessage());
+  }
+  {
+    FASTDDP_PROFILE_RANGE("fastddp write-back");
+    write_back(bucket, bucket.future->value());
+  }
+  bucket.future.reset();
+  stats_.timings[b].done_us = elapsed_us();
+  timeline_->mark(b, DeviceTimeline::kDone);
+  if (optimizer_step_) {
+    FASTDDP_PROFILE_RANGE("fastddp optimizer step");
+    optimizer_step_->step_bucket(bucket.params);
+  }
+}
+
+void Reducer::finish_completed_buckets() {
+  // Not where the write-back waits for the whole backward (Note [overlapped
+  // optimizer]), nor on an accelerator, whose futures complete at enqueue.
+  if (!optimizer_step_ || track_usage() || nonfinite_ || options_.mixed_precision ||
+      !params_.front().device().is_cpu()) {
+    return;
+  }
+  for (size_t b = 0; b < next_bucket_; ++b) {
+    Bucket& bucket = buckets_[b];
+    if (!bucket.future) continue;
+    if (!bucket.future->completed()) return;  // in order: the later ones wait for it
+    finish_bucket(b);
+  }
 }
 
 void Reducer::fail_iteration(const std::exception_ptr& error) {

@@ -24,6 +24,10 @@ def state_of(ddp: Any) -> dict:
     if ddp._delayed is not None or ddp._mp is not None:  # their hooks do not travel
         raise _not_yet("pickling a model with delay_all_reduce_named_params or "
                        "mixed_precision", "their hooks are not rebuilt on load")
+    if getattr(ddp, "_overlap", None) is not None:
+        raise _not_yet("pickling a model with an overlapped optimizer (overlap_optimizer, "
+                       "_register_fused_optim)", "the optimizer is not part of the model: a "
+                       "copy would train without stepping; pickle it before overlapping")
     attrs = copy.copy(ddp.__dict__)
     for native in _NATIVE:
         attrs.pop(native, None)

@@ -11,8 +11,8 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from fastddp import _C
 from fastddp import hooks as fastddp_hooks
-from fastddp.ddp import (_compile, _forward, _hook_install, _hook_state, _pickling,
-                         _python_reducer)
+from fastddp.ddp import (_compile, _forward, _hook_install, _hook_state, _overlap_optimizer,
+                         _pickling, _python_reducer)
 from fastddp.ddp._construction import (_check_module, _expect_sparse_gradients, _not_yet,
                                        _params_for_reducer, _reject_unsupported,
                                        _resolve_device_ids, _resolve_group, bucket_limits,
@@ -163,6 +163,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 broadcast_tensors(self.process_group, states, src=0)
 
         self._reducer = None
+        self._overlap = None  # overlap_optimizer()'s, once registered
         self._comm_hooks: list[tuple[Any, object]] = []
         self._native_hook = None  # the registered C++ hook (None: the default allreduce)
         self._auto = None  # fastddp.hooks.auto()'s tuner, once registered
@@ -226,6 +227,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self._reducer.set_sink_clone(False)
         if self.static_graph:
             self._reducer.set_static_graph()
+        if getattr(self, "_overlap", None) is not None:  # a rebuilt reducer steps it too
+            self._reducer.set_optimizer_step(self._overlap.native)
 
     # Buffers sync follows torch 2.13+: broadcast_buffers is an alias.
     @property
@@ -353,8 +356,18 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         _hook_install.install(self, None, hook)  # raises before anything is registered
         self._comm_hooks.append((hook, None))
 
-    def _register_fused_optim(self, optim: Any, *args: Any, **kwargs: Any) -> None:
-        raise _not_yet("_register_fused_optim", "it needs communication hooks")
+    def overlap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Steps ``optimizer`` inside every synchronized backward, bucket by bucket as each
+        bucket's averaged gradients are written, overlapping the rest of the reduction (and
+        on the CPU the rest of backward); the script no longer calls ``optimizer.step()``.
+        Same numbers as ``optimizer.step()`` after backward (Note [overlapped optimizer,
+        Python side])."""
+        _overlap_optimizer.register(self, optimizer)
+
+    def _register_fused_optim(self, optim: type, *args: Any, optim_params: Any = None,
+                              **kwargs: Any) -> None:
+        """torch's: ``optim(optim_params, *args, **kwargs)`` overlapped as above."""
+        _overlap_optimizer.register_fused(self, optim, args, optim_params, kwargs)
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:

@@ -1,0 +1,75 @@
+"""The optimizer overlapped with backward (overlap_optimizer_scenarios.py): bit for bit torch
+DDP followed by the same optimizer's step(), on 2 and 3 gloo ranks and at world size 1, and
+torch DDP's own _register_fused_optim."""
+
+import pytest
+
+import overlap_optimizer_scenarios as s
+
+
+def _check(results):
+    for r in results:
+        assert r == {**r, "equal": True, "grads_equal": True, "state_equal": True,
+                     "replicas_agree": True, "moved": True}, r
+
+
+# The issue's matrix: SGD, SGD with momentum and AdamW, both gradient layouts, with a hook
+# and without. Bit for bit: the same averaged gradients (the same bucket layout, so the
+# same sums), then the optimizer's own update, per parameter.
+@pytest.mark.parametrize("optimizer", ["sgd", "sgd_momentum", "adamw"])
+@pytest.mark.parametrize("view", [False, True], ids=["copy", "bucket_view"])
+@pytest.mark.parametrize("hook", [None, "bf16", "python"])
+def test_equals_torch_ddp_then_step(world, optimizer, view, hook):
+    _check(world.check(s.train, optimizer=optimizer, gradient_as_bucket_view=view, hook=hook))
+
+
+# Any torch.optim optimizer and implementation: foreach and fused AdamW, RMSprop, and two
+# param groups with their own learning rates.
+@pytest.mark.parametrize("optimizer", ["adamw_foreach", "adamw_fused", "rmsprop"])
+def test_other_optimizers_and_implementations(world, optimizer):
+    _check(world.check(s.train, optimizer=optimizer, groups=True))
+
+
+def test_no_sync_accumulates_and_steps_with_the_next_backward(world):
+    _check(world.check(s.train, optimizer="adamw", steps=6, no_sync_every=2))
+
+
+# Where the write-back waits for the end of backward: the steps come after it, same numbers.
+@pytest.mark.parametrize("ddp_kwargs", [
+    {"find_unused_parameters": True, "model": "unused"},
+    {"static_graph": True},
+    {"check_for_nan_in_grad": True},
+], ids=lambda kw: next(iter(kw)))
+def test_with_arguments_that_finish_at_the_end(world, ddp_kwargs):
+    _check(world.check(s.train, optimizer="sgd_momentum", **ddp_kwargs))
+
+
+def test_world_size_one(world1):
+    _check(world1.check(s.train, optimizer="adamw"))
+
+
+# torch's functional optimizers step per parameter after its allreduce_hook: the same
+# update formulas on the same averaged gradients.
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adamw"])
+def test_register_fused_optim_equals_torch_ddp(world, optimizer):
+    for r in world.check(s.registered_fused, optimizer=optimizer):
+        assert r == {"equal": True, "moved": True}, r
+
+
+def test_steps_run_during_backward(world):
+    # Four buckets (body's two, mid, last): body's two step inside backward, before last's
+    # gradient exists, in each of the two backward passes after the first. (mid's may too,
+    # when its reduction is done by the time the loop reaches it: not counted.)
+    for r in world.check(s.steps_during_backward):
+        assert r == {"body_steps_inside_backward": 4, "body_steps": 4, "buckets": 4,
+                     "equal": True}, r
+
+
+def test_refusals(world):
+    for r in world.check(s.refusals):
+        assert r["user_step"].startswith("RuntimeError: SGD.step() was called"), r
+        assert r["twice"].startswith("RuntimeError:") and "already" in r["twice"], r
+        assert r["pickle"].startswith("NotImplementedError:"), r
+        assert r["lbfgs"].startswith("NotImplementedError:") and "closure" in r["lbfgs"], r
+        assert r["not_an_optimizer"].startswith("TypeError:"), r
+        assert r["mixed_precision"].startswith("NotImplementedError:"), r
