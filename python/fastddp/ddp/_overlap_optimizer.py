@@ -10,6 +10,9 @@ single-tensor, foreach and fused implementations alike), so the steps together g
 numbers of one ``optimizer.step()`` after torch DDP's backward, and the optimizer's state,
 ``state_dict()``, learning-rate schedulers and ``zero_grad()`` stay the user's. Parameters
 of the optimizer that no bucket holds (outside this model) step at the end of backward.
+For torch's SGD, Adam and AdamW built with ``fused=True`` the reducer calls torch's fused
+kernels itself, with no Python per bucket (``_fused_step.py``): the same kernels on the same
+tensors as that optimizer's step().
 
 What changes for the user: a synchronized backward steps the optimizer, so the script does
 not call ``optimizer.step()`` (a call raises, naming why: it would step twice; a
@@ -26,6 +29,7 @@ from typing import Any
 import torch
 
 from fastddp import _C
+from fastddp.ddp import _fused_step
 
 _HOW = "fastddp.DistributedDataParallel.overlap_optimizer"
 
@@ -43,14 +47,37 @@ class OverlappedOptimizer:
                 "step inside backward has none")
         self.optimizer = optimizer
         self._params = ddp._reducer_params  # the reducer's order: bucket indices name them
+        self._rest: list[torch.Tensor] = []
+        self._narrowed: dict[tuple, list[list[torch.Tensor]]] = {}
+        self._groups_key: tuple = ()
+        self._kind: str | None = None
+        self._stepping = False
+        self._pre_hook = optimizer.register_step_pre_hook(self._refuse_user_step)
+        self.native: Any = None
+        self.refresh()
+
+    def refresh(self) -> bool:
+        """Before each forward: whether ``native`` changed (the param groups or the state
+        were replaced, as add_param_group and load_state_dict do); the native step's
+        hyperparameters are read again either way (LR schedulers change them)."""
+        optimizer = self.optimizer
+        key = (id(optimizer.state),) + tuple((id(g), id(g["params"]), len(g["params"]))
+                                             for g in optimizer.param_groups)
+        if key == self._groups_key:
+            if self._kind is not None:
+                self.native.set_groups(_fused_step.hyperparameters(self._kind, optimizer))
+            return False
+        self._groups_key = key
+        self._narrowed.clear()
         in_model = {id(p) for p in self._params}
         self._rest = [p for group in optimizer.param_groups for p in group["params"]
                       if id(p) not in in_model]
-        self._narrowed: dict[tuple, list[list[torch.Tensor]]] = {}
-        self._groups_key: tuple = ()
-        self._stepping = False
-        self._pre_hook = optimizer.register_step_pre_hook(self._refuse_user_step)
-        self.native = _C.python_optimizer_step(self._on_step)
+        # torch's fused kernels called from C++ where they give the optimizer's numbers,
+        # else its own step(), narrowed per bucket.
+        self._kind = _fused_step.kind_of(optimizer, self._params)
+        self.native = (_fused_step.build(self._kind, optimizer, self._params) if self._kind
+                       else _C.python_optimizer_step(self._on_step))
+        return True
 
     def detach(self) -> None:
         """The optimizer is the user's again (its step() works as before)."""
@@ -75,12 +102,7 @@ class OverlappedOptimizer:
 
     def _step_narrowed(self, params: list[torch.Tensor], key: tuple | None) -> None:
         groups = self.optimizer.param_groups
-        # The narrowed lists are cached per bucket; a changed group (add_param_group,
-        # params replaced) starts the cache afresh.
-        groups_key = tuple((id(g["params"]), len(g["params"])) for g in groups)
-        if groups_key != self._groups_key:
-            self._narrowed.clear()
-            self._groups_key = groups_key
+        # Cached per bucket; refresh() clears the cache when the param groups change.
         narrowed = self._narrowed.get(key) if key is not None else None
         if narrowed is None:
             wanted = {id(p) for p in params}

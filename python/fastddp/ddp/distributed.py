@@ -250,6 +250,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if not self._lazy_init_ran:
             self._lazy_init_ran = True
             self._in_backward = InBackwardOptimizers.find(self._module_parameters)
+        if self._overlap is not None and self._overlap.refresh():
+            self._reducer.set_optimizer_step(self._overlap.native)
         state = ()  # stays empty without a reducer (world size 1): nothing to do around the call
         if self._reducer is not None or self.device_ids:
             inputs, kwargs, state = _forward.before_module(self, inputs, kwargs)

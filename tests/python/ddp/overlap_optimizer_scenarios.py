@@ -26,6 +26,11 @@ OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
     "adamw_foreach": (torch.optim.AdamW, {"lr": 0.01, "foreach": True}),
     "adamw_fused": (torch.optim.AdamW, {"lr": 0.01, "fused": True}),
+    "adam_fused_amsgrad": (torch.optim.Adam, {"lr": 0.01, "weight_decay": 0.1, "amsgrad": True,
+                                              "fused": True}),
+    "sgd_fused": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "dampening": 0.1,
+                                    "weight_decay": 0.01, "fused": True}),
+    "sgd_fused_plain": (torch.optim.SGD, {"lr": 0.05, "fused": True}),
     "rmsprop": (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5}),
 }
 
@@ -56,12 +61,16 @@ def _hook(model, name: str | None) -> None:
 
 def train(optimizer: str = "sgd", steps: int = 4, gradient_as_bucket_view: bool = False,
           hook: str | None = None, no_sync_every: int = 0, model: str = "mlp",
-          groups: bool = False, **ddp_kwargs) -> dict:
+          groups: bool = False, schedule: bool = False, reload_at: int = -1,
+          **ddp_kwargs) -> dict:
     """fastddp with ``overlap_optimizer`` against torch DDP + the same optimizer's step()
     after backward, from one set of weights on the same batches. no_sync_every=k: every
     k-th backward runs under no_sync() (accumulated, stepped with the next one). groups: two
-    param groups with different learning rates. Returns whether parameters, averaged
-    grads and optimizer state agree bit for bit, and whether the replicas agree."""
+    param groups with different learning rates. schedule: a StepLR halving them after each
+    step. reload_at=k: both optimizers reload their own state_dict before step k (a
+    resume). Returns whether parameters, averaged grads and optimizer state agree bit for
+    bit, whether the replicas agree, and whether fastddp stepped natively (torch's fused
+    kernels from C++) or through the optimizer's step()."""
     cls, kwargs = OPTIMIZERS[optimizer]
     torch.manual_seed(0)
     base = TwoGroupsWithUnused() if model == "unused" else mlp()
@@ -83,12 +92,17 @@ def train(optimizer: str = "sgd", steps: int = 4, gradient_as_bucket_view: bool 
 
     fast_opt, ref_opt = make(fast), make(ref)
     fast.overlap_optimizer(fast_opt)
+    schedulers = ([torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5)
+                   for o in (fast_opt, ref_opt)] if schedule else [])
     # Bit for bit, but with torch's allreduce_hook on 3 ranks: fastddp runs it as its own
     # reduction (x 1/world), torch divides (docs/arguments.md), and the last bit of a sum may
     # differ (also without an overlapped optimizer); rounding_ulps() bounds that.
     ulps = rounding_ulps() if hook == "python" else 0
     grads_equal = True
     for step in range(steps):
+        if step == reload_at:
+            for o in (fast_opt, ref_opt):
+                o.load_state_dict(copy.deepcopy(o.state_dict()))
         inputs, target = vector_batch(step)
         accumulate = no_sync_every and step % no_sync_every == no_sync_every - 1
         for m in (fast, ref):
@@ -101,6 +115,8 @@ def train(optimizer: str = "sgd", steps: int = 4, gradient_as_bucket_view: bool 
                            zip(fast.module.parameters(), ref.module.parameters()))
         fast_opt.zero_grad()
         ref_opt.zero_grad()
+        for scheduler in schedulers:
+            scheduler.step()
     fast_params, ref_params = list(fast.module.parameters()), list(ref.module.parameters())
     equal = all(_close(a, b, ulps) for a, b in zip(fast_params, ref_params))
     state_equal = _same_state(fast_opt, ref_opt, ulps)
@@ -109,7 +125,8 @@ def train(optimizer: str = "sgd", steps: int = 4, gradient_as_bucket_view: bool 
     dist.all_gather_object(gathered, mine)
     moved = not torch.equal(mine, torch.cat([p.reshape(-1) for p in base.parameters()]))
     return {"equal": equal, "grads_equal": grads_equal, "state_equal": state_equal,
-            "replicas_agree": all(torch.equal(g, mine) for g in gathered), "moved": moved}
+            "replicas_agree": all(torch.equal(g, mine) for g in gathered), "moved": moved,
+            "native": type(fast._overlap.native).__name__ == "FusedStep"}
 
 
 def registered_fused(optimizer: str = "sgd", steps: int = 4) -> dict:

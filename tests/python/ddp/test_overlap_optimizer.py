@@ -7,10 +7,10 @@ import pytest
 import overlap_optimizer_scenarios as s
 
 
-def _check(results):
+def _check(results, native=False):
     for r in results:
-        assert r == {**r, "equal": True, "grads_equal": True, "state_equal": True,
-                     "replicas_agree": True, "moved": True}, r
+        assert r == {"equal": True, "grads_equal": True, "state_equal": True,
+                     "replicas_agree": True, "moved": True, "native": native}, r
 
 
 # The matrix: SGD, SGD with momentum and AdamW, both gradient layouts, with a hook
@@ -23,11 +23,23 @@ def test_equals_torch_ddp_then_step(world, optimizer, view, hook):
     _check(world.check(s.train, optimizer=optimizer, gradient_as_bucket_view=view, hook=hook))
 
 
-# Any torch.optim optimizer and implementation: foreach and fused AdamW, RMSprop, and two
-# param groups with their own learning rates.
-@pytest.mark.parametrize("optimizer", ["adamw_foreach", "adamw_fused", "rmsprop"])
+# Any torch.optim optimizer and implementation, through its own step(): foreach AdamW,
+# RMSprop; two param groups with their own learning rates.
+@pytest.mark.parametrize("optimizer", ["adamw_foreach", "rmsprop"])
 def test_other_optimizers_and_implementations(world, optimizer):
     _check(world.check(s.train, optimizer=optimizer, groups=True))
+
+
+# SGD, Adam and AdamW with fused=True: torch's fused kernels called from C++, no Python per
+# bucket; the numbers and state of the optimizer's own step(). Two param groups, a StepLR
+# changing their learning rates every step, a reload of the optimizer's state (a resume),
+# both gradient layouts.
+@pytest.mark.parametrize("optimizer", ["adamw_fused", "adam_fused_amsgrad", "sgd_fused",
+                                       "sgd_fused_plain"])
+@pytest.mark.parametrize("view", [False, True], ids=["copy", "bucket_view"])
+def test_fused_optimizers_step_natively(world, optimizer, view):
+    _check(world.check(s.train, optimizer=optimizer, gradient_as_bucket_view=view, groups=True,
+                       schedule=True, steps=5, reload_at=2), native=True)
 
 
 def test_no_sync_accumulates_and_steps_with_the_next_backward(world):
