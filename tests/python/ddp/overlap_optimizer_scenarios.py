@@ -62,18 +62,21 @@ def _hook(model, name: str | None) -> None:
 def train(optimizer: str = "sgd", steps: int = 4, gradient_as_bucket_view: bool = False,
           hook: str | None = None, no_sync_every: int = 0, model: str = "mlp",
           groups: bool = False, schedule: bool = False, reload_at: int = -1,
-          **ddp_kwargs) -> dict:
+          device: str = "cpu", **ddp_kwargs) -> dict:
     """fastddp with ``overlap_optimizer`` against torch DDP + the same optimizer's step()
     after backward, from one set of weights on the same batches. no_sync_every=k: every
     k-th backward runs under no_sync() (accumulated, stepped with the next one). groups: two
     param groups with different learning rates. schedule: a StepLR halving them after each
     step. reload_at=k: both optimizers reload their own state_dict before step k (a
-    resume). Returns whether parameters, averaged grads and optimizer state agree bit for
+    resume). device="cuda": both models on cuda:0 (ranks sharing one GPU over gloo).
+    Returns whether parameters, averaged grads and optimizer state agree bit for
     bit, whether the replicas agree, and whether fastddp stepped natively (torch's fused
     kernels from C++) or through the optimizer's step()."""
     cls, kwargs = OPTIMIZERS[optimizer]
     torch.manual_seed(0)
-    base = TwoGroupsWithUnused() if model == "unused" else mlp()
+    base = (TwoGroupsWithUnused() if model == "unused" else mlp()).to(device)
+    if device != "cpu":
+        ddp_kwargs["device_ids"] = [0]
     common = dict(gradient_as_bucket_view=gradient_as_bucket_view, bucket_cap_mb=CAP_MB,
                   **ddp_kwargs)
     # fastddp's own argument (torch DDP has none): the reference runs without it
@@ -103,7 +106,7 @@ def train(optimizer: str = "sgd", steps: int = 4, gradient_as_bucket_view: bool 
         if step == reload_at:
             for o in (fast_opt, ref_opt):
                 o.load_state_dict(copy.deepcopy(o.state_dict()))
-        inputs, target = vector_batch(step)
+        inputs, target = vector_batch(step, device=device)
         accumulate = no_sync_every and step % no_sync_every == no_sync_every - 1
         for m in (fast, ref):
             with m.no_sync() if accumulate else _null():
@@ -121,9 +124,10 @@ def train(optimizer: str = "sgd", steps: int = 4, gradient_as_bucket_view: bool 
     equal = all(_close(a, b, ulps) for a, b in zip(fast_params, ref_params))
     state_equal = _same_state(fast_opt, ref_opt, ulps)
     gathered = [None] * dist.get_world_size()
-    mine = torch.cat([p.detach().reshape(-1) for p in fast_params])
+    mine = torch.cat([p.detach().reshape(-1) for p in fast_params]).cpu()
     dist.all_gather_object(gathered, mine)
-    moved = not torch.equal(mine, torch.cat([p.reshape(-1) for p in base.parameters()]))
+    start = torch.cat([p.detach().reshape(-1) for p in base.parameters()]).cpu()
+    moved = not torch.equal(mine, start)
     return {"equal": equal, "grads_equal": grads_equal, "state_equal": state_equal,
             "replicas_agree": all(torch.equal(g, mine) for g in gathered), "moved": moved,
             "native": type(fast._overlap.native).__name__ == "FusedStep"}

@@ -5,6 +5,7 @@ torch DDP's own _register_fused_optim."""
 import pytest
 
 import overlap_optimizer_scenarios as s
+from harness import World
 
 
 def _check(results, native=False):
@@ -85,3 +86,17 @@ def test_refusals(world):
         assert r["lbfgs"].startswith("NotImplementedError:") and "closure" in r["lbfgs"], r
         assert r["not_an_optimizer"].startswith("TypeError:"), r
         assert r["mixed_precision"].startswith("NotImplementedError:"), r
+
+
+# On a GPU the steps are enqueued at the end of backward, each after its own bucket's
+# reduction (Note [overlapped optimizer]): fused AdamW natively, SGD through its step().
+@pytest.mark.gpu
+@pytest.mark.parametrize(("optimizer", "native"), [("adamw_fused", True), ("sgd_momentum", False)])
+def test_cuda_equals_torch_ddp_then_step(optimizer, native):
+    # gloo reduces CUDA tensors through host memory: two ranks on one GPU.
+    world = World(2, backend="gloo")
+    try:
+        _check(world.check(s.train, optimizer=optimizer, device="cuda", groups=True),
+               native=native)
+    finally:
+        world.close()
