@@ -79,10 +79,6 @@ class OverlappedOptimizer:
                        else _C.python_optimizer_step(self._on_step))
         return True
 
-    def detach(self) -> None:
-        """The optimizer is the user's again (its step() works as before)."""
-        self._pre_hook.remove()
-
     def _refuse_user_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._stepping:
             raise RuntimeError(
@@ -137,6 +133,10 @@ def register(ddp: Any, optimizer: torch.optim.Optimizer) -> None:
         raise NotImplementedError(
             f"{_HOW}: not with mixed_precision, whose full-precision parameters come back "
             "only after the whole backward")
+    if ddp._delayed is not None:
+        raise NotImplementedError(
+            f"{_HOW}: not with delay_all_reduce_named_params, whose parameters are averaged "
+            "outside the buckets, by a reduction of their own")
     if ddp._overlap is not None:
         raise RuntimeError(f"{_HOW}: an optimizer is already overlapped with this model's "
                            "backward; only one can be")

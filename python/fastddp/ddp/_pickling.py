@@ -43,6 +43,7 @@ def restore(ddp: Any, state: dict) -> None:
     ddp._native_hook = None
     ddp._auto = None
     ddp._in_backward = None
+    ddp._overlap = None  # refused in state_of; older pickles lack it
     ddp.reducer = ReducerProxy(ddp)
     ddp._python_reducer = _python_reducer.attach(ddp)
     ddp.require_forward_param_sync = True

@@ -226,6 +226,8 @@ def refusals() -> dict:
             torch.optim.LBFGS(mlp().parameters())),
         "not_an_optimizer": lambda: fastddp.DistributedDataParallel(mlp()).overlap_optimizer(
             [torch.zeros(1)]),
+        "delayed": lambda: _delayed_model().overlap_optimizer(
+            torch.optim.SGD(mlp().parameters(), lr=0.1)),
         "mixed_precision": lambda: fastddp.DistributedDataParallel(
             mlp(), mixed_precision=_bf16()).overlap_optimizer(
                 torch.optim.SGD(mlp().parameters(), lr=0.1)),
@@ -236,6 +238,14 @@ def refusals() -> dict:
         except Exception as e:  # noqa: BLE001 - the type is what the test checks
             errors[name] = f"{type(e).__name__}: {e}"
     return errors
+
+
+def _delayed_model() -> fastddp.DistributedDataParallel:
+    module = mlp()
+    named = dict(module.named_parameters())
+    return fastddp.DistributedDataParallel(
+        module, delay_all_reduce_named_params=[("2.weight", named["2.weight"])],
+        param_to_hook_all_reduce=named["0.weight"])
 
 
 def _bf16() -> _MixedPrecision:

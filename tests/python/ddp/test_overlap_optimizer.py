@@ -86,6 +86,7 @@ def test_refusals(world):
         assert r["lbfgs"].startswith("NotImplementedError:") and "closure" in r["lbfgs"], r
         assert r["not_an_optimizer"].startswith("TypeError:"), r
         assert r["mixed_precision"].startswith("NotImplementedError:"), r
+        assert r["delayed"].startswith("NotImplementedError:"), r
 
 
 # On a GPU the steps are enqueued at the end of backward, each after its own bucket's
