@@ -146,7 +146,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        std::shared_ptr<fastddp::CommHook> hook, bool gradient_as_bucket_view,
                        bool find_unused_parameters, bool static_graph,
                        std::vector<size_t> rebuild_limits, std::vector<bool> expect_sparse,
-                       bool check_for_nan_in_grad, int64_t align_bytes) {
+                       bool check_for_nan_in_grad, int64_t align_bytes,
+                       bool lazy_bucket_allocation) {
              ReducerOptions options;
              options.gradient_as_bucket_view = gradient_as_bucket_view;
              options.find_unused_parameters = find_unused_parameters;
@@ -155,6 +156,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              options.expect_sparse = std::move(expect_sparse);
              options.check_for_nan_in_grad = check_for_nan_in_grad;
              options.align_bytes = align_bytes;
+             options.lazy_bucket_allocation = lazy_bucket_allocation;
              if (!hook) hook = std::make_shared<fastddp::AllreduceHook>(group);
              return std::make_shared<Reducer>(std::move(params), std::move(names), std::move(plan),
                                               std::move(group), std::move(hook), options);
@@ -164,7 +166,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("find_unused_parameters") = false, py::arg("static_graph") = false,
            py::arg("rebuild_limits") = std::vector<size_t>{1024 * 1024, 25 * 1024 * 1024},
            py::arg("expect_sparse") = std::vector<bool>{},
-           py::arg("check_for_nan_in_grad") = false, py::arg("align_bytes") = 0)
+           py::arg("check_for_nan_in_grad") = false, py::arg("align_bytes") = 0,
+           py::arg("lazy_bucket_allocation") = false)
       // Every method that takes the reducer's lock releases the GIL first: the
       // autograd thread holds that lock while a Python comm hook wants the GIL.
       .def("before_forward", &Reducer::before_forward, py::arg("sync"), nogil())
@@ -185,6 +188,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("record_default_ready_order", &Reducer::record_default_ready_order, nogil())
       .def("bucket_plan", &Reducer::bucket_plan, nogil())
       .def("bucket_bytes", &Reducer::bucket_bytes, nogil())
+      .def("held_bucket_bytes", &Reducer::held_bucket_bytes, nogil())
       .def("last_ready_order", &Reducer::last_ready_order, nogil())
       .def("last_unused_parameters", &Reducer::last_unused_parameters, nogil())
       .def("comm_stats", &fastddp::comm_stats_dict)
