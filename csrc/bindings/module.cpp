@@ -155,7 +155,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        std::vector<size_t> rebuild_limits, std::vector<bool> expect_sparse,
                        bool check_for_nan_in_grad, int64_t align_bytes, bool mixed_precision,
                        std::optional<at::ScalarType> param_dtype,
-                       std::optional<at::ScalarType> reduce_dtype) {
+                       std::optional<at::ScalarType> reduce_dtype,
+                       bool lazy_bucket_allocation) {
              ReducerOptions options;
              options.gradient_as_bucket_view = gradient_as_bucket_view;
              options.find_unused_parameters = find_unused_parameters;
@@ -167,6 +168,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              options.mixed_precision = mixed_precision;
              options.param_dtype = param_dtype;
              options.reduce_dtype = reduce_dtype;
+             options.lazy_bucket_allocation = lazy_bucket_allocation;
              if (!hook) hook = std::make_shared<fastddp::AllreduceHook>(group);
              return std::make_shared<Reducer>(std::move(params), std::move(names), std::move(plan),
                                               std::move(group), std::move(hook), options);
@@ -178,7 +180,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("expect_sparse") = std::vector<bool>{},
            py::arg("check_for_nan_in_grad") = false, py::arg("align_bytes") = 0,
            py::arg("mixed_precision") = false, py::arg("param_dtype") = py::none(),
-           py::arg("reduce_dtype") = py::none())
+           py::arg("reduce_dtype") = py::none(), py::arg("lazy_bucket_allocation") = false)
       // Every method that takes the reducer's lock releases the GIL first: the
       // autograd thread holds that lock while a Python comm hook wants the GIL.
       .def("before_forward", &Reducer::before_forward, py::arg("sync"), nogil())
@@ -202,6 +204,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("record_default_ready_order", &Reducer::record_default_ready_order, nogil())
       .def("bucket_plan", &Reducer::bucket_plan, nogil())
       .def("bucket_bytes", &Reducer::bucket_bytes, nogil())
+      .def("held_bucket_bytes", &Reducer::held_bucket_bytes, nogil())
       .def("last_ready_order", &Reducer::last_ready_order, nogil())
       .def("last_unused_parameters", &Reducer::last_unused_parameters, nogil())
       .def("comm_stats", &fastddp::comm_stats_dict)

@@ -50,7 +50,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
                 options_.expect_sparse.size(), " entries for ", params_.size(), " parameters");
   for (const at::Tensor& p : params_) master_dtypes_.push_back(p.scalar_type());
   buckets_ = make_buckets(params_, plan, options_.expect_sparse, options_.align_bytes,
-                          options_.reduce_dtype);
+                          options_.reduce_dtype, options_.lazy_bucket_allocation);
   check_hook_supports(*hook_);
   timeline_ = std::make_unique<DeviceTimeline>(params_[0].device());
   reset_bucket_views();
@@ -223,6 +223,7 @@ void Reducer::mark_ready(size_t index) {
   ++num_ready_;
   const auto [b, slot] = locator_[index];
   Bucket& bucket = buckets_[b];
+  if (!bucket.allocated()) allocate_buckets();  // this backward's first gradient
   at::Tensor& view = bucket.views[slot];
   grad_slot_.with_grad(params_[index], [&](at::Tensor& grad) {
     if (grad.defined()) {

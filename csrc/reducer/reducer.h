@@ -104,6 +104,9 @@ struct ReducerOptions {
   bool mixed_precision = false;
   std::optional<c10::ScalarType> param_dtype;
   std::optional<c10::ScalarType> reduce_dtype;
+  // torch 2.15's lazy_bucket_allocation: bucket buffers only while a backward
+  // reduces (Note [lazy bucket storage] in bucket.h).
+  bool lazy_bucket_allocation = false;
 };
 
 // Timings of one bucket in the last synchronized backward, in microseconds
@@ -181,6 +184,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   std::vector<std::vector<size_t>> bucket_plan() const;
   std::vector<int64_t> bucket_bytes() const;
+  // Bytes of bucket storage the reducer holds now (join()'s shadows included):
+  // the whole layout, or with lazy_bucket_allocation 0 between backwards.
+  int64_t held_bucket_bytes() const;
   bool has_rebuilt_buckets() const { return has_rebuilt_; }
   int64_t num_backward_syncs() const { return num_syncs_; }
   int64_t num_iterations() const { return num_iterations_; }
@@ -253,6 +259,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void rebuild_buckets();
   std::vector<std::vector<size_t>> broadcast_plan(const std::vector<std::vector<size_t>>& plan);
   void reset_bucket_views();
+  // Note [lazy bucket storage]: the buffers for this backward, and their release.
+  void allocate_buckets();
+  void release_buckets();
 
   void ensure_prior_reduction_finished() const;
   // Raises if a parameter changed dtype, device or shape since wrapping.

@@ -43,6 +43,7 @@ void Reducer::finalize_backward() {
   phase_ = Phase::kReduced;
   divide_factor_ = 0;
   grad_slot_.reset();
+  release_buckets();
   timeline_->mark_end();
   ++num_syncs_;
   stats_.steps = num_syncs_;
@@ -111,6 +112,7 @@ void Reducer::fail_iteration(const std::exception_ptr& error) {
     if (bucket.future) bucket.future->wait();  // its error, if any, is this step's
     bucket.future.reset();
   }
+  release_buckets();  // nothing writes into them any more
   if (drop_hook_state_) {  // check_for_nan_in_grad: the state from before the step
     step_state_.restore(hook_->step_state());
     drop_hook_state_ = false;

@@ -19,7 +19,6 @@ def _reject_unsupported(**arguments: Any) -> None:
     reasons = {
         "skip_all_reduce_unused_params": "skipping the reduction of all-unused buckets is not "
         "implemented yet",
-        "lazy_bucket_allocation": "buckets are allocated at construction",
     }
     for name, value in arguments.items():
         if value not in (None, False):

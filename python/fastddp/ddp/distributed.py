@@ -83,7 +83,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         check_delay_arguments(delay_all_reduce_named_params, param_to_hook_all_reduce)
         _reject_unsupported(
             skip_all_reduce_unused_params=skip_all_reduce_unused_params,
-            lazy_bucket_allocation=lazy_bucket_allocation,
         )
         if check_reduction:
             warnings.warn(
@@ -128,6 +127,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         # fastddp's own (Megatron's name): raise on NaN/Inf gradients, see docs/failures.md.
         self.check_for_nan_in_grad = bool(check_for_nan_in_grad)
         self.batched_grad_copy = batched_grad_copy
+        self.lazy_bucket_allocation = bool(lazy_bucket_allocation)  # torch 2.15's, in C++
         self.mixed_precision = mixed_precision  # torch's attribute
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
@@ -221,6 +221,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             check_for_nan_in_grad=getattr(self, "check_for_nan_in_grad", False),
             align_bytes=bucket_align_bytes(self._reducer_params[0].device
                                            if self._reducer_params else torch.device("cpu")),
+            lazy_bucket_allocation=getattr(self, "lazy_bucket_allocation", False),
             **options,
         )
         if not self._ddp_sink_clone:

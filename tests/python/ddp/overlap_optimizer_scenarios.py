@@ -79,9 +79,11 @@ def train(optimizer: str = "sgd", steps: int = 4, gradient_as_bucket_view: bool 
         ddp_kwargs["device_ids"] = [0]
     common = dict(gradient_as_bucket_view=gradient_as_bucket_view, bucket_cap_mb=CAP_MB,
                   **ddp_kwargs)
-    # fastddp's own argument (torch DDP has none): the reference runs without it
-    nan_check = {"check_for_nan_in_grad": common.pop("check_for_nan_in_grad", False)}
-    fast = fastddp.DistributedDataParallel(copy.deepcopy(base), **common, **nan_check)
+    # fastddp's own argument, and torch 2.15's (the local torch has neither): the reference
+    # runs without them (lazy buckets give torch 2.15 the same numbers as eager ones).
+    own = {name: common.pop(name, False)
+           for name in ("check_for_nan_in_grad", "lazy_bucket_allocation")}
+    fast = fastddp.DistributedDataParallel(copy.deepcopy(base), **common, **own)
     ref = TorchDDP(copy.deepcopy(base), **common)
     _hook(fast, hook)
     _hook(ref, hook)
@@ -128,9 +130,12 @@ def train(optimizer: str = "sgd", steps: int = 4, gradient_as_bucket_view: bool 
     dist.all_gather_object(gathered, mine)
     start = torch.cat([p.detach().reshape(-1) for p in base.parameters()]).cpu()
     moved = not torch.equal(mine, start)
-    return {"equal": equal, "grads_equal": grads_equal, "state_equal": state_equal,
-            "replicas_agree": all(torch.equal(g, mine) for g in gathered), "moved": moved,
-            "native": type(fast._overlap.native).__name__ == "FusedStep"}
+    result = {"equal": equal, "grads_equal": grads_equal, "state_equal": state_equal,
+              "replicas_agree": all(torch.equal(g, mine) for g in gathered), "moved": moved,
+              "native": type(fast._overlap.native).__name__ == "FusedStep"}
+    if own["lazy_bucket_allocation"]:  # nothing held once the last step has run
+        result["held_bucket_bytes"] = fast._reducer.held_bucket_bytes()
+    return result
 
 
 def registered_fused(optimizer: str = "sgd", steps: int = 4) -> dict:

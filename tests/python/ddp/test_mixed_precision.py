@@ -32,6 +32,7 @@ def test_mixed_precision_trains_as_torch_computes(world, model, param, reduce, b
     {"static_graph": True},
     {"find_unused_parameters": True},
     {"check_for_nan_in_grad": True},
+    {"lazy_bucket_allocation": True},  # the buffers allocated in reduce_dtype, at backward
 ], ids=lambda kw: next(iter(kw)))
 def test_mixed_precision_with_other_arguments(world, ddp_kwargs):
     world.check(s.training, model="batchnorm", param="bf16", reduce="fp32", buffer="bf16",

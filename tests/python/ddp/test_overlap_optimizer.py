@@ -57,6 +57,17 @@ def test_with_arguments_that_finish_at_the_end(world, ddp_kwargs):
     _check(world.check(s.train, optimizer="sgd_momentum", **ddp_kwargs))
 
 
+# Buffers allocated at the first gradient: the steps during backward (CPU) and at its end
+# read grads written from them, the buffers are released after the last step.
+@pytest.mark.parametrize("view", [False, True], ids=["copy", "bucket_view"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
+def test_lazy_bucket_allocation(world, view, optimizer):
+    results = world.check(s.train, optimizer=optimizer, gradient_as_bucket_view=view,
+                          lazy_bucket_allocation=True)
+    assert [r.pop("held_bucket_bytes") for r in results] == [0] * len(results), results
+    _check(results, native=optimizer == "adamw_fused")
+
+
 def test_world_size_one(world1):
     _check(world1.check(s.train, optimizer="adamw"))
 
