@@ -6,9 +6,11 @@
 
 #include "../core/bucket_plan.h"
 #include "../hooks/common/allreduce.h"
+#include "../hooks/common/upcast_allreduce.h"
 #include "../reducer/comm_hook.h"
 #include "../reducer/reducer.h"
 #include "../reducer/message.h"
+#include "../reducer/optimizer_step.h"
 
 namespace py = pybind11;
 
@@ -17,6 +19,7 @@ void bind_hooks(py::module& m);             // hooks_py.cpp
 void bind_powersgd(py::module& m);          // powersgd_py.cpp
 void bind_powersgd_batched(py::module& m);  // powersgd_batched_py.cpp
 void bind_hook_runner(py::module& m);       // hook_runner.cpp
+void bind_optimizer_step(py::module& m);    // optimizer_step_py.cpp
 
 namespace {
 
@@ -134,10 +137,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<fastddp::AllreduceHook, fastddp::CommHook, std::shared_ptr<fastddp::AllreduceHook>>(
       m, "AllreduceHook")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("process_group"));
+  py::class_<fastddp::UpcastAllreduceHook, fastddp::CommHook,
+             std::shared_ptr<fastddp::UpcastAllreduceHook>>(m, "UpcastAllreduceHook")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("process_group"));
   fastddp::bind_hooks(m);  // the registry, the other hooks, the half-cast kernels
   fastddp::bind_powersgd(m);
   fastddp::bind_powersgd_batched(m);
   fastddp::bind_hook_runner(m);  // hooks on given gradients, for benchmarks and tests
+  fastddp::bind_optimizer_step(m);
 
   using Tensors = std::vector<at::Tensor>;
   py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer")
@@ -147,8 +154,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        std::shared_ptr<fastddp::CommHook> hook, bool gradient_as_bucket_view,
                        bool find_unused_parameters, bool static_graph,
                        std::vector<size_t> rebuild_limits, std::vector<bool> expect_sparse,
-                       bool check_for_nan_in_grad, int64_t align_bytes,
-                       bool skip_all_reduce_unused_params) {
+                       bool check_for_nan_in_grad, int64_t align_bytes, bool mixed_precision,
+                       std::optional<at::ScalarType> param_dtype,
+                       std::optional<at::ScalarType> reduce_dtype,
+                       bool lazy_bucket_allocation, bool skip_all_reduce_unused_params) {
              ReducerOptions options;
              options.gradient_as_bucket_view = gradient_as_bucket_view;
              options.find_unused_parameters = find_unused_parameters;
@@ -157,6 +166,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              options.expect_sparse = std::move(expect_sparse);
              options.check_for_nan_in_grad = check_for_nan_in_grad;
              options.align_bytes = align_bytes;
+             options.mixed_precision = mixed_precision;
+             options.param_dtype = param_dtype;
+             options.reduce_dtype = reduce_dtype;
+             options.lazy_bucket_allocation = lazy_bucket_allocation;
              options.skip_all_reduce_unused_params = skip_all_reduce_unused_params;
              if (!hook) hook = std::make_shared<fastddp::AllreduceHook>(group);
              return std::make_shared<Reducer>(std::move(params), std::move(names), std::move(plan),
@@ -168,6 +181,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("rebuild_limits") = std::vector<size_t>{1024 * 1024, 25 * 1024 * 1024},
            py::arg("expect_sparse") = std::vector<bool>{},
            py::arg("check_for_nan_in_grad") = false, py::arg("align_bytes") = 0,
+           py::arg("mixed_precision") = false, py::arg("param_dtype") = py::none(),
+           py::arg("reduce_dtype") = py::none(), py::arg("lazy_bucket_allocation") = false,
            py::arg("skip_all_reduce_unused_params") = false)
       // Every method that takes the reducer's lock releases the GIL first: the
       // autograd thread holds that lock while a Python comm hook wants the GIL.
@@ -182,6 +197,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                return r.needs_outputs();
                              })
       .def("set_comm_hook", &Reducer::set_comm_hook, py::arg("hook"), nogil())
+      .def("set_optimizer_step", &Reducer::set_optimizer_step, py::arg("step"), nogil())
+      .def("after_param_cast", &Reducer::after_param_cast, py::arg("params"),
+           py::arg("masters"), nogil())
       .def("set_sink_clone", &Reducer::set_sink_clone, py::arg("clone"), nogil())
       .def("set_static_graph", &Reducer::set_static_graph, nogil())
       .def("set_divide_factor", &Reducer::set_divide_factor, py::arg("factor"), nogil())
@@ -189,6 +207,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("record_default_ready_order", &Reducer::record_default_ready_order, nogil())
       .def("bucket_plan", &Reducer::bucket_plan, nogil())
       .def("bucket_bytes", &Reducer::bucket_bytes, nogil())
+      .def("held_bucket_bytes", &Reducer::held_bucket_bytes, nogil())
       .def("last_ready_order", &Reducer::last_ready_order, nogil())
       .def("last_unused_parameters", &Reducer::last_unused_parameters, nogil())
       .def("comm_stats", &fastddp::comm_stats_dict)

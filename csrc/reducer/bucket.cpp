@@ -3,8 +3,10 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <utility>
 #include "message.h"
@@ -39,9 +41,16 @@ bool Bucket::padded() const {
   return next != flat.numel();
 }
 
+uint64_t Bucket::next_bucket_id() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
 Bucket Bucket::zeros_like() const {
   Bucket copy;
-  copy.flat = at::zeros_like(flat);
+  // On the bucket's device, also while this one is released (meta).
+  copy.flat = at::zeros({flat.numel()}, flat.options().device(device));
+  copy.device = device;
   copy.params = params;
   copy.offsets = offsets;
   copy.numels = numels;
@@ -77,7 +86,8 @@ int64_t lay_out(Bucket& bucket, const std::vector<at::Tensor>& params, int64_t a
 
 std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
                                  const std::vector<std::vector<size_t>>& plan,
-                                 const std::vector<bool>& sparse, int64_t align_bytes) {
+                                 const std::vector<bool>& sparse, int64_t align_bytes,
+                                 std::optional<c10::ScalarType> dtype, bool lazy) {
   FASTDDP_CHECK(align_bytes >= 0 && (align_bytes & (align_bytes - 1)) == 0,
                 "fastddp: the bucket alignment must be 0 or a power of two, got ", align_bytes);
   std::vector<Bucket> buckets(plan.size());
@@ -94,6 +104,7 @@ std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
                     plan[b].front(), ", which gets sparse gradients, and ", plan[b].size() - 1,
                     " others; a sparse gradient needs a bucket of its own");
       bucket.sparse = true;
+      bucket.device = first.device();
       bucket.params = plan[b];
       bucket.offsets = {0};
       bucket.numels = {first.numel()};
@@ -108,35 +119,28 @@ std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
                     " with ", p.scalar_type(), " on ", p.device(), " (parameter ", index, ")");
       bucket.params.push_back(index);
     }
-    const int64_t esize = static_cast<int64_t>(first.element_size());
+    const c10::ScalarType type = dtype.value_or(first.scalar_type());
+    const int64_t esize = static_cast<int64_t>(c10::elementSize(type));
     const int64_t align = std::max<int64_t>(1, align_bytes / esize);
-    const auto key = std::make_pair(first.device().str(), first.scalar_type());
+    const auto key = std::make_pair(first.device().str(), type);
     int64_t& used = group_numel[key];
     groups[key].emplace_back(b, used);
     used += lay_out(bucket, params, align);
   }
+  // The layout over meta buffers (sizes and strides, no memory); allocate_flat
+  // puts the real buffers behind it.
   for (const auto& [key, members] : groups) {
     const at::Tensor& like = params[buckets[members.front().first].params.front()];
-    const int64_t total = group_numel[key];
-    const auto options = like.options().requires_grad(false);
-    const int64_t esize = static_cast<int64_t>(like.element_size());
-    at::Tensor buffer;
-    if (align_bytes > esize) {
-      // Zeros: the padding is reduced with the slots, so it must be finite.
-      // Allocators align to 64 (CPU) or 512 (CUDA) bytes: room to align the start to more.
-      const int64_t spare = align_bytes / esize;
-      buffer = at::zeros({total + spare}, options);
-      const auto address = reinterpret_cast<uintptr_t>(buffer.data_ptr());
-      const int64_t shift = static_cast<int64_t>((align_bytes - address % align_bytes) %
-                                                 align_bytes) / esize;
-      buffer = buffer.narrow(0, shift, total);
-    } else {
-      buffer = at::empty({total}, options);
-    }
+    // In the group's dtype (reduce_dtype under mixed_precision): allocate_flat
+    // allocates in the meta buffer's dtype, on the bucket's device.
+    const at::Tensor buffer = at::empty(
+        {group_numel[key]},
+        like.options().dtype(key.second).requires_grad(false).device(at::kMeta));
     for (size_t m = 0; m < members.size(); ++m) {
       const auto [b, start] = members[m];
-      const int64_t end = m + 1 < members.size() ? members[m + 1].second : total;
+      const int64_t end = m + 1 < members.size() ? members[m + 1].second : group_numel[key];
       Bucket& bucket = buckets[b];
+      bucket.device = like.device();
       bucket.flat = buffer.narrow(0, start, end - start);
       for (size_t k = 0; k < bucket.params.size(); ++k) {
         const at::Tensor& p = params[bucket.params[k]];
@@ -150,7 +154,81 @@ std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
       }
     }
   }
+  if (!lazy) allocate_flat(buckets, align_bytes);
   return buckets;
+}
+
+namespace {
+
+// A buffer of `numel` elements for one (device, dtype), its start aligned to
+// `align_bytes`; zeros where there is padding (Note [aligned flat buffer]).
+at::Tensor new_buffer(int64_t numel, const at::TensorOptions& options, int64_t align_bytes) {
+  const int64_t esize = static_cast<int64_t>(c10::elementSize(options.dtype().toScalarType()));
+  if (align_bytes <= esize) return at::empty({numel}, options);
+  // Zeros: the padding is reduced with the slots, so it must be finite.
+  // Allocators align to 64 (CPU) or 512 (CUDA) bytes: room to align the start to more.
+  const int64_t spare = align_bytes / esize;
+  at::Tensor buffer = at::zeros({numel + spare}, options);
+  const auto address = reinterpret_cast<uintptr_t>(buffer.data_ptr());
+  const int64_t shift =
+      static_cast<int64_t>((align_bytes - address % align_bytes) % align_bytes) / esize;
+  return buffer.narrow(0, shift, numel);
+}
+
+// Points the dense buckets' flat and views at one new buffer per (device,
+// dtype), in bucket order (make_buckets' order), keeping the views' sizes and
+// strides: real buffers, or meta ones (`meta`: released).
+void rebind(std::vector<Bucket>& buckets, int64_t align_bytes, bool meta) {
+  std::map<std::pair<std::string, c10::ScalarType>, std::vector<size_t>> groups;
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    if (buckets[b].sparse) continue;
+    groups[{buckets[b].device.str(), buckets[b].flat.scalar_type()}].push_back(b);
+  }
+  for (const auto& [key, members] : groups) {
+    int64_t total = 0;
+    for (size_t b : members) total += buckets[b].flat.numel();
+    const Bucket& first = buckets[members.front()];
+    const auto options = first.flat.options().device(meta ? c10::Device(at::kMeta) : first.device);
+    const at::Tensor buffer = meta ? at::empty({total}, options)
+                                   : new_buffer(total, options, align_bytes);
+    int64_t start = 0;
+    for (size_t b : members) {
+      Bucket& bucket = buckets[b];
+      bucket.flat = buffer.narrow(0, start, bucket.flat.numel());
+      start += bucket.flat.numel();
+      for (size_t k = 0; k < bucket.views.size(); ++k) {
+        at::Tensor& view = bucket.views[k];
+        view = bucket.flat.as_strided(view.sizes(), view.strides(),
+                                      bucket.flat.storage_offset() + bucket.offsets[k]);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void allocate_flat(std::vector<Bucket>& buckets, int64_t align_bytes) {
+  rebind(buckets, align_bytes, false);
+}
+
+void release_flat(std::vector<Bucket>& buckets) { rebind(buckets, 0, true); }
+
+bool all_allocated(const std::vector<Bucket>& buckets) {
+  for (const Bucket& bucket : buckets) {
+    if (!bucket.allocated()) return false;
+  }
+  return true;
+}
+
+int64_t held_bytes(const std::vector<Bucket>& buckets) {
+  std::set<const void*> seen;
+  int64_t bytes = 0;
+  for (const Bucket& bucket : buckets) {
+    if (!bucket.flat.defined() || bucket.flat.is_meta()) continue;
+    const c10::StorageImpl* storage = bucket.flat.storage().unsafeGetStorageImpl();
+    if (seen.insert(storage).second) bytes += static_cast<int64_t>(storage->nbytes());
+  }
+  return bytes;
 }
 
 namespace {

@@ -48,7 +48,9 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   if (options_.expect_sparse.empty()) options_.expect_sparse.assign(params_.size(), false);
   FASTDDP_CHECK(options_.expect_sparse.size() == params_.size(), "fastddp: expect_sparse has ",
                 options_.expect_sparse.size(), " entries for ", params_.size(), " parameters");
-  buckets_ = make_buckets(params_, plan, options_.expect_sparse, options_.align_bytes);
+  for (const at::Tensor& p : params_) master_dtypes_.push_back(p.scalar_type());
+  buckets_ = make_buckets(params_, plan, options_.expect_sparse, options_.align_bytes,
+                          options_.reduce_dtype, options_.lazy_bucket_allocation);
   check_hook_supports(*hook_);
   timeline_ = std::make_unique<DeviceTimeline>(params_[0].device());
   reset_bucket_views();
@@ -74,32 +76,39 @@ Reducer::~Reducer() {
 }
 
 void Reducer::install_hooks() {
-  for (size_t i = 0; i < params_.size(); ++i) {
-    // `auto`: the pointer type changed in torch 2.13 (see GradAccumulatorPtr).
-    auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
-    FASTDDP_CHECK(accumulator, "fastddp: parameter '", names_[i], "' has no grad accumulator");
-    // Plain C++ called by the autograd engine: no GIL, no Python object. Compiled
-    // autograd cannot trace it: it asks for compiled_args first, which raises a
-    // message naming the setting rather than torch's generic "compiled_args nyi"
-    // (torch's own C++ reducer does the same; fastddp/ddp/_compile.py says why).
-    hook_keys_.push_back(
-        accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-            [this, i](const torch::autograd::variable_list& outputs,
-                      const torch::autograd::variable_list&) {
-              on_grad_ready(i);
-              return outputs;
-            },
-            [](auto&) {
-              FASTDDP_CHECK_NOT_IMPLEMENTED(
-                  false,
-                  "fastddp.DistributedDataParallel: backward under compiled autograd is not "
-                  "supported: fastddp's reducer hooks are C++ autograd hooks that compiled "
-                  "autograd cannot trace; compile the model (torch.compile) with the default "
-                  "eager backward, or use torch's DistributedDataParallel for compiled autograd");
-            })));
-    // The engine holds accumulators weakly; keeping them alive keeps our hooks.
-    grad_accumulators_.push_back(std::move(accumulator));
-  }
+  grad_accumulators_.resize(params_.size());
+  hook_keys_.resize(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) hook_accumulator(i);
+}
+
+void Reducer::hook_accumulator(size_t i) {
+  // `auto`: the pointer type changed in torch 2.13 (see GradAccumulatorPtr).
+  auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
+  FASTDDP_CHECK(accumulator, "fastddp: parameter '", names_[i], "' has no grad accumulator");
+  if (accumulator == grad_accumulators_[i]) return;
+  if (grad_accumulators_[i]) grad_accumulators_[i]->del_post_hook(hook_keys_[i]);
+  // Plain C++ called by the autograd engine: no GIL, no Python object. Compiled
+  // autograd cannot trace it: it asks for compiled_args first, which raises a
+  // message naming the setting rather than torch's generic "compiled_args nyi"
+  // (torch's own C++ reducer does the same; fastddp/ddp/_compile.py says why).
+  hook_keys_[i] =
+      accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+          [this, i](const torch::autograd::variable_list& outputs,
+                    const torch::autograd::variable_list&) {
+            on_grad_ready(i);
+            return outputs;
+          },
+          [](auto&) {
+            FASTDDP_CHECK_NOT_IMPLEMENTED(
+                false,
+                "fastddp.DistributedDataParallel: backward under compiled autograd is not "
+                "supported: fastddp's reducer hooks are C++ autograd hooks that compiled "
+                "autograd cannot trace; as with torch's DistributedDataParallel, build the "
+                "model under torch._dynamo.config.optimize_ddp=\"python_reducer\" for "
+                "compiled autograd, or compile the model with the default eager backward");
+          }));
+  // The engine holds accumulators weakly; keeping them alive keeps our hooks.
+  grad_accumulators_[i] = std::move(accumulator);
 }
 
 bool Reducer::static_first_iteration() const {
@@ -217,14 +226,15 @@ void Reducer::mark_ready(size_t index) {
   ++num_ready_;
   const auto [b, slot] = locator_[index];
   Bucket& bucket = buckets_[b];
+  if (!bucket.allocated()) allocate_buckets();  // this backward's first gradient
   at::Tensor& view = bucket.views[slot];
-  // A bucket this rank votes to skip is skipped (or the step fails): its copy-in is
-  // torch's, which divides by the world size only when no comm hook is registered
-  // (our default hook does), else copies; a registered hook's own copy-in may
-  // write elsewhere (its wire buffer) and leave the view, which becomes the grad
-  // under gradient_as_bucket_view, stale. Note [skipping unused buckets].
-  const bool plain_copy_in =
-      hook_registered_ && b < my_votes_.size() && my_votes_[b] && !static_first_iteration();
+  // A skipped bucket's copy-in is torch's, which divides by the world size
+  // only when no comm hook is registered (our default hook does), else copies;
+  // a registered hook's own copy-in may write elsewhere (its wire buffer) and
+  // leave the view, which becomes the grad under gradient_as_bucket_view,
+  // stale. Only then does the decision come before the copy-in (skips() waits
+  // for the votes on a candidate bucket). Note [skipping unused buckets].
+  const bool plain_copy_in = hook_registered_ && !static_first_iteration() && skips(b);
   const auto copy_in = [&](const at::Tensor& grad) {
     if (plain_copy_in) {
       hook_->CommHook::copy_in(bucket, slot, grad);
@@ -238,10 +248,14 @@ void Reducer::mark_ready(size_t index) {
                     "' produced a ", grad.is_sparse() ? "sparse" : "dense", " gradient, but ",
                     bucket.sparse ? "sparse" : "dense", " gradients were expected (they are "
                     "expected sparse for nn.Embedding / nn.EmbeddingBag with sparse=True)");
-      FASTDDP_CHECK(grad.scalar_type() == view.scalar_type() && grad.device() == view.device(),
+      // Under mixed_precision the gradient is of the parameter's (cast) dtype and
+      // the copy-in casts it to the bucket's (Note [mixed precision]).
+      const c10::ScalarType expected =
+          options_.mixed_precision ? params_[index].scalar_type() : view.scalar_type();
+      FASTDDP_CHECK(grad.scalar_type() == expected && grad.device() == view.device(),
                     "fastddp: parameter '", names_[index], "' got a gradient of ",
-                    grad.scalar_type(), " on ", grad.device(), ", expected ", view.scalar_type(),
-                    " on ", view.device());
+                    grad.scalar_type(), " on ", grad.device(), ", expected ", expected, " on ",
+                    view.device());
     }
     FASTDDP_PROFILE_RANGE("fastddp copy-in");
     if (grad.defined() && grad.requires_grad()) {
@@ -273,11 +287,6 @@ void Reducer::mark_ready(size_t index) {
 }
 
 void Reducer::launch_ready_buckets() {
-  // The ranks' votes are in long before the first bucket is (the forward ran
-  // meanwhile); read them once, before deciding on that bucket.
-  if (skip_pending_ && next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
-    read_skip_votes();
-  }
   // Buckets launch strictly in order so that every rank issues the same
   // sequence of collectives, whatever order its gradients arrive in.
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
@@ -286,7 +295,7 @@ void Reducer::launch_ready_buckets() {
     const bool last = next_bucket_ + 1 == buckets_.size();
     // Note [skipping unused buckets]: not the delayed first static-graph
     // iteration, which reduces every bucket as torch's delay_all_reduce does.
-    if (skip_[next_bucket_] && !static_first_iteration()) {
+    if (!static_first_iteration() && skips(next_bucket_)) {
       skipped_[next_bucket_] = true;
       stats_.timings[next_bucket_].launched_us = elapsed_us();
       timeline_->mark(next_bucket_, DeviceTimeline::kLaunched);
@@ -312,6 +321,7 @@ void Reducer::launch_ready_buckets() {
     timeline_->mark(next_bucket_, DeviceTimeline::kLaunched);
     ++next_bucket_;
   }
+  finish_completed_buckets();
   if (next_bucket_ == buckets_.size() && !finalize_queued_) {
     if (dynamic_find_unused()) launch_used_map_allreduce();
     queue_finalize();

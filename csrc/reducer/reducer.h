@@ -41,7 +41,10 @@
 // missing, and GradBucket.is_last() only on the real last bucket, as under
 // torch; a pipelined hook is drained instead (CommHook::drain). torch counts
 // the buckets it reduced per backward (num_buckets_reduced in its logging
-// data; the delayed first static iteration counts none); so do we.
+// data; the delayed first static iteration counts none); so do we. The
+// overlapped optimizer steps a skipped bucket's parameters at the end of
+// backward with the .grad torch's optimizer.step() would see (Note [overlapped
+// optimizer]); a lazy bucket is allocated and released as the others are.
 // One difference, on purpose: torch's finalize waits on a skipped bucket's
 // future from the last step that reduced it, and under gradient_as_bucket_view
 // with a hook whose result is a new tensor copies that stale result into the
@@ -49,11 +52,39 @@
 // the copy-in made them.
 // torch decides per rank, and a bucket unused on one rank but used on another
 // mismatches the ranks' collectives (gloo aborts the process). Here every rank
-// votes first, in one small allreduce launched at the end of the forward (each
-// synchronized step; a rank shadowing a step under join() votes too): per
-// bucket, how many ranks would skip it and how many reduce it. A bucket is
-// skipped where no rank reduces it; where the two disagree every rank raises
-// the same error before its first collective of the backward.
+// votes, in one small int32 allreduce launched at the end of each synchronized
+// forward (a rank shadowing a step under join() takes part too): per bucket,
+// how many ranks leave it unused and how many use it. A bucket is skipped only
+// where no training rank uses it; a disputed one is reduced like any other,
+// with zeros from the ranks that did not use it, so it gets the average torch
+// computes without skipping. A rank reads the votes (waits) only if it has a
+// candidate bucket, all of whose parameters it left unused, and only when that
+// bucket's copy-in (under a registered hook) or launch needs the decision: a
+// bucket this rank uses cannot be skipped, so a rank without candidates
+// launches every bucket as usual and never waits. On an accelerator that read
+// is a host sync, paid only by a rank with a candidate bucket, as torch's
+// find_unused_parameters pays one for a locally unused parameter (its
+// used-map read, our globally_unused()); launching the votes is none (pinned
+// memory, copied without blocking). The votes' collective is issued by every
+// rank in every such step, so the ranks' collectives stay in the same order.
+//
+// Note [mixed precision]
+// torch DDP's mixed_precision (_MixedPrecision(param_dtype, reduce_dtype,
+// buffer_dtype)). Python (fastddp/ddp/_mixed_precision.py) casts the
+// parameters to param_dtype at each forward of the module (torch's
+// _root_copy_hook: `param.data` swapped for a param_dtype copy, the fp32
+// tensor kept as the master) and hands both lists to after_param_cast(). A
+// parameter whose dtype changes gets a new grad accumulator, so the reducer
+// moves its hooks there (torch re-registers them per forward in
+// _module_wait_for_copy_hook). The buckets are in reduce_dtype; the comm hook
+// is UpcastAllreduceHook (torch's _reducer_allreduce_and_upcast_hook): the
+// param_dtype gradient is cast into the bucket as it is copied in, summed,
+// divided by the world size in reduce_dtype, and cast up into a .grad of the
+// master's dtype at the write-back. At the end of the synchronized backward
+// the masters go back into the parameters, as torch's hook and end-of-backward
+// callback put back `_fp_param`; under no_sync() nothing is reduced and the
+// parameters and their gradients stay in param_dtype until the next
+// synchronized backward, as in torch.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -84,6 +115,7 @@ namespace fastddp {
 
 class DeviceTimeline;
 class NonFiniteGuard;
+class OptimizerStep;
 
 // std::shared_ptr<Node> before torch 2.13, c10::intrusive_ptr<Node> from 2.13.
 using GradAccumulatorPtr =
@@ -109,6 +141,15 @@ struct ReducerOptions {
   int64_t align_bytes = 0;
   // Buckets unused on every rank are not reduced: Note [skipping unused buckets].
   bool skip_all_reduce_unused_params = false;
+  // DDP's mixed_precision, see Note [mixed precision]. param_dtype: the
+  // parameters' dtype in forward and backward (nullopt: not cast);
+  // reduce_dtype: the buckets' (nullopt: the parameters').
+  bool mixed_precision = false;
+  std::optional<c10::ScalarType> param_dtype;
+  std::optional<c10::ScalarType> reduce_dtype;
+  // torch 2.15's lazy_bucket_allocation: bucket buffers only while a backward
+  // reduces (Note [lazy bucket storage] in bucket.h).
+  bool lazy_bucket_allocation = false;
 };
 
 // Timings of one bucket in the last synchronized backward, in microseconds
@@ -167,6 +208,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool needs_outputs() const;
 
   void set_comm_hook(std::shared_ptr<CommHook> hook);
+  // The optimizer stepped bucket by bucket after each synchronized backward's
+  // write-back (Note [overlapped optimizer]); nullptr: none.
+  void set_optimizer_step(std::shared_ptr<OptimizerStep> step);
   // torch's _set_ddp_sink_clone: whether the output sink returns clones
   // (default; in-place ops on outputs then work) or the outputs themselves.
   void set_sink_clone(bool clone);
@@ -184,6 +228,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   std::vector<std::vector<size_t>> bucket_plan() const;
   std::vector<int64_t> bucket_bytes() const;
+  // Bytes of bucket storage the reducer holds now (join()'s shadows included):
+  // the whole layout, or with lazy_bucket_allocation 0 between backwards.
+  int64_t held_bucket_bytes() const;
   bool has_rebuilt_buckets() const { return has_rebuilt_; }
   int64_t num_backward_syncs() const { return num_syncs_; }
   int64_t num_iterations() const { return num_iterations_; }
@@ -207,6 +254,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Called by the output sink's backward (reducer_graph.cpp).
   void on_output_grad();
 
+  // mixed_precision: `params` were just cast to param_dtype and `masters` hold
+  // their full-precision data; see Note [mixed precision].
+  void after_param_cast(std::vector<at::Tensor> params, std::vector<at::Tensor> masters);
+
  private:
   enum class Phase {
     kIdle,       // no synchronized backward expected: hooks do nothing
@@ -215,12 +266,27 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   };
 
   void install_hooks();
+  // Puts the reducer's post-hook on parameter i's current grad accumulator
+  // (moving it from the one it was on, if that changed).
+  void hook_accumulator(size_t i);
+  // mixed_precision (reducer_mixed_precision.cpp): the write-back's .grad for
+  // parameter `index`, of the master's dtype; the masters back into the
+  // parameters; whether a parameter's dtype is one it may have.
+  void full_precision_grad(size_t index, bool keep_values);
+  void restore_masters();
+  bool expected_dtype(size_t index, c10::ScalarType dtype) const;
   void on_grad_ready(size_t index);
   void handle_grad_ready(size_t index);  // on_grad_ready under the lock
   void mark_ready(size_t index);
   void launch_ready_buckets();
   void queue_finalize();
   void finalize_backward();
+  // Waits for bucket b's reduction, writes its averaged gradients and hands
+  // them to the overlapped optimizer, if any.
+  void finish_bucket(size_t b);
+  // Note [overlapped optimizer]: the launched buckets whose reductions have
+  // completed, finished during backward, in order.
+  void finish_completed_buckets();
   void reduce_all_delayed();  // the first static-graph iteration, see Note [static graph]
   void write_back(Bucket& bucket, const c10::IValue& result);
   bool globally_unused(size_t index);
@@ -239,6 +305,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void rebuild_buckets();
   std::vector<std::vector<size_t>> broadcast_plan(const std::vector<std::vector<size_t>>& plan);
   void reset_bucket_views();
+  // Note [lazy bucket storage]: the buffers for this backward, and their release.
+  void allocate_buckets();
+  void release_buckets();
 
   void ensure_prior_reduction_finished() const;
   // Raises if a parameter changed dtype, device or shape since wrapping.
@@ -251,9 +320,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   double elapsed_us() const;
 
   std::vector<at::Tensor> params_;
+  std::vector<c10::ScalarType> master_dtypes_;  // the parameters' dtypes at construction
   std::vector<std::string> names_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   std::shared_ptr<CommHook> hook_;
+  std::shared_ptr<OptimizerStep> optimizer_step_;
   ReducerOptions options_;
   int rank_;
   int world_size_;
@@ -281,10 +352,13 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Note [skipping unused buckets].
   bool skip_votes_needed() const;
   void vote_on_skips();          // after the forward: launches the votes
-  void read_skip_votes();        // before the first bucket: waits, decides, checks
+  bool skips(size_t bucket);     // skipped this backward? a candidate's first call waits
+  void read_skip_votes();        // waits for the votes, decides
   void decide_skips(const int32_t* votes);
+  void drop_skip_votes();        // forgets unread votes, without waiting
+  void finish_skipped(size_t bucket);  // finalize_backward()'s part for a skipped bucket
   bool skippable(size_t bucket) const;  // all its parameters are in unused_
-  std::vector<bool> skip_;       // per bucket, this backward: agreed by every rank
+  std::vector<bool> skip_;       // per bucket, once the votes are read: every rank skips it
   std::vector<bool> skipped_;    // per bucket, this backward: was skipped
   std::vector<bool> my_votes_;   // per bucket: this rank voted to skip (empty: shadowing)
   bool hook_registered_ = false;  // set_comm_hook() was called: not torch's default reduction
@@ -307,6 +381,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool delayed_reduce_queued_ = false;
   bool delay_from_first_hook_ = false;  // armed by prepare_for_backward: no sink
   void queue_delayed_reduce();
+
+  // mixed_precision: the parameters cast for the last forward and their
+  // full-precision data (Note [mixed precision]).
+  std::vector<at::Tensor> cast_params_;
+  std::vector<at::Tensor> masters_;
 
   bool sink_clone_ = true;
   bool has_rebuilt_ = false;

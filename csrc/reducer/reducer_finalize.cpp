@@ -8,6 +8,7 @@
 
 #include "device_timeline.h"
 #include "message.h"
+#include "optimizer_step.h"
 #include "profile_range.h"
 
 namespace fastddp {
@@ -16,39 +17,24 @@ void Reducer::finalize_backward() {
   try {
     if (nonfinite_) check_finite_gradients();
     for (size_t b = 0; b < buckets_.size(); ++b) {
-      Bucket& bucket = buckets_[b];
       if (skipped_[b]) {
-        // Not reduced: its grads stay as the copy-in left them (Note
-        // [skipping unused buckets]); torch's finalize passes it by too.
-        stats_.timings[b].done_us = elapsed_us();
-        timeline_->mark(b, DeviceTimeline::kDone);
-        continue;
-      }
-      {
-        FASTDDP_PROFILE_RANGE("fastddp wait");
-        bucket.future->wait();
-      }
-      if (bucket.future->hasError()) {
-        const char* what = hook_->launched_collective(b);
-        FASTDDP_CHECK(false, "fastddp: the reduction of bucket ", b, " (comm hook '", hook_->name(),
-                      "') failed on rank ", rank_, ": ", what ? what : "",
-                      what ? " failed: " : "", bucket.future->tryRetrieveErrorMessage());
-      }
-      {
-        FASTDDP_PROFILE_RANGE("fastddp write-back");
-        write_back(bucket, bucket.future->value());
-      }
-      bucket.future.reset();
-      stats_.timings[b].done_us = elapsed_us();
-      timeline_->mark(b, DeviceTimeline::kDone);
+        finish_skipped(b);
+      } else if (buckets_[b].future) {
+        finish_bucket(b);
+      }  // else finished during backward
     }
     if (track_usage() && used_work_ && !used_map_reduced_) used_work_->wait();
+    if (options_.mixed_precision) restore_masters();
     if (!reduced_.empty()) {  // Note [a bad step leaves no trace]
       const at::NoGradGuard no_grad;
       const at::Tensor finite = all_finite(reduced_);
       step_state_.keep_if_finite(hook_->step_state(), finite);
       if (track_finite_) last_finite_ = finite;
       reduced_.clear();
+    }
+    if (optimizer_step_) {
+      FASTDDP_PROFILE_RANGE("fastddp optimizer step");
+      optimizer_step_->end_of_backward();
     }
   } catch (...) {
     fail_iteration(std::current_exception());
@@ -61,6 +47,7 @@ void Reducer::finalize_backward() {
   phase_ = Phase::kReduced;
   divide_factor_ = 0;
   grad_slot_.reset();
+  release_buckets();
   timeline_->mark_end();
   ++num_syncs_;
   stats_.steps = num_syncs_;
@@ -70,6 +57,46 @@ void Reducer::finalize_backward() {
                                  .count();
   stats_.exposed_us = std::max(0.0, elapsed_us() - last_ready_us_);
   stats_.total_exposed_us += stats_.exposed_us;
+}
+
+void Reducer::finish_bucket(size_t b) {
+  Bucket& bucket = buckets_[b];
+  {
+    FASTDDP_PROFILE_RANGE("fastddp wait");
+    bucket.future->wait();
+  }
+  if (bucket.future->hasError()) {
+    const char* what = hook_->launched_collective(b);
+    FASTDDP_CHECK(false, "fastddp: the reduction of bucket ", b, " (comm hook '", hook_->name(),
+                  "') failed on rank ", rank_, ": ", what ? what : "", what ? " failed: " : "",
+                  bucket.future->tryRetrieveErrorMessage());
+  }
+  {
+    FASTDDP_PROFILE_RANGE("fastddp write-back");
+    write_back(bucket, bucket.future->value());
+  }
+  bucket.future.reset();
+  stats_.timings[b].done_us = elapsed_us();
+  timeline_->mark(b, DeviceTimeline::kDone);
+  if (optimizer_step_) {
+    FASTDDP_PROFILE_RANGE("fastddp optimizer step");
+    optimizer_step_->step_bucket(bucket.params);
+  }
+}
+
+void Reducer::finish_completed_buckets() {
+  // Not where the write-back waits for the whole backward (Note [overlapped
+  // optimizer]), nor on an accelerator, whose futures complete at enqueue.
+  if (!optimizer_step_ || track_usage() || nonfinite_ || options_.mixed_precision ||
+      !params_.front().device().is_cpu()) {
+    return;
+  }
+  for (size_t b = 0; b < next_bucket_; ++b) {
+    Bucket& bucket = buckets_[b];
+    if (!bucket.future) continue;
+    if (!bucket.future->completed()) return;  // in order: the later ones wait for it
+    finish_bucket(b);
+  }
 }
 
 void Reducer::fail_iteration(const std::exception_ptr& error) {
@@ -86,18 +113,12 @@ void Reducer::fail_iteration(const std::exception_ptr& error) {
   // step writes into their buffers; then the next forward starts afresh
   // instead of reporting unready parameters.
   hook_->abandon_step();
-  if (skip_pending_) {  // the votes' buffer is reused by the next step
-    skip_pending_ = false;
-    try {
-      skip_work_->wait();
-    } catch (...) {
-      // Its error is the step's, which has failed already.
-    }
-  }
+  drop_skip_votes();
   for (Bucket& bucket : buckets_) {
     if (bucket.future) bucket.future->wait();  // its error, if any, is this step's
     bucket.future.reset();
   }
+  release_buckets();  // nothing writes into them any more
   if (drop_hook_state_) {  // check_for_nan_in_grad: the state from before the step
     step_state_.restore(hook_->step_state());
     drop_hook_state_ = false;
@@ -132,7 +153,11 @@ void Reducer::write_back(Bucket& bucket, const c10::IValue& result) {
   std::vector<at::Tensor> dsts(bucket.params.size());
   for (size_t k = 0; k < bucket.params.size(); ++k) {
     const size_t index = bucket.params[k];
-    if (check_usage && globally_unused(index)) continue;  // .grad stays as it is
+    const bool unused = check_usage && globally_unused(index);
+    // As torch's upcast hook: every gradient of the bucket back to the master's dtype,
+    // keeping its values only where the reduction does not overwrite them.
+    if (options_.mixed_precision) full_precision_grad(index, unused);
+    if (unused) continue;  // .grad stays as it is
     at::Tensor& view = bucket.views[k];
     grad_slot_.with_grad(params_[index], [&](at::Tensor& grad) {
       bool replaced = false;
@@ -148,7 +173,9 @@ void Reducer::write_back(Bucket& bucket, const c10::IValue& result) {
         dsts[k] = view;
       } else {
         if (!grad.defined()) {
-          grad = at::empty_like(view, at::MemoryFormat::Preserve);
+          // Of the parameter's dtype: the bucket's is reduce_dtype under mixed_precision.
+          grad = at::empty_like(view, view.options().dtype(master_dtypes_[index]),
+                                at::MemoryFormat::Preserve);
           replaced = true;
         }
         dsts[k] = grad;  // shares storage with the slot's tensor: written in place

@@ -1,9 +1,11 @@
 // The reducer's comm hook: replacing it between steps (fastddp.hooks.auto()
 // does so while it tunes; inside a backward it fails that step), the check
-// that it can take the buckets' gradients, and its name.
+// that it can take the buckets' gradients, and its name. Also the overlapped
+// optimizer, the other thing a step hands the buckets to.
 #include "nonfinite_guard.h"
 #include "reducer.h"
 #include "message.h"
+#include "optimizer_step.h"
 
 namespace fastddp {
 
@@ -37,6 +39,13 @@ void Reducer::check_hook_supports(const CommHook& hook) const {
                                   "' gets them (sparse=True); use the default allreduce or a "
                                   "Python hook, or construct the module with sparse=False");
   }
+}
+
+void Reducer::set_optimizer_step(std::shared_ptr<OptimizerStep> step) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  FASTDDP_CHECK(phase_ != Phase::kExpecting || num_ready_ == 0,
+                "fastddp: the overlapped optimizer cannot be changed while a backward is reducing");
+  optimizer_step_ = std::move(step);
 }
 
 std::string Reducer::hook_name() const {

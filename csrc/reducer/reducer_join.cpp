@@ -12,21 +12,28 @@ namespace fastddp {
 void Reducer::shadow_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
-  // Kept across join iterations: hooks may key per-bucket state by buffer.
+  // Kept across join iterations: hooks key per-bucket state by Bucket::id.
   if (shadow_buckets_.size() != buckets_.size()) {
     shadow_buckets_.clear();
     for (const Bucket& bucket : buckets_) shadow_buckets_.push_back(bucket.zeros_like());
   }
+  const bool lazy = options_.lazy_bucket_allocation;
+  if (lazy && !all_allocated(shadow_buckets_)) allocate_flat(shadow_buckets_, options_.align_bytes);
+  // Lazy buckets: the shadows' buffers go when this returns or raises (the
+  // collectives still in flight hold their own references).
+  struct Release {
+    std::vector<Bucket>* shadows;
+    ~Release() {
+      if (shadows != nullptr) release_flat(*shadows);
+    }
+  } release{lazy ? &shadow_buckets_ : nullptr};
   hook_->set_divide_factor(world_size_);
   skip_.assign(buckets_.size(), false);
   if (skip_votes_needed()) {
     // The training ranks vote at the end of their forward (Note [skipping
-    // unused buckets]); this rank takes part without a vote of its own, learns
-    // which buckets they skip, and skips them too (or raises their error).
-    if (skip_pending_) {
-      skip_work_->wait();
-      skip_pending_ = false;
-    }
+    // unused buckets]); this rank takes part without a vote of its own and
+    // waits for the result, to skip exactly what every training rank skips.
+    drop_skip_votes();
     my_votes_.clear();
     skip_votes_ = at::zeros({static_cast<int64_t>(2 * buckets_.size())},
                             at::TensorOptions().dtype(at::kInt).device(params_[0].device()));

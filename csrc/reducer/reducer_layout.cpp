@@ -7,6 +7,7 @@
 #include "device_timeline.h"
 #include "reducer.h"
 #include "message.h"
+#include "profile_range.h"
 
 namespace fastddp {
 
@@ -14,11 +15,17 @@ void Reducer::rebuild_buckets() {
   std::vector<TensorSpec> specs;
   specs.reserve(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
-    specs.push_back(spec_of(params_[i], options_.expect_sparse[i]));
+    TensorSpec spec = spec_of(params_[i], options_.expect_sparse[i]);
+    // Planned by the full-precision sizes whatever dtype the parameter has now, as
+    // torch's rebuild (before its forward's cast) plans them under mixed_precision.
+    spec.dtype = static_cast<int32_t>(master_dtypes_[i]);
+    spec.element_size = static_cast<int64_t>(c10::elementSize(master_dtypes_[i]));
+    specs.push_back(spec);
   }
   BucketPlan plan = plan_buckets_from_ready_order(specs, ready_order_, options_.rebuild_limits);
   buckets_ = make_buckets(params_, broadcast_plan(plan.buckets), options_.expect_sparse,
-                          options_.align_bytes);
+                          options_.align_bytes, options_.reduce_dtype,
+                          options_.lazy_bucket_allocation);
   shadow_buckets_.clear();
   reset_bucket_views();
   // Armed already when a framework's prepare_for_backward came first.
@@ -72,8 +79,9 @@ void Reducer::reset_bucket_views() {
     Bucket& bucket = buckets_[b];
     for (size_t k = 0; k < bucket.params.size(); ++k) {
       locator_[bucket.params[k]] = {b, k};
-      if (!options_.gradient_as_bucket_view || bucket.sparse) continue;
-      // Existing grads move into the (new) buckets, as torch's reducer does.
+      if (!options_.gradient_as_bucket_view || !bucket.allocated() || bucket.sparse) continue;
+      // Existing grads move into the (new) buckets, as torch's reducer does
+      // (lazily allocated buckets: the first backward's copy_in moves them).
       at::Tensor& grad = params_[bucket.params[k]].mutable_grad();
       if (grad.defined() && !grad.is_alias_of(bucket.views[k])) {
         bucket.views[k].copy_(grad);
@@ -95,6 +103,22 @@ std::vector<int64_t> Reducer::bucket_bytes() const {
   std::vector<int64_t> bytes;
   for (const Bucket& bucket : buckets_) bytes.push_back(bucket.bytes());
   return bytes;
+}
+
+int64_t Reducer::held_bucket_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return held_bytes(buckets_) + held_bytes(shadow_buckets_);
+}
+
+void Reducer::allocate_buckets() {
+  FASTDDP_PROFILE_RANGE("fastddp allocate buckets");
+  allocate_flat(buckets_, options_.align_bytes);
+}
+
+void Reducer::release_buckets() {
+  // After the write-back: the gradients are in .grad (under
+  // gradient_as_bucket_view the views keep their buffer alive themselves).
+  if (options_.lazy_bucket_allocation) release_flat(buckets_);
 }
 
 std::vector<int64_t> Reducer::last_ready_order() const {
@@ -148,14 +172,15 @@ void Reducer::check_parameters_unchanged() const {
   // relies on: its gradients would silently stop being averaged.
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto [b, slot] = locator_[i];
-    const at::Tensor& view = buckets_[b].views[slot];
+    const at::Tensor& view = buckets_[b].views[slot];  // meta while released: sizes only
+    const c10::Device device = buckets_[b].device;
     const at::Tensor& p = params_[i];
-    FASTDDP_CHECK(p.scalar_type() == view.scalar_type() && p.device() == view.device() &&
+    FASTDDP_CHECK(expected_dtype(i, p.scalar_type()) && p.device() == device &&
                     p.sizes() == view.sizes(),
                   "fastddp: parameter '", names_[i], "' is now ", p.scalar_type(), " on ",
                   p.device(), " of shape ", p.sizes(),
-                  ", but DistributedDataParallel was built for it ", view.scalar_type(), " on ",
-                  view.device(), " of shape ", view.sizes(),
+                  ", but DistributedDataParallel was built for it ", master_dtypes_[i], " on ",
+                  device, " of shape ", view.sizes(),
                   " (rank ", rank_, "): after wrapping, its gradients would no longer be averaged. "
                   "Convert or move the module before wrapping it.");
   }

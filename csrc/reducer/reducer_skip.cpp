@@ -1,14 +1,18 @@
-// skip_all_reduce_unused_params: the vote on which buckets no rank reduces
-// this backward, and the error when the ranks disagree (Note [skipping unused
-// buckets]). The launch loop (reducer.cpp), the write-back (reducer_finalize.cpp)
-// and join's shadow (reducer_join.cpp) act on the decision.
+// skip_all_reduce_unused_params: the vote on which buckets every rank leaves
+// unused this backward, read only by a rank with a candidate bucket (Note
+// [skipping unused buckets]). The copy-in and launch loop (reducer.cpp), the
+// end of backward (reducer_finalize.cpp) and join's shadow (reducer_join.cpp)
+// act on the decision.
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <algorithm>
 
-#include "reducer.h"
+#include "device_timeline.h"
 #include "message.h"
+#include "optimizer_step.h"
+#include "profile_range.h"
+#include "reducer.h"
 
 namespace fastddp {
 
@@ -28,18 +32,29 @@ bool Reducer::skippable(size_t b) const {
   return true;
 }
 
+void Reducer::drop_skip_votes() {
+  // Never waited for: a rank without a candidate bucket does not read the
+  // result, and the next step's votes go into a tensor of their own. The
+  // process group keeps what the collective still uses; its error, if any,
+  // surfaces in the collectives that follow it.
+  skip_pending_ = false;
+  skip_work_.reset();
+  skip_votes_ = at::Tensor();
+}
+
 void Reducer::vote_on_skips() {
   skip_.assign(buckets_.size(), false);
   my_votes_.clear();
+  drop_skip_votes();
   if (!skip_votes_needed()) return;
-  if (skip_pending_) {
-    // A synchronized forward whose backward never ran: its votes are stale,
-    // but the buffer must be free before it is reused.
-    skip_work_->wait();
-    skip_pending_ = false;
-  }
   const size_t n = buckets_.size();
-  at::Tensor votes = at::zeros({static_cast<int64_t>(2 * n)}, at::kInt);
+  const at::Device device = params_[0].device();
+  // On an accelerator the votes leave pinned memory without blocking: the
+  // caching host allocator keeps the block until the copy is done, so the
+  // launch is no host sync either (a pageable copy would be one).
+  const bool pinned = !device.is_cpu();
+  at::Tensor votes = at::zeros({static_cast<int64_t>(2 * n)},
+                               at::TensorOptions().dtype(at::kInt).pinned_memory(pinned));
   auto* v = votes.data_ptr<int32_t>();
   // In the first static-graph iteration unused_ is still empty: every vote is
   // "reduce", as torch's delayed reduction reduces every bucket.
@@ -53,14 +68,21 @@ void Reducer::vote_on_skips() {
     return;
   }
   // NCCL reduces device tensors only; on the CPU this is the same tensor.
-  skip_votes_ = votes.to(params_[0].device());
+  skip_votes_ = votes.to(device, /*non_blocking=*/pinned);
   std::vector<at::Tensor> tensors{skip_votes_};
   skip_work_ = group_->allreduce(tensors);
   skip_pending_ = true;
 }
 
+bool Reducer::skips(size_t b) {
+  // A bucket this rank reduces is reduced by every rank: the vote cannot skip
+  // it, so only a candidate (all its parameters unused here) waits for it.
+  if (b >= my_votes_.size() || !my_votes_[b]) return false;
+  if (skip_pending_) read_skip_votes();
+  return skip_[b];
+}
+
 void Reducer::read_skip_votes() {
-  if (!skip_pending_) return;
   skip_pending_ = false;
   try {
     skip_work_->wait();
@@ -71,40 +93,37 @@ void Reducer::read_skip_votes() {
                   "(skip_all_reduce_unused_params=True) failed on rank ", rank_, ": ",
                   error ? error->what_without_backtrace() : e.what());
   }
-  const at::Tensor votes = skip_votes_.cpu();  // the host decides; a no-op on the CPU
+  FASTDDP_PROFILE_RANGE("fastddp skip votes");
+  // The host decides: on an accelerator a host sync, paid only here (Note
+  // [skipping unused buckets]); a no-op on the CPU.
+  const at::Tensor votes = skip_votes_.cpu();
+  skip_work_.reset();
+  skip_votes_ = at::Tensor();
   decide_skips(votes.data_ptr<int32_t>());
 }
 
 void Reducer::decide_skips(const int32_t* votes) {
   const size_t n = buckets_.size();
   skip_.assign(n, false);
-  std::vector<size_t> disputed;
   for (size_t b = 0; b < n; ++b) {
-    const int32_t skip = votes[b];
-    const int32_t reduce = votes[n + b];
-    // A rank shadowing the step under join() votes neither way: a bucket is
-    // skipped where every rank that trains skips it.
-    skip_[b] = skip > 0 && reduce == 0;
-    if (skip > 0 && reduce > 0) disputed.push_back(b);
+    // Skipped where every rank that trains left it unused (a rank shadowing
+    // the step under join() votes neither way). A disputed bucket is reduced:
+    // the ranks that use it launch it without reading the votes.
+    skip_[b] = votes[b] > 0 && votes[n + b] == 0;
   }
-  if (disputed.empty()) return;
-  const size_t b = disputed.front();
-  std::vector<std::string> names;
-  for (size_t index : buckets_[b].params) names.push_back("'" + names_[index] + "'");
-  std::vector<std::string> others;
-  for (size_t k = 1; k < disputed.size(); ++k) others.push_back(cat(disputed[k]));
-  // The same votes reach every rank, so every rank raises here, before its
-  // first collective of this backward: none is left waiting.
-  FASTDDP_CHECK(false, "fastddp: skip_all_reduce_unused_params=True needs the same buckets "
-                "unused on every rank, but bucket ", b, " (", join(names, ", "), ") is unused "
-                "on ", votes[b], " rank(s) and used on ", votes[n + b],
-                others.empty() ? "" : " (also disputed: buckets ", join(others, ", "),
-                others.empty() ? "" : ")", "; on rank ", rank_, " it is ",
-                b >= my_votes_.size() ? "not voted on (joined)" : my_votes_[b] ? "unused" : "used",
-                ". torch's DDP would skip its allreduce on some ranks only and mismatch the "
-                "ranks' collectives (gloo aborts the process); nothing was reduced in this "
-                "backward. Use the same parameters on every rank in each step, or pass "
-                "skip_all_reduce_unused_params=False.");
+}
+
+void Reducer::finish_skipped(size_t b) {
+  // Not reduced: its grads stay as the copy-in left them, and torch's
+  // finalize passes it by too.
+  stats_.timings[b].done_us = elapsed_us();
+  timeline_->mark(b, DeviceTimeline::kDone);
+  if (optimizer_step_) {
+    // Its .grad are what optimizer.step() sees after torch's backward (None
+    // stays None, and the step passes such a parameter by): stepped as such.
+    FASTDDP_PROFILE_RANGE("fastddp optimizer step");
+    optimizer_step_->step_bucket(buckets_[b].params);
+  }
 }
 
 int64_t Reducer::num_buckets_reduced() const {

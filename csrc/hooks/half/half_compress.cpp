@@ -35,7 +35,7 @@ void HalfCompressHook::on_new_buckets(const std::vector<Bucket>& buckets) {
 }
 
 std::shared_ptr<ShardSumHook::ShardBuffers>& HalfCompressHook::state_for(const Bucket& bucket) {
-  std::shared_ptr<ShardBuffers>& state = states_[bucket.flat.unsafeGetTensorImpl()];
+  std::shared_ptr<ShardBuffers>& state = states_[bucket.id];
   const int64_t numel = bucket.flat.numel();
   const int64_t padded = (numel + world_size_ - 1) / world_size_ * world_size_;
   if (!state || state->wire.numel() != padded) {

@@ -90,8 +90,9 @@ class HalfCompressHook : public ShardSumHook {
 
   HalfCompressOptions options_;
   bool half_allreduce_unsupported_ = false;
-  // Keyed by the bucket's flat buffer: the reducer may move Bucket objects.
-  std::unordered_map<const void*, std::shared_ptr<ShardBuffers>> states_;
+  // Keyed by Bucket::id: the reducer may move Bucket objects, and with
+  // lazy_bucket_allocation each backward has new flat buffers.
+  std::unordered_map<uint64_t, std::shared_ptr<ShardBuffers>> states_;
 };
 
 }  // namespace fastddp

@@ -81,18 +81,20 @@ int64_t HierarchicalHook::padded_numel(int64_t numel) const {
 
 std::shared_ptr<HierarchicalHook::BucketState> HierarchicalHook::state_for(
     const Bucket& bucket) {
-  std::shared_ptr<BucketState>& state = states_[bucket.flat.unsafeGetTensorImpl()];
+  std::shared_ptr<BucketState>& state = states_[bucket.id];
   const int64_t numel = bucket.flat.numel();
   const int64_t padded = padded_numel(numel);
   if (state && state->shard.numel() * local_size_ == padded) return state;
   state = std::make_shared<BucketState>();
+  // The bucket's device: its flat buffer may be released (meta) when the layout is announced.
+  const auto options = bucket.flat.options().device(bucket.device);
   // Zeros: the padding takes part in every collective and must stay finite.
-  state->padded = padded == numel ? bucket.flat : at::zeros({padded}, bucket.flat.options());
-  state->shard = at::empty({padded / local_size_}, bucket.flat.options());
+  if (padded != numel) state->padded = at::zeros({padded}, options);
+  state->shard = at::empty({padded / local_size_}, options);
   // gloo's reduce_scatter costs more than an allreduce of the whole bucket (2.5x an
   // alltoall of the same bytes on a 2-core VM, 4 ranks); on the CPU the reduce-scatter is
   // an alltoall and a local sum in rank order instead (the same bytes on the link).
-  if (bucket.flat.is_cpu()) state->shards = at::empty({padded}, bucket.flat.options());
+  if (bucket.device.is_cpu()) state->shards = at::empty({padded}, options);
   Bucket& s = state->shard_bucket;
   s.flat = state->shard;
   s.views = {state->shard};
@@ -128,11 +130,12 @@ c10::intrusive_ptr<c10::ivalue::Future> HierarchicalHook::run(Bucket& bucket, si
   stage.state = state_for(bucket);
   stage.result = make_result(bucket.flat);
   BucketState& s = *stage.state;
-  if (!s.padded.is_same(bucket.flat)) s.padded.narrow(0, 0, stage.numel).copy_(bucket.flat);
+  stage.padded = s.padded.defined() ? s.padded : bucket.flat;
+  if (s.padded.defined()) s.padded.narrow(0, 0, stage.numel).copy_(bucket.flat);
   if (s.shards.defined()) {
-    stage.reduce_scatter = all_to_all_even(*intra_, s.shards, s.padded);
+    stage.reduce_scatter = all_to_all_even(*intra_, s.shards, stage.padded);
   } else {
-    stage.reduce_scatter = reduce_scatter_into(*intra_, s.shard, s.padded);
+    stage.reduce_scatter = reduce_scatter_into(*intra_, s.shard, stage.padded);
   }
   note_launch(index, nullptr);  // errors name their collective themselves
   c10::intrusive_ptr<c10::ivalue::Future> done = stage.result;
@@ -189,7 +192,7 @@ void HierarchicalHook::start_inner(Stage& stage, bool is_last) {
         for (int r = 2; r < local_size_; ++r) s.shard.add_(rows[r]);
       }
     }
-    record_current_stream({s.shard, s.padded});
+    record_current_stream({s.shard, stage.padded});
     s.shard_bucket.params[0] = stage.index;
     inner_->copy_in(s.shard_bucket, 0, s.shard);
     stage.inner_future = inner_->run(s.shard_bucket, stage.index, is_last);
@@ -216,9 +219,9 @@ void HierarchicalHook::start_allgather(Stage& stage) {
     } catch (const std::exception& e) {
       throw collective_failure("the inter-node hook " + inner_->name() + "'s write-back", e);
     }
-    record_current_stream({s.shard, s.padded});
-    c10::intrusive_ptr<c10d::Work> work = all_gather_into(*intra_, s.padded, s.shard);
-    const at::Tensor out = s.padded.narrow(0, 0, stage.numel);
+    record_current_stream({s.shard, stage.padded});
+    c10::intrusive_ptr<c10d::Work> work = all_gather_into(*intra_, stage.padded, s.shard);
+    const at::Tensor out = stage.padded.narrow(0, 0, stage.numel);
     complete_with(work->getFuture(), stage.result,
                   "allgather of the reduced shards inside the node", out);
   } catch (...) {

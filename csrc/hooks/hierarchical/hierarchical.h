@@ -83,9 +83,12 @@ class HierarchicalHook : public CommHook {
   int node_count() const { return node_count_; }
 
  private:
-  // Buffers of one bucket, kept across steps (keyed by the bucket's flat buffer).
+  // Buffers of one bucket, kept across steps (keyed by Bucket::id).
   struct BucketState {
-    at::Tensor padded;  // the bucket padded to a multiple of local*nodes; or the flat itself
+    // The bucket padded to a multiple of local*nodes; undefined when it needs
+    // no padding (the run uses the flat buffer itself, which this must not
+    // keep: Note [lazy bucket storage]).
+    at::Tensor padded;
     at::Tensor shard;   // this rank's shard: reduce_scatter's output, the inner's bucket
     at::Tensor shards;  // CPU: the alltoall's output, local_size rows of a shard each
     Bucket shard_bucket;
@@ -95,6 +98,7 @@ class HierarchicalHook : public CommHook {
     size_t index = 0;
     int64_t numel = 0;
     std::shared_ptr<BucketState> state;
+    at::Tensor padded;  // state->padded, or this step's flat buffer
     c10::intrusive_ptr<c10d::Work> reduce_scatter;
     c10::intrusive_ptr<c10::ivalue::Future> inner_future;
     c10::intrusive_ptr<c10::ivalue::Future> result;
@@ -115,7 +119,7 @@ class HierarchicalHook : public CommHook {
   int local_size_;
   int node_count_;
   double scale_;
-  std::unordered_map<const void*, std::shared_ptr<BucketState>> states_;
+  std::unordered_map<uint64_t, std::shared_ptr<BucketState>> states_;
   // Touched by run() only (the autograd thread): no lock.
   std::deque<Stage> scattering_;  // reduce_scatter issued, inner not yet run (at most 1)
   std::deque<Stage> inner_running_;  // inner run, allgather not yet issued (at most 2)

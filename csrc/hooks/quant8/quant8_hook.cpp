@@ -62,7 +62,7 @@ int64_t Quant8Hook::padded_numel(int64_t numel) const {
 }
 
 std::shared_ptr<Quant8Hook::BucketState>& Quant8Hook::state_for(const Bucket& bucket) {
-  std::shared_ptr<BucketState>& state = states_[bucket.flat.unsafeGetTensorImpl()];
+  std::shared_ptr<BucketState>& state = states_[bucket.id];
   FASTDDP_CHECK_NOT_IMPLEMENTED(!bucket.sparse, "fastddp: the ", name(),
                                 " comm hook does not support sparse gradients");
   FASTDDP_CHECK_NOT_IMPLEMENTED(bucket.flat.scalar_type() == at::kFloat, "fastddp: the ", name(),

@@ -106,8 +106,9 @@ class Quant8Hook : public ShardSumHook {
   int64_t padded_numel(int64_t numel) const;
 
   Quant8Options options_;
-  // Keyed by the bucket's flat buffer: the reducer may move Bucket objects.
-  std::unordered_map<const void*, std::shared_ptr<BucketState>> states_;
+  // Keyed by Bucket::id: the reducer may move Bucket objects, and with
+  // lazy_bucket_allocation each backward has new flat buffers.
+  std::unordered_map<uint64_t, std::shared_ptr<BucketState>> states_;
 };
 
 }  // namespace fastddp

@@ -11,16 +11,16 @@ itself is skipped (nonrecursive_disable: the module it calls is still compiled) 
 reducer parts run under `eager`. Dynamo cannot trace the reducer, and would otherwise
 break the graph at each call.
 
-Compiled autograd cannot work with fastddp's reducer: its gradient hooks are C++ post
-hooks on the grad accumulators without ``compiled_args``, so compiled autograd cannot trace
-them (torch's C++ reducer has the same limit; torch routes DDP through its Python reducer,
-``optimize_ddp="python_reducer"``, instead). So fastddp raises NotImplementedError naming
-the setting: at construction (and forward) under the Python-reducer modes, and at the
-first backward of a compiled training step with ``torch._dynamo.config.compiled_autograd
-= True`` (guard_outputs). Compiled autograd entered only around ``loss.backward()`` is
-invisible at forward time: the reducer's hooks then raise NotImplementedError naming
-compiled autograd at that backward (their compiled_args, csrc/reducer/reducer.cpp). Either
-way the collective is never skipped silently.
+Compiled autograd cannot trace fastddp's reducer: its gradient hooks are C++ post hooks on
+the grad accumulators without ``compiled_args`` (torch's C++ reducer has the same limit).
+As torch DDP, a model built under ``optimize_ddp="python_reducer"`` uses Python hooks with
+functional collectives instead, which compiled autograd traces (_python_reducer.py, Note
+[python reducer]). Built in any other mode, fastddp raises NotImplementedError naming the
+setting at the first backward of a compiled training step with
+``torch._dynamo.config.compiled_autograd = True`` (guard_outputs); compiled autograd entered
+only around ``loss.backward()`` is invisible at forward time: the reducer's hooks then raise
+NotImplementedError naming compiled autograd at that backward (their compiled_args,
+csrc/reducer/reducer.cpp). Either way the collective is never skipped silently.
 """
 
 import sys
@@ -31,14 +31,10 @@ import torch
 from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-# torch._dynamo.config.optimize_ddp modes that replace DDP's C++ reducer by torch's Python
-# reducer so that compiled autograd can trace the collectives.
-PYTHON_REDUCER_MODES = ("python_reducer", "python_reducer_without_compiled_forward")
-
 _ADVICE = ("fastddp's reducer hooks are C++ autograd hooks that compiled autograd cannot "
-           "trace; use torch.compile on the model (torch.compile(fastddp_model) or "
-           "fastddp.DistributedDataParallel(torch.compile(model))) with the default eager "
-           "backward, or torch's DistributedDataParallel for compiled autograd")
+           "trace; as with torch's DistributedDataParallel, build the model under "
+           "torch._dynamo.config.optimize_ddp=\"python_reducer\" for compiled autograd, or use "
+           "torch.compile on the model with the default eager backward")
 
 
 def nonrecursive_disable(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -65,20 +61,6 @@ def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` and everything it calls run eagerly, never traced (torch.compiler.disable): the
     reducer calls, which dynamo cannot trace, and fastddp's bookkeeping around them."""
     return torch._disable_dynamo(fn)
-
-
-def check_python_reducer_mode() -> None:
-    """Raises NotImplementedError under torch._dynamo.config.optimize_ddp="python_reducer"
-    (or its _without_compiled_forward variant): that mode replaces DDP's C++ reducer by
-    torch's traceable Python one, which fastddp has no counterpart of."""
-    dynamo = sys.modules.get("torch._dynamo")
-    if dynamo is None:  # never imported: nobody set the mode
-        return
-    mode = dynamo.config.optimize_ddp
-    if isinstance(mode, str) and mode in PYTHON_REDUCER_MODES:
-        raise NotImplementedError(
-            f"fastddp.DistributedDataParallel: torch._dynamo.config.optimize_ddp={mode!r} is "
-            f"not supported: {_ADVICE}.")
 
 
 def _compiled_autograd_on() -> bool:

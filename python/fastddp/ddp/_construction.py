@@ -1,10 +1,9 @@
 """What fastddp.DistributedDataParallel checks and resolves when it is constructed: the
-arguments it does not support, the process group, the parameters the reducer takes (and
-which get sparse gradients), the module's devices, and the inputs' device; and, later, the
-conversions (model.to(), .double(), ...) that would leave the reducer behind."""
+process group, the parameters the reducer takes (and which get sparse gradients), the
+module's devices, and the inputs' device; and, later, the conversions (model.to(),
+.double(), ...) that would leave the reducer behind."""
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -15,25 +14,21 @@ def _not_yet(argument: str, why: str) -> NotImplementedError:
     return NotImplementedError(f"fastddp.DistributedDataParallel: {argument} is not supported yet ({why})")
 
 
-def _reject_unsupported(**arguments: Any) -> None:
-    reasons = {
-        "mixed_precision": "DDP's experimental mixed_precision is not implemented yet; "
-        "cast the module (model.to(dtype)) instead",
-        "lazy_bucket_allocation": "buckets are allocated at construction",
-    }
-    for name, value in arguments.items():
-        if value not in (None, False):
-            raise _not_yet(f"{name}={value!r}", reasons[name])
-
-
-def _resolve_group(process_group, device_mesh) -> dist.ProcessGroup:
+def _resolve_group(process_group, device_mesh, module: nn.Module) -> dist.ProcessGroup:
     if process_group is not None and device_mesh is not None:
         raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
     if device_mesh is not None:
         if device_mesh.ndim != 1:
             raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
         if device_mesh._get_root_mesh() != device_mesh:
-            raise _not_yet("device_mesh sliced from a larger mesh", "DDP + tensor parallel")
+            # A slice of a larger mesh: DDP over the data-parallel dimension, composed with
+            # tensor parallel on another. As torch, before the parameters are collected: each
+            # DTensor parameter becomes a plain local-shard parameter for the reducer, and
+            # forward hooks rebuild the DTensors around every forward, so the gradients
+            # reach the reducer as local shards (torch.distributed.tensor.parallel.ddp).
+            from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+
+            _pre_dp_module_transform(module)
         return device_mesh.get_group(mesh_dim=0)
     if process_group is not None:
         return process_group

@@ -24,6 +24,8 @@ def before_module(ddp: DistributedDataParallel, inputs: tuple, kwargs: dict
     """forward up to the module call: inputs, kwargs, and what after_module needs."""
     if ddp.device_ids:
         inputs, kwargs = _move_inputs(inputs, kwargs, ddp.device_type, ddp.device_ids[0])
+    if ddp._mp is not None:  # as torch's _pre_forward, after the move
+        inputs, kwargs = ddp._mp.cast_inputs(inputs, kwargs)
     if ddp._auto is not None and torch.is_grad_enabled() and ddp.require_backward_grad_sync:
         ddp._auto.before_forward()  # may change the hook or rebuild the reducer
     reducer = ddp._reducer
@@ -33,8 +35,6 @@ def before_module(ddp: DistributedDataParallel, inputs: tuple, kwargs: dict
         _hook_state.log_stats(ddp._native_hook)
     grad_enabled = torch.is_grad_enabled()
     sync = grad_enabled and ddp.require_backward_grad_sync
-    if grad_enabled:
-        _compile.check_python_reducer_mode()  # may be set after construction
     # Collective order must match _join.py's main_hook on joined ranks.
     work = Join.notify_join_context(ddp)
     if work is not None and not ddp._divide_by_initial_world_size:

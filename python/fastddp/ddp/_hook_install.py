@@ -11,6 +11,7 @@ from typing import Any
 from torch.nn.parallel import DistributedDataParallel
 
 from fastddp import hooks
+from fastddp.ddp._mixed_precision import refuse_comm_hook
 from fastddp.hooks import AutoHook, _powersgd_live
 from fastddp.tuning.auto import AutoTuner
 
@@ -19,6 +20,7 @@ def install(ddp: DistributedDataParallel, state: object, hook: Any) -> None:
     """Makes ``hook(state, ...)`` the model's comm hook (checked by the caller, as torch
     checks it): the C++ hook that runs it on the reducer, built at world size 1 too; raises
     before anything changes for a hook or state it cannot take."""
+    refuse_comm_hook(ddp, f"a comm hook ({getattr(hook, '__qualname__', repr(hook))})")
     if isinstance(hook, AutoHook):
         if state is not None and state is not ddp.process_group:
             raise ValueError(f"{hook!r}: state must be None (the model's process group), "

@@ -15,8 +15,6 @@ import torch
 # torch's class, which it subclasses.
 from torch.nn.parallel import DistributedDataParallel
 
-from fastddp import _C
-
 
 logger = logging.getLogger("fastddp.hooks")
 

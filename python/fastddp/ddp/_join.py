@@ -68,6 +68,10 @@ def sync_buffers(ddp: DistributedDataParallel, joined: bool = False) -> None:
 
 class _JoinHook(JoinHook):
     def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool):
+        if getattr(ddp, "mixed_precision", None) is not None:
+            # torch's joined ranks run its upcast hook on parameters that were never cast.
+            raise NotImplementedError("fastddp.DistributedDataParallel: join() with "
+                                      "mixed_precision is not supported")
         self.ddp = ddp
         ddp._divide_by_initial_world_size = divide_by_initial_world_size
 

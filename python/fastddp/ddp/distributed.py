@@ -1,7 +1,6 @@
 """fastddp.DistributedDataParallel: torch DDP's interface over fastddp's C++ reducer."""
 
 import contextlib
-import copy
 import warnings
 from typing import Any
 
@@ -12,16 +11,18 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from fastddp import _C
 from fastddp import hooks as fastddp_hooks
-from fastddp.ddp import _compile, _forward, _hook_install, _hook_state
+from fastddp.ddp import (_compile, _forward, _hook_install, _hook_state, _overlap_optimizer,
+                         _pickling, _python_reducer)
 from fastddp.ddp._construction import (_check_module, _expect_sparse_gradients, _not_yet,
-                                       _params_for_reducer, _reject_unsupported,
-                                       _resolve_device_ids, _resolve_group, bucket_limits,
-                                       check_conversion)
+                                       _params_for_reducer, _resolve_device_ids, _resolve_group,
+                                       bucket_limits, check_conversion)
 from fastddp.ddp._ddp_logger import DdpLogger
 from fastddp.ddp._delayed_allreduce import DelayedAllReduce
 from fastddp.ddp._delayed_allreduce import check_arguments as check_delay_arguments
 from fastddp.ddp._introspection import bucket_sizes, comm_stats, logging_data
 from fastddp.ddp._join import _JoinHook
+from fastddp.ddp._mixed_precision import MixedPrecision, reducer_arguments
+from fastddp.ddp._mixed_precision import check_arguments as check_mixed_precision
 from fastddp.ddp._module_sync import (broadcast_tensors, verify_bucket_layout,
                                       verify_param_shapes, written_in_python)
 from fastddp.ddp._optim_in_backward import InBackwardOptimizers
@@ -76,12 +77,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         # Joinable parts of the base classes are wanted.
         nn.Module.__init__(self)
         Joinable.__init__(self)
-        _compile.check_python_reducer_mode()
+        # As torch, decided once, here (Note [python reducer]).
+        self._use_python_reducer = _python_reducer.requested()
         check_delay_arguments(delay_all_reduce_named_params, param_to_hook_all_reduce)
-        _reject_unsupported(
-            mixed_precision=mixed_precision,
-            lazy_bucket_allocation=lazy_bucket_allocation,
-        )
         if check_reduction:
             warnings.warn(
                 "The `check_reduction` argument in `DistributedDataParallel` module is "
@@ -89,7 +87,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 FutureWarning,
                 stacklevel=2,
             )
-        self.process_group = _resolve_group(process_group, device_mesh)
+        self.process_group = _resolve_group(process_group, device_mesh, module)
         if device_mesh is not None:
             self.device_mesh = device_mesh
 
@@ -103,6 +101,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._reducer_param_names = names
         self._reducer_params = params
         self._expect_sparse = _expect_sparse_gradients(module, params)
+        check_mixed_precision(mixed_precision, delayed=bool(delayed),
+                              sparse=any(self._expect_sparse))
         self._module_parameters = [
             p for n, p in module.named_parameters() if n not in self.parameters_to_ignore
         ]
@@ -119,14 +119,15 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.static_graph = False
         self.find_unused_parameters = find_unused_parameters
         # As torch: buckets whose parameters are all unused are not reduced (the C++
-        # reducer's Note [skipping unused buckets]); the ranks must agree on them.
+        # reducer's Note [skipping unused buckets]); the ranks vote on them.
         self.skip_all_reduce_unused_params = bool(skip_all_reduce_unused_params)
         self._divide_by_initial_world_size = True
         self.gradient_as_bucket_view = gradient_as_bucket_view
         # fastddp's own (Megatron's name): raise on NaN/Inf gradients, see docs/failures.md.
         self.check_for_nan_in_grad = bool(check_for_nan_in_grad)
         self.batched_grad_copy = batched_grad_copy
-        self.mixed_precision = None
+        self.lazy_bucket_allocation = bool(lazy_bucket_allocation)  # torch 2.15's, in C++
+        self.mixed_precision = mixed_precision  # torch's attribute
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._lazy_init_ran = False  # as torch: optimizers in backward are found at forward 1
@@ -161,6 +162,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 broadcast_tensors(self.process_group, states, src=0)
 
         self._reducer = None
+        self._overlap = None  # overlap_optimizer()'s, once registered
         self._comm_hooks: list[tuple[Any, object]] = []
         self._native_hook = None  # the registered C++ hook (None: the default allreduce)
         self._auto = None  # fastddp.hooks.auto()'s tuner, once registered
@@ -182,18 +184,23 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         # no flat buffers, and forward is the bare module's.
         if self._wants_reducer():
             self._build_reducer(plan)
+        self._python_reducer = _python_reducer.attach(self, bucket_cap_mb)
         self.reducer = ReducerProxy(self)  # torch's ddp.reducer, for frameworks that call it
         self._delayed = (DelayedAllReduce(self.process_group, delayed, param_to_hook_all_reduce)
                          if delayed else None)
         self._delay_all_reduce_params = [p for _, p in delayed]  # torch's attribute
+        # After the initial broadcast (fp32 buffers, as torch's) and the reducer.
+        self._mp = MixedPrecision(self, mixed_precision) if mixed_precision is not None else None
         if static_graph:
             self._set_static_graph()
 
     def _wants_reducer(self) -> bool:
         """Whether the reducer is built before any hook is registered (registering one
         builds it at world size 1 too, see _hook_install.py)."""
+        if self._use_python_reducer:  # Note [python reducer]
+            return False
         return (self.process_group.size() > 1 or world1_reducer_requested()
-                or written_in_python(self.process_group)
+                or written_in_python(self.process_group) or self.mixed_precision is not None
                 or getattr(self, "check_for_nan_in_grad", False))
 
     def _initial_plan(self) -> list[list[int]]:
@@ -202,22 +209,27 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         return list(reversed(plan))
 
     def _build_reducer(self, plan: list[list[int]] | None = None) -> None:
+        options = {"gradient_as_bucket_view": self.gradient_as_bucket_view,
+                   **reducer_arguments(self)}  # mixed_precision's replace some
         self._reducer = _C.Reducer(
             self._reducer_params, self._reducer_param_names,
             plan if plan is not None else self._initial_plan(), self.process_group,
-            gradient_as_bucket_view=self.gradient_as_bucket_view,
             find_unused_parameters=self.find_unused_parameters,
             rebuild_limits=self._bucket_limits[1],
             expect_sparse=self._expect_sparse,
             check_for_nan_in_grad=getattr(self, "check_for_nan_in_grad", False),
             align_bytes=bucket_align_bytes(self._reducer_params[0].device
                                            if self._reducer_params else torch.device("cpu")),
+            lazy_bucket_allocation=getattr(self, "lazy_bucket_allocation", False),
             skip_all_reduce_unused_params=getattr(self, "skip_all_reduce_unused_params", False),
+            **options,
         )
         if not self._ddp_sink_clone:
             self._reducer.set_sink_clone(False)
         if self.static_graph:
             self._reducer.set_static_graph()
+        if getattr(self, "_overlap", None) is not None:  # a rebuilt reducer steps it too
+            self._reducer.set_optimizer_step(self._overlap.native)
 
     # Buffers sync follows torch 2.13+: broadcast_buffers is an alias.
     @property
@@ -234,9 +246,13 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     @_compile.nonrecursive_disable
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         _compile.skip_this_frame_from_now_on()
+        if self._use_python_reducer:  # torch's forward in this mode: the bare module call
+            return self.module(*inputs, **kwargs)
         if not self._lazy_init_ran:
             self._lazy_init_ran = True
             self._in_backward = InBackwardOptimizers.find(self._module_parameters)
+        if self._overlap is not None and self._overlap.refresh():
+            self._reducer.set_optimizer_step(self._overlap.native)
         state = ()  # stays empty without a reducer (world size 1): nothing to do around the call
         if self._reducer is not None or self.device_ids:
             inputs, kwargs, state = _forward.before_module(self, inputs, kwargs)
@@ -307,7 +323,10 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             message = "register_comm_hook or register_builtin_comm_hook can only be called once."
             self.logger.set_error_and_log(message)
             raise RuntimeError(message)
-        _hook_install.install(self, state, hook)  # raises before anything is registered
+        if self._use_python_reducer:  # called per parameter (Note [python reducer])
+            _python_reducer.check_comm_hook(hook)
+        else:
+            _hook_install.install(self, state, hook)  # raises before anything is registered
         self._comm_hooks.append((hook, state))
 
     def _auto_install(self, native: Any, cap_bytes: int) -> None:
@@ -332,14 +351,26 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
         """torch's built-in hook types (ALLREDUCE, FP16_COMPRESS) as fastddp built-ins."""
         hook = fastddp_hooks.builtin_for_type(comm_hook_type)
+        if self._use_python_reducer:  # torch's would sit, unused, on its idle C++ reducer
+            _python_reducer.check_comm_hook(hook)
         if self._comm_hooks:
             raise RuntimeError(
                 "register_builtin_comm_hook or register_comm_hook can only be called once.")
+        _hook_install.install(self, None, hook)  # raises before anything is registered
         self._comm_hooks.append((hook, None))
-        _hook_install.install(self, None, hook)
 
-    def _register_fused_optim(self, optim: Any, *args: Any, **kwargs: Any) -> None:
-        raise _not_yet("_register_fused_optim", "it needs communication hooks")
+    def overlap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Steps ``optimizer`` inside every synchronized backward, bucket by bucket as each
+        bucket's averaged gradients are written, overlapping the rest of the reduction (and
+        on the CPU the rest of backward); the script no longer calls ``optimizer.step()``.
+        Same numbers as ``optimizer.step()`` after backward (Note [overlapped optimizer,
+        Python side])."""
+        _overlap_optimizer.register(self, optimizer)
+
+    def _register_fused_optim(self, optim: type, *args: Any, optim_params: Any = None,
+                              **kwargs: Any) -> None:
+        """torch's: ``optim(optim_params, *args, **kwargs)`` overlapped as above."""
+        _overlap_optimizer.register_fused(self, optim, args, optim_params, kwargs)
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:
@@ -372,36 +403,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             )
 
     def __getstate__(self) -> dict:
-        """As torch DDP: only with the default process group; the C++ reducer is rebuilt
-        by __setstate__ (torch.save(model), copy.deepcopy, pickle)."""
-        self._check_default_group()
-        if self._delayed is not None:  # its tensor hook and group do not travel
-            raise _not_yet("pickling a model with delay_all_reduce_named_params",
-                           "the delayed allreduce's hook is not rebuilt on load")
-        attrs = copy.copy(self.__dict__)
-        for native in ("process_group", "_reducer", "_native_hook", "reducer", "_auto",
-                       "_in_backward"):
-            attrs.pop(native, None)
-        attrs["_lazy_init_ran"] = False  # the copy finds its own optimizers in backward
-        return attrs
+        """As torch DDP (torch.save(model), copy.deepcopy, pickle): see _pickling.py."""
+        return _pickling.state_of(self)
 
     def __setstate__(self, state: dict) -> None:
-        self.process_group = dist.distributed_c10d._get_default_group()
-        nn.Module.__setstate__(self, state)  # not torch DDP's: it builds torch's reducer
-        self._reducer = None
-        self._native_hook = None
-        self._auto = None
-        self._in_backward = None
-        self.reducer = ReducerProxy(self)
-        self.require_forward_param_sync = True
-        self.require_backward_grad_sync = True
-        if self._wants_reducer():
-            self._build_reducer()
-        if self._comm_hooks:
-            # torch loses the hook with its reducer; fastddp keeps it (no silent change of
-            # what is on the wire).
-            hook, hook_state = self._comm_hooks[0]
-            _hook_install.install(self, hook_state, hook)
+        _pickling.restore(self, state)
 
     def _set_ddp_sink_clone(self, val: bool) -> None:
         """torch's switch: whether outputs passing the output sink (find_unused_parameters,

@@ -6,7 +6,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
-from torch.nn.parallel.distributed import _MixedPrecision
 
 import fastddp
 from scenarios import mlp, vector_batch
@@ -41,13 +40,6 @@ def sparse_embedding_with_bf16() -> None:
     model = fastddp.DistributedDataParallel(nn.Sequential(nn.Embedding(10, 4, sparse=True),
                                                           nn.Linear(4, 2)))
     model.register_comm_hook(None, fastddp.hooks.bf16())
-
-
-def unsupported_argument(argument: str) -> None:
-    values = {
-        "mixed_precision": _MixedPrecision(param_dtype=torch.float16),
-    }
-    fastddp.DistributedDataParallel(mlp(), **{argument: values[argument]})
 
 
 class TwoHeads(nn.Module):

@@ -7,6 +7,8 @@ step (after zero_grad) must train exactly as torch DDP does on the same data.
 
 import copy
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,15 +71,29 @@ def nan_then_train(hook: str, bad_ranks: list[int], value: float = math.nan,
     if hook in ("bf16", "bf16-fp32acc-ef"):
         ref.register_comm_hook(None, fastddp.hooks.bf16() if hook == "bf16" else
                                fastddp.hooks.bf16(accumulate="fp32", error_feedback=True))
+    return train_around_a_poisoned_step(
+        ref, fast, vector_batch,
+        poison=lambda: dist.get_rank() in bad_ranks and _poison(fast.module, "2.weight", value),
+        after_backward=lambda s: compare_grads(ref.module, fast.module, f"step {s}"),
+        after_step=lambda s: compare_state(ref.module, fast.module, f"after step {s}"))
+
+
+def train_around_a_poisoned_step(ref: nn.Module, fast: nn.Module, batch: Callable[[int], Any],
+                                 poison: Callable[[], Any],
+                                 after_backward: Callable[[int], None],
+                                 after_step: Callable[[int], None] | None = None) -> str:
+    """Steps 1-4 of torch DDP (`ref`) and fastddp side by side, SGD on both. At step 2 only
+    fastddp runs, after `poison()`, and its backward must raise on every rank (torch's
+    replica skips that step the same way: no optimizer step); after every other backward
+    and step the checks compare them on every rank. Returns the step-2 message."""
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ref, fast)]
     message = ""
     for step in range(1, 5):
-        inputs, target = vector_batch(step)
+        inputs, target = batch(step)
         for opt in opts:
             opt.zero_grad()
         if step == 2:
-            if dist.get_rank() in bad_ranks:
-                _poison(fast.module, "2.weight", value)
+            poison()
             try:
                 F.mse_loss(fast(inputs), target).backward()
             except RuntimeError as e:
@@ -86,10 +102,11 @@ def nan_then_train(hook: str, bad_ranks: list[int], value: float = math.nan,
             continue
         for model in (ref, fast):
             F.mse_loss(model(inputs), target).backward()
-        agree(lambda: compare_grads(ref.module, fast.module, f"step {step}"))
+        agree(lambda s=step: after_backward(s))
         for opt in opts:
             opt.step()
-        agree(lambda: compare_state(ref.module, fast.module, f"after step {step}"))
+        if after_step is not None:
+            agree(lambda s=step: after_step(s))
     return message
 
 

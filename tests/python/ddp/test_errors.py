@@ -37,12 +37,6 @@ def test_sparse_gradients_with_a_dense_only_hook(world):
         assert "'bf16'" in message and "'0.weight'" in message, message
 
 
-@pytest.mark.parametrize("argument", ["mixed_precision"])
-def test_unsupported_arguments(world, argument):
-    world.expect_error(error_scenarios.unsupported_argument, NotImplementedError,
-                       match=argument, argument=argument)
-
-
 def test_forward_after_partial_backward(world):
     ours = world.expect_error(error_scenarios.forward_after_partial_backward, RuntimeError,
                               match=PRIOR_REDUCTION, implementation="fastddp")

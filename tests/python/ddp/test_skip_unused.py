@@ -2,8 +2,9 @@
 gloo ranks: the same grads and parameters, with and without gradient_as_bucket_view and
 comm hooks (torch's PowerSGD included), under static_graph; the same num_buckets_reduced and
 the same buckets handed to a hook; gradient allreduces counted on the wire; where torch
-would mismatch its collectives (ranks that disagree, join()), fastddp's error or its join;
-and a pipelined hook drained when the last bucket is skipped (hierarchical, 4 ranks)."""
+would mismatch its collectives (ranks that disagree, join()), the result of torch DDP
+without skipping; with the overlapped optimizer and lazy buckets, torch's plain step; and a
+pipelined hook drained when the last bucket is skipped (hierarchical, 4 ranks)."""
 
 import pytest
 
@@ -58,9 +59,20 @@ def test_without_unused_search_nothing_is_skipped(world):
         assert out["logged"] == [None, 1, out["buckets"]] and out["buckets"] > 1, out
 
 
-def test_ranks_that_disagree_raise_on_every_rank(world):
-    for message in world.check(s.ranks_disagree):
-        assert "skip_all_reduce_unused_params" in message and "'rank0.bias'" in message, message
+@pytest.mark.parametrize("hook", [None, "fp16", "python"])
+def test_ranks_that_disagree_reduce_the_disputed_buckets(world, hook):
+    for out in world.check(s.ranks_disagree, hook=hook):
+        assert out["buckets"] == BUCKETS + 2, out  # rank0's weight and bias
+        assert [len(b) for b in out["skipped"]] == [SKIPPED[i % 2] for i in range(4)], out
+
+
+@pytest.mark.parametrize("overlap,lazy,view,static", [
+    (True, False, False, False), (True, False, True, False), (False, True, True, False),
+    (True, True, True, False), (True, True, True, True)],
+    ids=["overlap", "overlap-view", "lazy-view", "overlap-lazy-view", "overlap-lazy-static"])
+def test_overlapped_optimizer_and_lazy_buckets(world, overlap, lazy, view, static):
+    world.check(s.with_overlap_and_lazy, overlap=overlap, lazy=lazy,
+                gradient_as_bucket_view=view, static_graph=static)
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static-unused", "dynamic-unused"])

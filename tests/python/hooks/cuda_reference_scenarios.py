@@ -9,14 +9,13 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
 from flat_buffer_scenarios import bucket_align
 from hook_scenarios import EXACT, compare_grads, hooked_training, make_hook
-from nonfinite_scenarios import _poison
-from scenarios import agree, mlp, unwrap, vector_batch
+from nonfinite_scenarios import _poison, train_around_a_poisoned_step
+from scenarios import mlp, unwrap, vector_batch
 
 # fastddp's hook and torch DDP's reference for the check_for_nan_in_grad scenarios.
 NAN_HOOKS = {"allreduce": ("none", "none"),
@@ -55,29 +54,8 @@ def nan_then_torch(hook: str, device: str = "cuda", dtype: str = "float32",
         state, fn = make_hook(spec)
         if fn is not None:
             model.register_comm_hook(state, fn)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ref, fast)]
-    message = ""
-    for step in range(1, 5):
-        inputs, target = (t.to(base[0].weight.dtype) for t in vector_batch(step, device=device))
-        for opt in opts:
-            opt.zero_grad()
-        if step == 2:
-            if dist.get_rank() == 1:
-                _poison(fast.module, "2.weight", math.nan)
-            try:
-                F.mse_loss(fast(inputs), target).backward()
-            except RuntimeError as e:
-                message = str(e)
-            agree(lambda: _expect(message != "", "step 2 did not raise"))
-            continue
-        for model in (ref, fast):
-            F.mse_loss(model(inputs), target).backward()
-        agree(lambda s=step: compare_grads(unwrap(ref), unwrap(fast), f"step {s}", EXACT))
-        for opt in opts:
-            opt.step()
-    return message
-
-
-def _expect(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)
+    return train_around_a_poisoned_step(
+        ref, fast,
+        lambda step: tuple(t.to(base[0].weight.dtype) for t in vector_batch(step, device=device)),
+        poison=lambda: dist.get_rank() == 1 and _poison(fast.module, "2.weight", math.nan),
+        after_backward=lambda s: compare_grads(unwrap(ref), unwrap(fast), f"step {s}", EXACT))

@@ -25,6 +25,15 @@ from scenarios import agree, unwrap
 RANK = "matrix_approximation_rank"
 START = "start_powerSGD_iter"
 NO_EF_WS = {"use_error_feedback": False, "warm_start": False}
+# The PowerSGDState arguments both hooks (per-tensor and batched) are tested with: ranks
+# 1-2, error feedback and warm start on and off, an early and a late start.
+SHARED_CASES = {
+    "rank1_ef_ws": {RANK: 1, START: 2},
+    "rank2_ef_ws": {RANK: 2, START: 3},
+    "rank1_plain_start1": {RANK: 1, START: 1, **NO_EF_WS},
+    "rank2_plain_start3": {RANK: 2, START: 3, **NO_EF_WS},
+    "rank2_ef_only": {RANK: 2, START: 3, "warm_start": False},
+}
 
 # PowerSGD's output is the rank-r product P Q^T: an element's float32 error follows the
 # matrix's norm, not the element's own size (a small element is a difference of large

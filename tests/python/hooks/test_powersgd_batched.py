@@ -10,15 +10,11 @@ import pytest
 
 import powersgd_batched_scenarios
 import powersgd_scenarios
-from powersgd_scenarios import NO_EF_WS, RANK, START
+from powersgd_scenarios import RANK, SHARED_CASES, START
 from fastddp import _C
 
 CASES = {
-    "rank1_ef_ws": {RANK: 1, START: 2},
-    "rank2_ef_ws": {RANK: 2, START: 3},
-    "rank1_plain_start1": {RANK: 1, START: 1, **NO_EF_WS},
-    "rank2_plain_start3": {RANK: 2, START: 3, **NO_EF_WS},
-    "rank2_ef_only": {RANK: 2, START: 3, "warm_start": False},
+    **SHARED_CASES,
     "rank1_ws_only": {RANK: 1, START: 3, "use_error_feedback": False},
     "rank1_seed7_unused_args": {RANK: 1, START: 2, "random_seed": 7, "min_compression_rate": 5,
                                 "orthogonalization_epsilon": 1e-8,

@@ -8,6 +8,7 @@ checks the algorithm as a whole still learns, so it fails if the compression wer
 """
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -50,14 +51,13 @@ def _global_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return loss.item() / dist.get_world_size()
 
 
-def train(hook: str, steps: int = STEPS, rank: int = 4) -> dict:
-    """Trains the student with `hook` ("powersgd" or "none"); losses and comm figures."""
+def train_student(hook: Any, steps: int = STEPS) -> dict:
+    """Trains the student on this rank's shard under fastddp with the comm hook `hook`
+    (None: plain float32 averaging): the global loss before and after, and comm figures."""
     x, y = _shard()
-    student = _mlp(torch.Generator().manual_seed(0))
-    model = fastddp.DistributedDataParallel(copy.deepcopy(student))
-    if hook == "powersgd":
-        model.register_comm_hook(None, fastddp.hooks.powersgd(
-            matrix_approximation_rank=rank, start_powerSGD_iter=START))
+    model = fastddp.DistributedDataParallel(copy.deepcopy(_mlp(torch.Generator().manual_seed(0))))
+    if hook is not None:
+        model.register_comm_hook(None, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     batch = torch.Generator().manual_seed(dist.get_rank())
     first = _global_loss(model.module, x, y)
@@ -69,6 +69,13 @@ def train(hook: str, steps: int = STEPS, rank: int = 4) -> dict:
     stats = model.comm_stats()
     return {"first": first, "last": _global_loss(model.module, x, y),
             "bytes_reduced": stats["bytes_reduced"], "bytes_sent": stats["bytes_sent"]}
+
+
+def train(hook: str, steps: int = STEPS, rank: int = 4) -> dict:
+    """Trains the student with `hook` ("powersgd" or "none"); losses and comm figures."""
+    return train_student(fastddp.hooks.powersgd(matrix_approximation_rank=rank,
+                                                start_powerSGD_iter=START)
+                         if hook == "powersgd" else None, steps)
 
 
 @pytest.mark.parametrize("world", [2], indirect=True, ids=["world2"])

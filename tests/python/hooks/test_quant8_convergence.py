@@ -4,34 +4,15 @@ averaging's final loss with fastddp.hooks.int8() and fastddp.hooks.fp8() (e4m3),
 feedback on (the default). Fails if the compression were lost (comm_stats) or wrong enough
 to stall or derail training (the loss checks)."""
 
-import copy
-
 import pytest
-import torch
-import torch.nn.functional as F
 
-import fastddp
 import quant8_scenarios
-from test_powersgd_convergence import ROWS_PER_RANK, STEPS, _global_loss, _mlp, _shard
+from test_powersgd_convergence import STEPS, train_student
 
 
 def train(hook: str, steps: int = STEPS) -> dict:
     """Trains the student with `hook` ("none", "int8", "e4m3"); losses and comm figures."""
-    x, y = _shard()
-    model = fastddp.DistributedDataParallel(copy.deepcopy(_mlp(torch.Generator().manual_seed(0))))
-    if hook != "none":
-        model.register_comm_hook(None, quant8_scenarios.native_hook(hook))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    batch = torch.Generator().manual_seed(torch.distributed.get_rank())
-    first = _global_loss(model.module, x, y)
-    for _ in range(steps):
-        idx = torch.randint(0, ROWS_PER_RANK, (64,), generator=batch)
-        opt.zero_grad()
-        F.mse_loss(model(x[idx]), y[idx]).backward()
-        opt.step()
-    stats = model.comm_stats()
-    return {"first": first, "last": _global_loss(model.module, x, y),
-            "bytes_reduced": stats["bytes_reduced"], "bytes_sent": stats["bytes_sent"]}
+    return train_student(None if hook == "none" else quant8_scenarios.native_hook(hook), steps)
 
 
 @pytest.mark.parametrize("world", [2], indirect=True, ids=["world2"])

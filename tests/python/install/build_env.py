@@ -4,6 +4,8 @@ second build of the same sources (the sdist's, a copy's) costs seconds once cach
 
 import os
 import shutil
+import signal
+import subprocess
 
 
 def ccache_env(root: str) -> dict[str, str]:
@@ -18,3 +20,18 @@ def ccache_env(root: str) -> dict[str, str]:
         if nvcc:
             env["PYTORCH_NVCC"] = f"ccache {nvcc}"
     return env
+
+
+def run_in_own_group(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs), but in
+    a process group of its own that is killed whole on timeout: subprocess.run kills only
+    its child (pip), and the compilers under it would go on loading the machine."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True, **kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -7,7 +7,6 @@ settings (CCACHE_ENV there, build_env.ccache_env() here) the second build costs 
 
 import os
 import shutil
-import subprocess
 import sys
 import tarfile
 import zipfile
@@ -15,7 +14,7 @@ import zipfile
 import pytest
 import torch
 
-from build_env import ccache_env
+from build_env import ccache_env, run_in_own_group
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 # Under the checkout, so that ccache's base folder covers both source trees alike.
@@ -24,7 +23,7 @@ VERSION = "0.1.0"
 
 
 def run(cmd: list[str], timeout: float, **kwargs) -> str:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
+    done = run_in_own_group(cmd, timeout, **kwargs)  # a timed-out build leaves no compiler
     assert done.returncode == 0, f"{cmd}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
     return done.stdout + done.stderr
 
