@@ -94,13 +94,18 @@ def _pair(build, hook: str | None, **kwargs) -> tuple[TorchDDP, fastddp.Distribu
     base = build()
     models = (TorchDDP(copy.deepcopy(base), **kwargs),
               fastddp.DistributedDataParallel(copy.deepcopy(base), **kwargs))
-    calls: list[list] = [[], []]
+    return models[0], models[1], _hooked(models, hook)
+
+
+def _hooked(models, hook: str | None) -> list[list]:
+    """Registers `hook` on each model; what each one's recording Python hook sees."""
+    calls: list[list] = [[] for _ in models]
     for model, seen in zip(models, calls):
         if hook == "python":
             model.register_comm_hook(None, _recording_hook(seen))
         elif hook is not None:
             model.register_comm_hook(None, HOOKS[hook])
-    return models[0], models[1], calls
+    return calls
 
 
 def _skipped_now(fast: fastddp.DistributedDataParallel) -> list[int]:
@@ -225,12 +230,7 @@ def ranks_disagree(hook: str | None, steps: int = 4) -> dict:
               fastddp.DistributedDataParallel(copy.deepcopy(base),
                                               skip_all_reduce_unused_params=True, **kwargs))
     ref, fast = models
-    calls: list[list] = [[], []]
-    for model, seen in zip(models, calls):
-        if hook == "python":
-            model.register_comm_hook(None, _recording_hook(seen))
-        elif hook is not None:
-            model.register_comm_hook(None, HOOKS[hook])
+    calls = _hooked(models, hook)
     ulps = rounding_ulps() if hook in HOOKS else 0  # as trains_as_torch
     opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
     skipped = []
