@@ -281,8 +281,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void launch_ready_buckets();
   void queue_finalize();
   void finalize_backward();
-  // Waits for bucket b's reduction, writes its averaged gradients and hands
-  // them to the overlapped optimizer, if any.
+  // Waits for bucket b's reduction, writes its averaged gradients (a skipped
+  // bucket: neither) and hands them to the overlapped optimizer, if any.
   void finish_bucket(size_t b);
   // Note [overlapped optimizer]: the launched buckets whose reductions have
   // completed, finished during backward, in order.
@@ -356,7 +356,6 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void read_skip_votes();        // waits for the votes, decides
   void decide_skips(const int32_t* votes);
   void drop_skip_votes();        // forgets unread votes, without waiting
-  void finish_skipped(size_t bucket);  // finalize_backward()'s part for a skipped bucket
   bool skippable(size_t bucket) const;  // all its parameters are in unused_
   std::vector<bool> skip_;       // per bucket, once the votes are read: every rank skips it
   std::vector<bool> skipped_;    // per bucket, this backward: was skipped

@@ -17,11 +17,7 @@ void Reducer::finalize_backward() {
   try {
     if (nonfinite_) check_finite_gradients();
     for (size_t b = 0; b < buckets_.size(); ++b) {
-      if (skipped_[b]) {
-        finish_skipped(b);
-      } else if (buckets_[b].future) {
-        finish_bucket(b);
-      }  // else finished during backward
+      if (skipped_[b] || buckets_[b].future) finish_bucket(b);  // else finished in backward
     }
     if (track_usage() && used_work_ && !used_map_reduced_) used_work_->wait();
     if (options_.mixed_precision) restore_masters();
@@ -61,24 +57,30 @@ void Reducer::finalize_backward() {
 
 void Reducer::finish_bucket(size_t b) {
   Bucket& bucket = buckets_[b];
-  {
-    FASTDDP_PROFILE_RANGE("fastddp wait");
-    bucket.future->wait();
+  // A skipped bucket (Note [skipping unused buckets]) was not reduced: its
+  // grads stay as the copy-in left them, as torch's finalize passes it by.
+  if (!skipped_[b]) {
+    {
+      FASTDDP_PROFILE_RANGE("fastddp wait");
+      bucket.future->wait();
+    }
+    if (bucket.future->hasError()) {
+      const char* what = hook_->launched_collective(b);
+      FASTDDP_CHECK(false, "fastddp: the reduction of bucket ", b, " (comm hook '",
+                    hook_->name(), "') failed on rank ", rank_, ": ", what ? what : "",
+                    what ? " failed: " : "", bucket.future->tryRetrieveErrorMessage());
+    }
+    {
+      FASTDDP_PROFILE_RANGE("fastddp write-back");
+      write_back(bucket, bucket.future->value());
+    }
+    bucket.future.reset();
   }
-  if (bucket.future->hasError()) {
-    const char* what = hook_->launched_collective(b);
-    FASTDDP_CHECK(false, "fastddp: the reduction of bucket ", b, " (comm hook '", hook_->name(),
-                  "') failed on rank ", rank_, ": ", what ? what : "", what ? " failed: " : "",
-                  bucket.future->tryRetrieveErrorMessage());
-  }
-  {
-    FASTDDP_PROFILE_RANGE("fastddp write-back");
-    write_back(bucket, bucket.future->value());
-  }
-  bucket.future.reset();
   stats_.timings[b].done_us = elapsed_us();
   timeline_->mark(b, DeviceTimeline::kDone);
   if (optimizer_step_) {
+    // A skipped bucket's .grad are what optimizer.step() sees after torch's
+    // backward (None stays None, and the step passes such a parameter by).
     FASTDDP_PROFILE_RANGE("fastddp optimizer step");
     optimizer_step_->step_bucket(bucket.params);
   }

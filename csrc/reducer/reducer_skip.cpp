@@ -8,9 +8,7 @@
 
 #include <algorithm>
 
-#include "device_timeline.h"
 #include "message.h"
-#include "optimizer_step.h"
 #include "profile_range.h"
 #include "reducer.h"
 
@@ -110,19 +108,6 @@ void Reducer::decide_skips(const int32_t* votes) {
     // the step under join() votes neither way). A disputed bucket is reduced:
     // the ranks that use it launch it without reading the votes.
     skip_[b] = votes[b] > 0 && votes[n + b] == 0;
-  }
-}
-
-void Reducer::finish_skipped(size_t b) {
-  // Not reduced: its grads stay as the copy-in left them, and torch's
-  // finalize passes it by too.
-  stats_.timings[b].done_us = elapsed_us();
-  timeline_->mark(b, DeviceTimeline::kDone);
-  if (optimizer_step_) {
-    // Its .grad are what optimizer.step() sees after torch's backward (None
-    // stays None, and the step passes such a parameter by): stepped as such.
-    FASTDDP_PROFILE_RANGE("fastddp optimizer step");
-    optimizer_step_->step_bucket(buckets_[b].params);
   }
 }
 
