@@ -152,8 +152,10 @@ def sanitizer_figures(output: str) -> dict:
     if races:
         figures["hazards"], figures["race_errors"], figures["race_warnings"] = map(
             int, races.groups())
+    figures["nccl_probes"], figures["other_reports"] = sanitizer_errors(output)
     cases = world1_figures(output)
-    parts = [f"{figures.get('sanitizer_errors', '?')} sanitizer errors"]
+    parts = [f"{figures.get('sanitizer_errors', '?')} sanitizer errors "
+             f"({figures['nccl_probes']} of them NCCL start-up probes)"]
     if races:
         parts.append(f"{figures['hazards']} hazards ({figures['race_warnings']} warnings)")
     parts.append(cases["summary"].split(";")[0] if cases.get("cases") else "cases: no result")
@@ -162,33 +164,64 @@ def sanitizer_figures(output: str) -> dict:
     return figures
 
 
+# Not errors of fastddp: NCCL probes at communicator start-up which kernel images the
+# device can run (cudaFuncGetAttributes / cudaGetLastError on kernels built for other
+# architectures); seen on an H100 and an H200 with torch 2.11's NCCL.
+NCCL_PROBE = re.compile(r"cudaErrorNoKernelImageForDevice.*?\n(?:=+ +[^\n]*\n)*?"
+                        r"=+ +Host Frame: ncclInitKernelsForDevice", re.S)
+
+
+def sanitizer_errors(output: str) -> tuple[int, int]:
+    """(NCCL start-up probes, other errors) among the reports compute-sanitizer printed.
+    Each report starts with a '========= ' line that is not indented and not a summary."""
+    reports = re.split(r"\n(?==+ (?=\S)(?!(?:COMPUTE-SANITIZER|ERROR SUMMARY|RACECHECK "
+                       r"SUMMARY|LEAK SUMMARY|Target application)))", "\n" + output)[1:]
+    reports = [r for r in reports if r.startswith("=")]
+    probes = sum(1 for r in reports if NCCL_PROBE.search(r))
+    return probes, len(reports) - probes
+
+
 def sanitizer_verdict(output: str, figures: dict) -> str | None:
+    if "race_errors" in figures:  # racecheck ends with its own summary line
+        return (f"{figures['race_errors']} race errors" if figures["race_errors"] else None)
     if "sanitizer_errors" not in figures:
         return "no ERROR SUMMARY line: compute-sanitizer did not finish its report"
+    probes, other = figures.get("nccl_probes", 0), figures["sanitizer_errors"]
+    if other - probes > 0:
+        return f"{other - probes} sanitizer errors besides {probes} NCCL start-up probes"
     return None
 
 
 def kernels_figures(output: str) -> dict:
-    """benchmarks/kernels.py: per kernel at the largest size, fastddp GB/s, % of HBM and
-    the speed-up over torch; the range of the orthogonalization speed-ups."""
+    """benchmarks/kernels.py: per kernel at the largest size, fastddp GB/s, % of HBM, % of
+    a device-to-device copy of the same elements and the speed-up over torch; the range
+    of the orthogonalization speed-ups."""
     half, ortho = {}, []
+    copy = {int(n.replace(",", "")): float(g) for n, g in
+            re.findall(r"^copy float32 ([\d,]+): ([\d.]+) GB/s", output, re.M)}
     for row in table_rows(output):
-        if len(row) >= 5 and row[1].replace(",", "").isdigit():
+        if len(row) >= 5 and row[1].replace(",", "").isdigit() and row[3]:
             n = int(row[1].replace(",", ""))
             if row[0] not in half or n >= half[row[0]]["elements"]:
                 half[row[0]] = {"elements": n, "fastddp_gbps": float(row[2]),
                                 "torch_gbps": float(row[3]), "speedup": row[4],
                                 "of_hbm": row[5] if len(row) > 5 else None}
+                # The quant8 sizes are rounded down to whole blocks: the nearest copy.
+                near = min(copy, key=lambda c: abs(c - n), default=None)
+                if near is not None:
+                    half[row[0]]["of_copy"] = round(float(row[2]) / copy[near], 3)
         elif len(row) == 5 and row[0].startswith("("):
             ortho.append({"shape": row[0], "fastddp_us": float(row[1]),
                           "torch_us": float(row[2]), "speedup": float(row[3].rstrip("x"))})
     parts = [f"{k} {v['fastddp_gbps']:.0f} GB/s" + (f" ({v['of_hbm']} HBM)" if v["of_hbm"]
-                                                     else "") + f", {v['speedup']} torch"
-             for k, v in half.items()]
+                                                     else "")
+             + (f" ({100 * v['of_copy']:.0f}% of copy)" if "of_copy" in v else "")
+             + f", {v['speedup']} torch" for k, v in half.items()]
     if ortho:
         ups = [o["speedup"] for o in ortho]
         parts.append(f"ortho {min(ups):.2g}x-{max(ups):.2g}x torch")
-    return {"summary": "; ".join(parts) or "no table", "half": half, "ortho": ortho}
+    return {"summary": "; ".join(parts) or "no table", "half": half, "ortho": ortho,
+            "copy_gbps": copy}
 
 
 def powersgd_figures(output: str) -> dict:
@@ -201,6 +234,17 @@ def powersgd_figures(output: str) -> dict:
         summary = (f"hook time per step: native {native:.2f} ms, torch {theirs:.2f} ms "
                    f"({theirs / native:.2f}x)")
     return {"summary": summary, "ms": times}
+
+
+def reducer_cost_figures(output: str) -> dict:
+    """benchmarks/reducer_cost.py: per group, each variant's step time relative to bare."""
+    groups: dict[str, dict[str, float]] = {}
+    for row in table_rows(output):
+        if len(row) == 5 and re.fullmatch(r"[\d.]+", row[3]):
+            groups.setdefault(row[0], {})[row[1]] = float(row[3])
+    parts = [f"{g}: fastddp {v['fastddp']:.3f}x bare, torch {v['torch DDP']:.3f}x"
+             for g, v in groups.items() if "fastddp" in v and "torch DDP" in v]
+    return {"summary": "; ".join(parts) or "no table", "vs_bare": groups}
 
 
 def article_figures(output: str) -> dict:
@@ -232,8 +276,10 @@ def default_steps(out_dir: Path, python: str = sys.executable) -> list[Step]:
     def sanitized(tool: str) -> Step:
         return Step(
             f"sanitizer-{tool}",
-            [sanitizer or "compute-sanitizer", "--tool", tool, "--error-exitcode", "1",
-             "--target-processes", "all", "--print-limit", "20",
+            # No --error-exitcode: NCCL's start-up probes are API errors the sanitizer
+            # counts too; sanitizer_verdict() tells them from fastddp's own.
+            [sanitizer or "compute-sanitizer", "--tool", tool,
+             "--target-processes", "all", "--print-limit", "100",
              python, world1, "--device", "cuda", "--backend", "nccl", "--steps", "3",
              "--configs", "plain", "--exit-zero"],
             150, f"compute-sanitizer {tool}: a short world-size-1 training with each hook "
@@ -262,18 +308,23 @@ def default_steps(out_dir: Path, python: str = sys.executable) -> list[Step]:
         Step("nccl-world1", [python, world1, "--device", "cuda", "--backend", "nccl"], 150,
              "NCCL at world size 1, FASTDDP_WORLD1_REDUCER=1: every hook against torch DDP",
              figures=world1_figures),
-        sanitized("memcheck"),
-        sanitized("racecheck"),
         Step("kernels", [python, "benchmarks/kernels.py", "--device", "cuda", "--sizes",
                          VIT_L32_SIZES], 150,
              "half casts, 8-bit codes and orthogonalization vs torch at ViT-L/32 sizes "
              "(GB/s vs HBM)",
              figures=kernels_figures),
+        Step("reducer-cost", [python, "benchmarks/reducer_cost.py", "--device", "cuda",
+                              "--profile"], 180,
+             "GPT-style model (216.7M parameters) at world size 1, reducer forced: bare vs "
+             "fastddp vs torch DDP, default / gbv / bf16 hook / PowerSGD r4",
+             env={"FASTDDP_WORLD1_REDUCER": "1"}, figures=reducer_cost_figures),
         Step("powersgd-hook", [python, "benchmarks/powersgd.py", "--device", "cuda",
                                "--parts", "a", "--world", "1", "--rounds", "6"], 180,
              "native PowerSGD vs torch's powerSGD_hook on ViT-L/32 gradients, world size 1",
              note="parts (b) and (c) need 2 ranks (on one GPU they would fall back to gloo): "
                   "not run", figures=powersgd_figures),
+        sanitized("memcheck"),
+        sanitized("racecheck"),
         Step("article", [python, "benchmarks/article.py", "--device", "cuda", "--quick",
                          "--out", str(out_dir / "article")], 300,
              "the article's configurations at world size 1 (ViT-L/32, NCCL), torch vs fastddp",

@@ -106,6 +106,14 @@ def half_table(device: str, sizes: str, reps: int, peak: float | None) -> None:
             if peak:
                 row += f" {100 * ours_gbps / peak:.0f}% |"
             print(row)
+    # The roofline a kernel can reach: a device-to-device copy of float32 buffers of the
+    # same sizes, in the same run (8 B/element: one read, one write).
+    for size in sizes.split(","):
+        n = int(float(size)) // 4 * 4
+        src, dst = torch.randn(n, device=device), torch.empty(n, device=device)
+        t_copy = timed(lambda: dst.copy_(src), device, reps)
+        print(f"\ncopy float32 {n:,}: {8 * n / t_copy / 1e9:.1f} GB/s", end="")
+    print()
 
 
 def torch_quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:

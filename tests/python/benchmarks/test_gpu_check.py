@@ -22,8 +22,9 @@ from gpu_check_steps import Step  # noqa: E402
 
 PY = sys.executable
 # The steps the check promises (README): none may silently drop out of the list.
-PROMISED = ["env", "build", "self-check", "pytest-gpu", "nccl-world1", "sanitizer-memcheck",
-            "sanitizer-racecheck", "kernels", "powersgd-hook", "article"]
+PROMISED = ["env", "build", "self-check", "pytest-gpu", "nccl-world1", "kernels",
+            "reducer-cost", "powersgd-hook", "sanitizer-memcheck", "sanitizer-racecheck",
+            "article"]
 
 
 def py(code: str) -> list[str]:

@@ -91,3 +91,45 @@ def test_the_deadline_stops_a_hang_and_says_what_did_not_run():
                             deadline=start + 15, target=hang_at_second_case)
     assert [(r.case, r.failure) for r in rows] == [
         (0, None), (1, "not run: out of time"), (2, "not run: out of time")]
+
+
+# torch's PowerSGD hooks call torch.cuda.synchronize(bucket's device) whenever CUDA is
+# available: on an H100 the self-check's CPU rows raised ValueError there. Here CUDA is
+# made to look available on this CPU machine, which takes torch's hook down the same path.
+CPU_SAFE = """
+import os, torch, torch.distributed as dist
+from unittest import mock
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+from fastddp.selfcheck import cases
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+def train(hook):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    d = torch.nn.parallel.DistributedDataParallel(m, bucket_cap_mb=0.005)  # 2 buckets
+    d.register_comm_hook(psgd.PowerSGDState(None, matrix_approximation_rank=2,
+                                            start_powerSGD_iter=2), hook)
+    for _ in range(4):  # two compressed steps
+        d.zero_grad()
+        d(torch.randn(16, 32)).sum().backward()
+    return [p.grad.clone() for p in d.parameters()]
+want = train(psgd.powerSGD_hook)
+with mock.patch.object(torch.cuda, "is_available", lambda: True):
+    try:
+        train(psgd.powerSGD_hook)
+        print("torch's hook ran")
+    except RuntimeError:
+        print("torch's hook raised")
+    got = train(cases._cpu_safe(psgd.powerSGD_hook))
+print("equal" if all(torch.equal(a, b) for a, b in zip(got, want)) else "differ")
+"""
+
+
+def test_the_powersgd_reference_runs_on_cpu_buckets_beside_a_gpu():
+    port = str(runner._free_port())
+    done = subprocess.run([sys.executable, "-c", CPU_SAFE], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PORT": port})
+    assert done.returncode == 0, done.stdout + done.stderr
+    # torch's hook as shipped fails on this path; through _cpu_safe() it gives exactly the
+    # gradients it gives where CUDA is not available.
+    assert done.stdout.split() == ["torch's", "hook", "raised", "equal"], done.stdout
