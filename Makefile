@@ -29,7 +29,7 @@ BUILD_STAMP := build/.fastddp-built
 SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 STACKS_REQUIREMENTS := tests/stacks/requirements.txt
 
-.PHONY: install deps deps-stacks deps-compat test test-cpp test-python test-torch-ddp test-torch-ddp-suite \
+.PHONY: install deps deps-stacks deps-compat deps-compat-newest test-compat-newest test test-cpp test-python test-torch-ddp test-torch-ddp-suite \
   run bench gpu-check clean
 
 install: deps $(BUILD_STAMP)
@@ -70,26 +70,47 @@ $(BUILD_STAMP): $(SOURCES)
 	@$(PYTHON) -c "import fastddp; print('[make] fastddp build:', fastddp.build_info())"
 	@touch $@
 
-# torch 2.11 (the oldest torch fastddp claims) in a venv of its own, for
-# tests/python/install/test_compat.py: a _C built against this torch must be refused there
-# with a clear ImportError, and fastddp built against 2.11 there must pass its self-check. --no-deps:
+# The oldest and the newest torch fastddp claims, each in a venv of its own, for
+# tests/python/install/test_compat.py: a _C built against the main torch must be refused under
+# 2.11 with a clear ImportError, and fastddp built there must pass its self-check. --no-deps:
 # the CUDA libraries come from the site-packages that holds this environment's torch (a .pth
 # at the end of its path; every site-packages folder of this environment's Python, not only
 # torch's: in a venv made with --system-site-packages the CUDA libraries may sit in the
-# system's while torch sits in the venv), so only torch's own 530 MB wheel is downloaded.
+# system's while torch sits in the venv), so only torch's own wheel (530 MB) is downloaded,
+# plus, where torch does not import with the outer NVSHMEM (2.15), the one it pins.
+# $(call compat-venv,VENV,TORCH SPEC): makes VENV unless it imports torch already.
+define compat-venv
+@[ -x $(1)/bin/python ] && $(1)/bin/python -c "import torch, sys, \
+  setuptools as s; sys.exit(int(s.__version__.split('.')[0]) < 77)" 2>/dev/null \
+  || { rm -rf $(1) && $(PYTHON) -m venv $(1) \
+       && $(1)/bin/pip install -q --no-deps "$(2)" \
+       && $(1)/bin/pip install -q typing-extensions sympy networkx jinja2 fsspec filelock \
+          "setuptools>=77" wheel \
+       && $(PYTHON) -c "import os, site, torch; \
+          print(*dict.fromkeys([os.path.dirname(os.path.dirname(torch.__file__))] + site.getsitepackages()), sep='\n')" \
+          > $$($(1)/bin/python -c "import site; print(site.getsitepackages()[0])")/zz_outer.pth \
+       && { $(1)/bin/python -c "import torch" 2>/dev/null \
+            || $(1)/bin/pip install -q --no-deps $$($(1)/bin/python -c "from importlib.metadata \
+               import requires; print(*(r.split(';')[0].replace(' ', '') for r in \
+               requires('torch') if r.startswith('nvidia-nvshmem')))"); } ; }
+@$(1)/bin/python -c "import torch; print('[make] compat venv: torch', torch.__version__)"
+endef
+
 COMPAT_VENV := build/torch-2.11-venv
-COMPAT_TORCH := torch==2.11.0
+NEWEST_VENV := build/torch-2.15-venv
 deps-compat:
-	@[ -x $(COMPAT_VENV)/bin/python ] && $(COMPAT_VENV)/bin/python -c "import torch, sys, \
-	  setuptools as s; sys.exit(int(s.__version__.split('.')[0]) < 77)" 2>/dev/null \
-	  || { $(PYTHON) -m venv $(COMPAT_VENV) \
-	       && $(COMPAT_VENV)/bin/pip install -q --no-deps "$(COMPAT_TORCH)" \
-	       && $(COMPAT_VENV)/bin/pip install -q typing-extensions sympy networkx jinja2 fsspec filelock \
-	          "setuptools>=77" wheel \
-	       && $(PYTHON) -c "import os, site, torch; \
-	          print(*dict.fromkeys([os.path.dirname(os.path.dirname(torch.__file__))] + site.getsitepackages()), sep='\n')" \
-	          > $$($(COMPAT_VENV)/bin/python -c "import site; print(site.getsitepackages()[0])")/zz_outer.pth; }
-	@$(COMPAT_VENV)/bin/python -c "import torch; print('[make] compat venv: torch', torch.__version__)"
+	$(call compat-venv,$(COMPAT_VENV),torch==2.11.0)
+
+# This machine's pip constraints cap torch at its local wheels' version (2.14.1): lifted here.
+deps-compat-newest: export PIP_CONSTRAINT = /dev/null
+deps-compat-newest:
+	$(call compat-venv,$(NEWEST_VENV),torch==2.15.0)
+
+# CI's second stage (.ci/run, after `make test`, which must stay under 30 minutes): fastddp
+# built against torch 2.15 (a CPU build) and its self-check there.
+test-compat-newest: install deps-compat-newest
+	FASTDDP_COMPAT_NEWEST=$(CURDIR)/$(NEWEST_VENV)/bin/python $(PYTHON) -m pytest -q \
+	  -p no:cacheprovider tests/python/install/test_compat.py -k newest
 
 test: install deps-stacks deps-compat test-cpp test-python test-torch-ddp
 
