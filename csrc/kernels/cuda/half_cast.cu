@@ -6,31 +6,22 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <stdexcept>
-#include <string>
 
 #include "../half_cast.h"
+#include "launch.cuh"
 
 namespace fastddp::kernels {
 namespace {
 
+using cuda_launch::aligned;
+using cuda_launch::capped;
+using cuda_launch::check;
+using cuda_launch::full_grid;
+
 constexpr int kThreads = 256;
 constexpr int kMaxGridBlocks = 132 * 8;  // enough to fill an H100/H200 several times over
 
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    throw std::runtime_error(std::string("fastddp ") + what + ": " + cudaGetErrorString(err));
-  }
-}
-
-int grid_for(int64_t work) {
-  const int64_t blocks = (work + kThreads - 1) / kThreads;
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, kMaxGridBlocks)));
-}
-
-bool aligned(const void* p, uintptr_t bytes) {
-  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
-}
+int grid_for(int64_t work) { return capped((work + kThreads - 1) / kThreads, kMaxGridBlocks); }
 
 __device__ __forceinline__ int nonfinite(float x) { return (x - x) != 0.0f; }
 
@@ -126,79 +117,81 @@ void launch_cast_divide(const float* src, float divisor, uint16_t* dst, int64_t 
 }
 
 // --- multi-tensor decompression ---------------------------------------------------
+// Up to kMaxRanges ranges per launch, cut into chunks of kChunk elements; a grid that
+// fills the device once strides over the chunks of all of them (full_grid), so that one
+// launch moves a whole bucket at the copy's speed.
 
 constexpr int kMaxRanges = 48;
-constexpr int kMaxBlocks = 320;
-constexpr int64_t kChunk = 16 * 1024;  // elements per block
+constexpr int64_t kChunk = 16 * 1024;  // elements per chunk: a multiple of 4
 
 struct DecompressArgs {
   const uint16_t* src[kMaxRanges];
   float* dst[kMaxRanges];
   int64_t n[kMaxRanges];
-  unsigned char block_range[kMaxBlocks];
-  int block_chunk[kMaxBlocks];
+  int64_t first_chunk[kMaxRanges + 1];  // chunks before each range; [count]: all of them
+  int count;
 };
 
 template <HalfKind K>
 __global__ void decompress_chunks(DecompressArgs args) {
-  const int r = args.block_range[blockIdx.x];
-  const int64_t begin = static_cast<int64_t>(args.block_chunk[blockIdx.x]) * kChunk;
-  const int64_t len = min(kChunk, args.n[r] - begin);
-  const uint16_t* src = args.src[r] + begin;
-  float* dst = args.dst[r] + begin;
-  int64_t scalar_begin = 0;
-  // kChunk is a multiple of 4, so a range aligned at its start stays aligned per chunk.
-  if (reinterpret_cast<uintptr_t>(src) % 8 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
-    const int64_t n4 = len / 4;
-    for (int64_t q = threadIdx.x; q < n4; q += blockDim.x) {
-      const ushort4 h = reinterpret_cast<const ushort4*>(src)[q];
-      reinterpret_cast<float4*>(dst)[q] =
-          make_float4(float_from_half_bits<K>(h.x), float_from_half_bits<K>(h.y),
-                      float_from_half_bits<K>(h.z), float_from_half_bits<K>(h.w));
+  const int64_t total = args.first_chunk[args.count];
+  int r = 0;
+  for (int64_t c = blockIdx.x; c < total; c += gridDim.x) {
+    while (args.first_chunk[r + 1] <= c) ++r;  // c only grows: the scan never restarts
+    const int64_t begin = (c - args.first_chunk[r]) * kChunk;
+    const int64_t len = min(kChunk, args.n[r] - begin);
+    const uint16_t* src = args.src[r] + begin;
+    float* dst = args.dst[r] + begin;
+    int64_t scalar_begin = 0;
+    // kChunk is a multiple of 4, so a range aligned at its start stays aligned per chunk.
+    if (reinterpret_cast<uintptr_t>(src) % 8 == 0 &&
+        reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+      const int64_t n4 = len / 4;
+      for (int64_t q = threadIdx.x; q < n4; q += blockDim.x) {
+        const ushort4 h = reinterpret_cast<const ushort4*>(src)[q];
+        reinterpret_cast<float4*>(dst)[q] =
+            make_float4(float_from_half_bits<K>(h.x), float_from_half_bits<K>(h.y),
+                        float_from_half_bits<K>(h.z), float_from_half_bits<K>(h.w));
+      }
+      scalar_begin = 4 * n4;
     }
-    scalar_begin = 4 * n4;
-  }
-  for (int64_t i = scalar_begin + threadIdx.x; i < len; i += blockDim.x) {
-    dst[i] = float_from_half_bits<K>(src[i]);
+    for (int64_t i = scalar_begin + threadIdx.x; i < len; i += blockDim.x) {
+      dst[i] = float_from_half_bits<K>(src[i]);
+    }
   }
 }
 
 template <HalfKind K>
-void launch_decompress(const DecompressArgs& args, int blocks, cudaStream_t stream) {
-  decompress_chunks<K><<<blocks, kThreads, 0, stream>>>(args);
+void launch_decompress(const DecompressArgs& args, cudaStream_t stream) {
+  const int grid = capped(args.first_chunk[args.count], full_grid<decompress_chunks<K>>(kThreads));
+  decompress_chunks<K><<<grid, kThreads, 0, stream>>>(args);
   check(cudaGetLastError(), "decompress_multi_cuda launch");
 }
 
 template <HalfKind K>
 void decompress_multi(const DecompressRange* ranges, int64_t count, cudaStream_t stream) {
   DecompressArgs args;
-  int n_ranges = 0;
-  int n_blocks = 0;
+  args.count = 0;
+  args.first_chunk[0] = 0;
   for (int64_t i = 0; i < count; ++i) {
     if (ranges[i].n == 0) continue;
-    args.src[n_ranges] = ranges[i].src;
-    args.dst[n_ranges] = ranges[i].dst;
-    args.n[n_ranges] = ranges[i].n;
-    const int64_t chunks = (ranges[i].n + kChunk - 1) / kChunk;
-    for (int64_t c = 0; c < chunks; ++c) {
-      args.block_range[n_blocks] = static_cast<unsigned char>(n_ranges);
-      args.block_chunk[n_blocks] = static_cast<int>(c);
-      if (++n_blocks == kMaxBlocks) {
-        launch_decompress<K>(args, n_blocks, stream);
-        n_blocks = 0;
-      }
-    }
-    // A full range table starts a new pack; ranges already launched need no slot.
-    if (++n_ranges == kMaxRanges) {
-      if (n_blocks > 0) launch_decompress<K>(args, n_blocks, stream);
-      n_blocks = 0;
-      n_ranges = 0;
+    const int k = args.count;
+    args.src[k] = ranges[i].src;
+    args.dst[k] = ranges[i].dst;
+    args.n[k] = ranges[i].n;
+    args.first_chunk[k + 1] = args.first_chunk[k] + (ranges[i].n + kChunk - 1) / kChunk;
+    if (++args.count == kMaxRanges) {
+      launch_decompress<K>(args, stream);
+      args.count = 0;
     }
   }
-  if (n_blocks > 0) launch_decompress<K>(args, n_blocks, stream);
+  if (args.count > 0) launch_decompress<K>(args, stream);
 }
 
 // --- float32 sum of 16-bit shards -------------------------------------------------
+// Each output element is the float32 sum of the shards' elements in shard order, rounded
+// once. Four elements per thread (8-byte loads from every shard, one 8-byte store) where
+// the shards and the output allow it, then the rest one by one.
 
 template <HalfKind K>
 __global__ void sum_shards_kernel(const uint16_t* __restrict__ shards, int64_t stride,
@@ -210,6 +203,51 @@ __global__ void sum_shards_kernel(const uint16_t* __restrict__ shards, int64_t s
     for (int64_t r = 1; r < count; ++r) acc = add_rn(acc, float_from_half_bits<K>(shards[r * stride + i]));
     out[i] = half_bits_from_float<K>(acc);
   }
+}
+
+template <HalfKind K>
+__global__ void sum_shards4_kernel(const uint16_t* __restrict__ shards, int64_t stride,
+                                   int64_t count, uint16_t* __restrict__ out, int64_t n4) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; q < n4;
+       q += step) {
+    const ushort4 h = reinterpret_cast<const ushort4*>(shards)[q];
+    float a = float_from_half_bits<K>(h.x), b = float_from_half_bits<K>(h.y);
+    float c = float_from_half_bits<K>(h.z), d = float_from_half_bits<K>(h.w);
+    for (int64_t r = 1; r < count; ++r) {
+      const ushort4 g = reinterpret_cast<const ushort4*>(shards + r * stride)[q];
+      a = add_rn(a, float_from_half_bits<K>(g.x));
+      b = add_rn(b, float_from_half_bits<K>(g.y));
+      c = add_rn(c, float_from_half_bits<K>(g.z));
+      d = add_rn(d, float_from_half_bits<K>(g.w));
+    }
+    ushort4 o;
+    o.x = half_bits_from_float<K>(a);
+    o.y = half_bits_from_float<K>(b);
+    o.z = half_bits_from_float<K>(c);
+    o.w = half_bits_from_float<K>(d);
+    reinterpret_cast<ushort4*>(out)[q] = o;
+  }
+}
+
+template <HalfKind K>
+void launch_sum_shards(const uint16_t* shards, int64_t stride, int64_t count, uint16_t* out,
+                       int64_t n, cudaStream_t stream) {
+  int64_t done = 0;
+  if (aligned(shards, 8) && aligned(out, 8) && stride % 4 == 0) {
+    const int64_t n4 = n / 4;
+    if (n4 > 0) {
+      const int grid = capped((n4 + kThreads - 1) / kThreads,
+                              full_grid<sum_shards4_kernel<K>>(kThreads));
+      sum_shards4_kernel<K><<<grid, kThreads, 0, stream>>>(shards, stride, count, out, n4);
+    }
+    done = 4 * n4;
+  }
+  if (done < n) {
+    sum_shards_kernel<K><<<grid_for(n - done), kThreads, 0, stream>>>(
+        shards + done, stride, count, out + done, n - done);
+  }
+  check(cudaGetLastError(), "sum_shards_cuda launch");
 }
 
 }  // namespace
@@ -243,13 +281,9 @@ void sum_shards_cuda(HalfKind kind, const uint16_t* shards, int64_t stride, int6
                      uint16_t* out, int64_t n, void* stream_ptr) {
   if (n == 0 || count <= 0) return;
   auto stream = static_cast<cudaStream_t>(stream_ptr);
-  const int grid = grid_for(n);
-  if (kind == HalfKind::kBFloat16) {
-    sum_shards_kernel<HalfKind::kBFloat16><<<grid, kThreads, 0, stream>>>(shards, stride, count, out, n);
-  } else {
-    sum_shards_kernel<HalfKind::kFloat16><<<grid, kThreads, 0, stream>>>(shards, stride, count, out, n);
-  }
-  check(cudaGetLastError(), "sum_shards_cuda launch");
+  kind == HalfKind::kBFloat16
+      ? launch_sum_shards<HalfKind::kBFloat16>(shards, stride, count, out, n, stream)
+      : launch_sum_shards<HalfKind::kFloat16>(shards, stride, count, out, n, stream);
 }
 
 }  // namespace fastddp::kernels
