@@ -12,23 +12,18 @@
 
 #include <cfloat>
 #include <cstdint>
-#include <stdexcept>
-#include <string>
 
 #include "../orthogonalize.h"
+#include "launch.cuh"
 
 namespace fastddp::kernels {
 namespace {
 
+using cuda_launch::check;
+
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int64_t kMaxGrid = int64_t{1} << 30;
-
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    throw std::runtime_error(std::string("fastddp ") + what + ": " + cudaGetErrorString(err));
-  }
-}
 
 __device__ __forceinline__ float sub_scaled(float a, float c, float b) {
   return __fsub_rn(a, __fmul_rn(c, b));
