@@ -135,15 +135,15 @@ class FourDtypes(nn.Module):
     def __init__(self):
         super().__init__()
         self.single = nn.Linear(8, 16)
-        self.half = nn.Linear(16, 16).half()
-        self.brain = nn.Linear(16, 16).bfloat16()
+        self.f16 = nn.Linear(16, 16).half()  # not `half`: that is nn.Module.half()
+        self.b16 = nn.Linear(16, 16).bfloat16()
         self.precise = nn.Linear(16, 16).double()
         self.head = nn.Linear(16, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.single(x))
-        h = torch.tanh(self.half(h.half())).float()
-        h = torch.tanh(self.brain(h.bfloat16())).float()
+        h = torch.tanh(self.f16(h.half())).float()
+        h = torch.tanh(self.b16(h.bfloat16())).float()
         h = torch.tanh(self.precise(h.double())).float()
         return self.head(h)
 
