@@ -301,7 +301,7 @@ def default_steps(out_dir: Path, python: str = sys.executable) -> list[Step]:
              "against torch DDP on the CPU and on each GPU", figures=selfcheck_figures),
         Step("pytest-gpu",
              [python, "-m", "pytest", "-m", "gpu", "tests/python", "-q", "-p",
-              "no:cacheprovider", "-rfEs", "--deselect",
+              "no:cacheprovider", "-rfEs", "--durations=15", "--deselect",
               "tests/python/hooks/test_world1_hooks.py::test_world1_hooks_nccl"],
              240, "every GPU-marked test (the world-size-1 NCCL one is the next step)",
              figures=pytest_figures, verdict=pytest_verdict),
