@@ -36,12 +36,15 @@ PowerSGDCheckpoint powersgd_checkpoint_from_dict(const py::dict& d) {
   if (d.contains("bucket_error_tails")) {
     ck.bucket_error_tails = d["bucket_error_tails"].cast<TensorMap>();
   }
+  if (d.contains("ps")) ck.ps = d["ps"].cast<TensorMap>();  // state for ACP-SGD only
   return ck;
 }
 
 void bind_powersgd(py::module& m) {
   py::class_<PowerSGDHook, CommHook, std::shared_ptr<PowerSGDHook>> powersgd(m, "PowerSGDHook");
   def_powersgd_common(powersgd);
+  py::class_<AcpSgdHook, CommHook, std::shared_ptr<AcpSgdHook>> acpsgd(m, "AcpSgdHook");
+  def_powersgd_common(acpsgd);
 }
 
 }  // namespace fastddp

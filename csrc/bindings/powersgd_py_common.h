@@ -11,6 +11,7 @@
 #include <tuple>
 #include <vector>
 
+#include "../hooks/powersgd/acpsgd.h"
 #include "../hooks/powersgd/powersgd.h"
 
 namespace fastddp {
@@ -18,7 +19,8 @@ namespace fastddp {
 namespace py = pybind11;
 
 // iter, rng_state, statistics, errors and qs by parameter index; bucket_qs
-// and bucket_error_tails (by a bucket's first parameter) when there are any.
+// and bucket_error_tails (by a bucket's first parameter) when there are any;
+// ps, state for ACP-SGD only (read, and ignored on load, for PowerSGD).
 py::dict powersgd_checkpoint_to_dict(const PowerSGDCheckpoint& ck);
 PowerSGDCheckpoint powersgd_checkpoint_from_dict(const py::dict& d);
 

@@ -92,6 +92,15 @@ class CommHook {
   // reducer/step_state.h). Called between steps only. Empty: no state.
   virtual std::vector<at::Tensor> step_state() { return {}; }
 
+  // At the end of every synchronized backward, whether its step state was
+  // kept: `kept` is the 0-dim bool on the buckets' device that chose between
+  // this step's state and the snapshot (all_finite of the averaged gradients),
+  // false after a failed step whose state was put back, undefined when
+  // nothing was checked (the step stands). For a hook whose host-side choices
+  // follow its state (ACP-SGD's turn, Note [acpsgd]): read it lazily, never
+  // here, where a device read would synchronize.
+  virtual void after_step(const at::Tensor& kept) { (void)kept; }
+
   // Whether run() and write_back() accept sparse buckets (see Bucket::sparse):
   // copy_in then stores the gradient in bucket.sparse_grad, run() reduces it,
   // and the future's tensor becomes the parameter's .grad.

@@ -21,13 +21,15 @@ void Reducer::finalize_backward() {
     }
     if (track_usage() && used_work_ && !used_map_reduced_) used_work_->wait();
     if (options_.mixed_precision) restore_masters();
+    at::Tensor kept;  // undefined: nothing checked, the step stands
     if (!reduced_.empty()) {  // Note [a bad step leaves no trace]
       const at::NoGradGuard no_grad;
-      const at::Tensor finite = all_finite(reduced_);
-      step_state_.keep_if_finite(hook_->step_state(), finite);
-      if (track_finite_) last_finite_ = finite;
+      kept = all_finite(reduced_);
+      step_state_.keep_if_finite(hook_->step_state(), kept);
+      if (track_finite_) last_finite_ = kept;
       reduced_.clear();
     }
+    hook_->after_step(kept);
     if (optimizer_step_) {
       FASTDDP_PROFILE_RANGE("fastddp optimizer step");
       optimizer_step_->end_of_backward();
@@ -124,6 +126,9 @@ void Reducer::fail_iteration(const std::exception_ptr& error) {
   if (drop_hook_state_) {  // check_for_nan_in_grad: the state from before the step
     step_state_.restore(hook_->step_state());
     drop_hook_state_ = false;
+    hook_->after_step(at::zeros({}, at::kBool));
+  } else {
+    hook_->after_step(at::Tensor());
   }
   reduced_.clear();
   phase_ = Phase::kIdle;

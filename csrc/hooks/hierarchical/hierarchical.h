@@ -72,6 +72,7 @@ class HierarchicalHook : public CommHook {
   void drain() override;
   void abandon_step() override;
   std::vector<at::Tensor> step_state() override { return inner_->step_state(); }
+  void after_step(const at::Tensor& kept) override { inner_->after_step(kept); }
   // The inner hook's bytes for this rank's shard: what crosses the inter-node
   // link. The intra-node bytes are intra_wire_bytes().
   int64_t wire_bytes(const Bucket& bucket) const override;

@@ -161,9 +161,12 @@ void PowerSGDBase::load_state_dict(const PowerSGDCheckpoint& ck) {
   drop_buckets();
   carried_ = ck;
   carried_has_qs_ = !carried_.qs.empty() || !carried_.bucket_qs.empty();
-  carried_.ps.clear();  // P is not state (PowerSGDCheckpoint)
-  carried_.bucket_ps.clear();
+  if (!ps_are_state()) {
+    carried_.ps.clear();  // P is not state (PowerSGDCheckpoint)
+    carried_.bucket_ps.clear();
+  }
   clone_tensors(carried_);
+  loaded();
 }
 
 }  // namespace fastddp

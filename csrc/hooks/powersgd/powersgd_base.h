@@ -97,6 +97,10 @@ class PowerSGDBase : public PipelinedHook {
   virtual void bucket_step_state(std::vector<at::Tensor>& into) const = 0;
   // Raises ValueError for a checkpoint this hook cannot take.
   virtual void check_checkpoint(const PowerSGDCheckpoint& checkpoint) const { (void)checkpoint; }
+  // Whether P is state (ACP-SGD: kept from step to step) rather than read-only.
+  virtual bool ps_are_state() const { return false; }
+  // After load_state_dict, with mutex_ held: the hook's own bookkeeping restarts.
+  virtual void loaded() {}
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   PowerSGDOptions options_;

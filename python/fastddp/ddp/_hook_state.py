@@ -1,7 +1,7 @@
 """A registered comm hook's state for checkpoints, and its compression statistics.
 
-The native PowerSGD hook keeps its error feedback and warm-start Q per parameter index
-(C++); here they are keyed by parameter name, so a checkpoint survives a bucket rebuild, a
+The native PowerSGD hooks keep their error feedback and warm-start Q (and ACP-SGD its P)
+per parameter index (C++); here they are keyed by parameter name, so a checkpoint survives a bucket rebuild, a
 different ``bucket_cap_mb`` and a restart.
 """
 
@@ -68,6 +68,8 @@ def state_dict(ddp: DistributedDataParallel) -> dict[str, Any]:
     out: dict[str, Any] = {"hook": hook.name, **{k: raw[k] for k in _SCALARS}}
     out["error"] = {names[i]: t.view(params[i].shape) for i, t in sorted(raw["errors"].items())}
     out["q"] = {names[i]: t for i, t in sorted(raw["qs"].items())}
+    if hook.name == "acpsgd":  # P is state here (PowerSGD's is recomputed every step)
+        out["p"] = {names[i]: t for i, t in sorted(raw.get("ps", {}).items())}
     for key, raw_key in _BUCKET_KEYS.items():  # batched PowerSGD: per bucket
         if raw.get(raw_key):
             out[key] = {names[i]: t for i, t in sorted(raw[raw_key].items())}
@@ -87,25 +89,29 @@ def load_state_dict(ddp: DistributedDataParallel, state: dict[str, Any]) -> None
                          f"but {name!r} is registered")
     if hook is None:
         return  # a stateless hook: nothing to restore
-    missing = [k for k in (*_SCALARS, "error", "q") if k not in state]
+    tables = ("error", "q", "p") if name == "acpsgd" else ("error", "q")
+    missing = [k for k in (*_SCALARS, *tables) if k not in state]
     if missing:
         raise ValueError(f"fastddp: {where}: the state lacks {missing}")
     index = {n: i for i, n in enumerate(ddp._reducer_param_names)}
     params = ddp._reducer_params
-    errors, qs = {}, {}
-    for key, table, out in (("error", state["error"], errors), ("q", state["q"], qs)):
+    errors, qs, ps = {}, {}, {}
+    for key, out in zip(tables, (errors, qs, ps)):
+        table = state[key]
         for pname, tensor in table.items():
             if pname not in index:
                 raise ValueError(f"fastddp: {where}: {key} of parameter {pname!r}, which this "
                                  "model does not reduce")
             p = params[index[pname]]
-            want = p.numel() if key == "error" else _q_numel(hook, p)
+            want = p.numel() if key == "error" else _factor_numel(hook, p, key)
             if not isinstance(tensor, torch.Tensor) or tensor.numel() != want:
                 raise ValueError(f"fastddp: {where}: {key} of parameter {pname!r} must have "
                                  f"{want} elements, got "
                                  f"{getattr(tensor, 'shape', type(tensor).__name__)}")
             out[index[pname]] = tensor.detach().to(device=p.device, dtype=p.dtype)
     raw = {**{k: state[k] for k in _SCALARS}, "errors": errors, "qs": qs}
+    if ps:
+        raw["ps"] = ps
     for key, raw_key in _BUCKET_KEYS.items():
         raw[raw_key] = {}
         for pname, tensor in state.get(key, {}).items():
@@ -116,10 +122,11 @@ def load_state_dict(ddp: DistributedDataParallel, state: dict[str, Any]) -> None
     hook.load_state_dict(raw)
 
 
-def _q_numel(hook: Any, p: torch.Tensor) -> int:
+def _factor_numel(hook: Any, p: torch.Tensor, key: str) -> int:
+    """Elements of a parameter's Q (m x r) or P (n x r), its (n, m) matrix at the rank."""
     n = p.shape[0] if p.dim() > 0 else 1
     m = p.numel() // n if n else 0
-    return m * min(n, m, hook.matrix_approximation_rank)
+    return (m if key == "q" else n) * min(n, m, hook.matrix_approximation_rank)
 
 
 def compression_stats(ddp: DistributedDataParallel) -> dict[str, Any]:

@@ -11,6 +11,7 @@ Built-ins run in C++ (no Python per bucket)::
     model.register_comm_hook(None, fastddp.hooks.powersgd(matrix_approximation_rank=2,
                                                           start_powerSGD_iter=10))
     model.register_comm_hook(None, fastddp.hooks.batched_powersgd(start_powerSGD_iter=10))
+    model.register_comm_hook(None, fastddp.hooks.acpsgd(matrix_approximation_rank=4))
     model.register_comm_hook(None, fastddp.hooks.hierarchical(inter=fastddp.hooks.bf16()))
 
 torch's own hook functions are recognized and run by the same C++ code:
@@ -36,13 +37,13 @@ PowerSGDState kept live on the native hook (_powersgd_live.py) and its checkpoin
 
 from fastddp.hooks._auto import AutoHook
 from fastddp.hooks._comm_hook import CommHook, HierarchicalHook  # noqa: F401
-from fastddp.hooks._constructors import (allreduce, auto, batched_powersgd, bf16, fp8, fp16,
-                                         from_registry, hierarchical, hierarchical_groups,
-                                         int8, powersgd)
+from fastddp.hooks._constructors import (acpsgd, allreduce, auto, batched_powersgd, bf16, fp8,
+                                         fp16, from_registry, hierarchical,
+                                         hierarchical_groups, int8, powersgd)
 # Beyond __all__: what fastddp.DistributedDataParallel and the tuner call to register a hook.
 from fastddp.hooks._torch_hooks import (builtin_for_type, check_comm_hook,  # noqa: F401
                                         native_torch_hooks, resolve)
 
-__all__ = ["AutoHook", "CommHook", "allreduce", "auto", "batched_powersgd", "bf16", "fp16",
-           "fp8", "from_registry", "hierarchical", "hierarchical_groups", "int8",
+__all__ = ["AutoHook", "CommHook", "acpsgd", "allreduce", "auto", "batched_powersgd", "bf16",
+           "fp16", "fp8", "from_registry", "hierarchical", "hierarchical_groups", "int8",
            "native_torch_hooks", "powersgd"]

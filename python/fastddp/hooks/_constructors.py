@@ -94,6 +94,21 @@ def batched_powersgd(matrix_approximation_rank: int = 1, start_powerSGD_iter: in
         random_seed, batch_tensors_with_same_shape, compression_stats_logging_frequency))
 
 
+def acpsgd(matrix_approximation_rank: int = 4, start_iter: int = 1_000,
+           min_compression_rate: float = 2, orthogonalization_epsilon: float = 0,
+           random_seed: int = 0) -> CommHook:
+    """ACP-SGD (Zhang et al., ICDCS 2023): PowerSGD's rank-`matrix_approximation_rank`
+    compression with error feedback and warm start, sending P on one step and Q on the next,
+    so that each bucket takes one allreduce per step instead of PowerSGD's two (Note
+    [acpsgd] in csrc/hooks/powersgd/acpsgd.h). Plain allreduce for the first `start_iter`
+    steps. Which matrices are compressed, the first Q and the orthogonalization are
+    :func:`powersgd`'s, with the same arguments.
+    """
+    return CommHook("acpsgd", **powersgd_options(
+        "fastddp.hooks.acpsgd", matrix_approximation_rank, start_iter, min_compression_rate,
+        True, True, orthogonalization_epsilon, random_seed, False, 10_000, "start_iter"))
+
+
 def hierarchical(inter: CommHook | None = None, mesh: Any = None, local_size: int | None = None,
                  groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
                  ) -> HierarchicalHook:

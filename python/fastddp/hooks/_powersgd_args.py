@@ -9,11 +9,13 @@ def powersgd_options(name: str, matrix_approximation_rank: int, start_powerSGD_i
                      min_compression_rate: float, use_error_feedback: bool, warm_start: bool,
                      orthogonalization_epsilon: float, random_seed: int,
                      batch_tensors_with_same_shape: bool,
-                     compression_stats_logging_frequency: int) -> dict[str, Any]:
+                     compression_stats_logging_frequency: int,
+                     start_arg: str = "start_powerSGD_iter") -> dict[str, Any]:
     """The checked options of the hook built by `name` (for messages), as the C++ registry
-    takes them. Every bad argument raises ValueError, as torch's PowerSGDState does."""
+    takes them. Every bad argument raises ValueError, as torch's PowerSGDState does;
+    `start_arg` is what the caller calls start_powerSGD_iter."""
     _check_int(name, "matrix_approximation_rank", matrix_approximation_rank, minimum=1)
-    _check_int(name, "start_powerSGD_iter", start_powerSGD_iter, minimum=0)
+    _check_int(name, start_arg, start_powerSGD_iter, minimum=0)
     _check_int(name, "random_seed", random_seed, minimum=0)
     _check_int(name, "compression_stats_logging_frequency", compression_stats_logging_frequency,
                minimum=0)
@@ -29,7 +31,7 @@ def powersgd_options(name: str, matrix_approximation_rank: int, start_powerSGD_i
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise ValueError(f"{name}: {arg} must be a number >= 0, got {value!r}")
     if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:
-        raise ValueError(f"{name}: start_powerSGD_iter must be > 1 if use_error_feedback or "
+        raise ValueError(f"{name}: {start_arg} must be > 1 if use_error_feedback or "
                          f"warm_start is enabled (torch's rule: DDP rebuilds its buckets after "
                          f"the first iteration), got {start_powerSGD_iter}")
     return {"matrix_approximation_rank": matrix_approximation_rank,

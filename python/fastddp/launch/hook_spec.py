@@ -8,8 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-HOOK_NAMES = ("allreduce", "fp16", "bf16", "bf16-fp32acc", "int8", "fp8", "powersgd", "auto",
-              "hier")
+HOOK_NAMES = ("allreduce", "fp16", "bf16", "bf16-fp32acc", "int8", "fp8", "powersgd", "acpsgd",
+              "auto", "hier")
+_RANKED = ("powersgd", "acpsgd")  # NAME:RANK
 FP8_FORMATS = ("e4m3", "e5m2")
 # hier:INNER's inner hook: any fixed hook of HOOK_NAMES, and "none" for plain allreduce.
 _HIER_NOT_INNER = ("auto", "hier")
@@ -27,7 +28,7 @@ class HookSpec:
     """A built-in hook by name, as ``--hook`` takes it: ``bf16``, ``powersgd:4``, ..."""
 
     name: str
-    rank: int | None = None  # PowerSGD's matrix approximation rank; None: the hook's default
+    rank: int | None = None  # PowerSGD's / ACP-SGD's rank; None: the hook's default
     policy: str | None = None  # auto's policy (fastddp/tuning/auto.py)
     format: str | None = None  # fp8's format (e4m3, e5m2); None: the hook's default
     inner: "HookSpec | None" = None  # hier's inter-node hook
@@ -47,8 +48,8 @@ def parse_hook_spec(text: str, option: str = "--hook") -> HookSpec:
     name, sep, rank_text = text.partition(":")
     if name not in HOOK_NAMES:
         raise ValueError(f"{option} {text!r}: unknown hook {name!r}; choose one of "
-                         f"{', '.join(HOOK_NAMES)} (powersgd takes an optional :RANK, fp8 "
-                         "an optional :FORMAT, hier an optional :INNER)")
+                         f"{', '.join(HOOK_NAMES)} (powersgd and acpsgd take an optional "
+                         ":RANK, fp8 an optional :FORMAT, hier an optional :INNER)")
     if name == "auto":
         from fastddp.hooks._auto import POLICIES
 
@@ -66,10 +67,11 @@ def parse_hook_spec(text: str, option: str = "--hook") -> HookSpec:
             raise ValueError(f"{option} {text!r}: fp8's format must be one of "
                              f"{', '.join(FP8_FORMATS)} (fp8:FORMAT)")
         return HookSpec(name, format=rank_text)
-    if name != "powersgd":
-        raise ValueError(f"{option} {text!r}: only powersgd takes a rank (powersgd:RANK)")
+    if name not in _RANKED:
+        raise ValueError(f"{option} {text!r}: only powersgd and acpsgd take a rank "
+                         f"({name}:RANK is not a hook)")
     if not rank_text.isdigit() or int(rank_text) < 1:
-        raise ValueError(f"{option} {text!r}: the PowerSGD rank must be a positive integer")
+        raise ValueError(f"{option} {text!r}: the {name} rank must be a positive integer")
     return HookSpec(name, int(rank_text))
 
 
@@ -127,9 +129,9 @@ def fastddp_hook_maker(spec: HookSpec, option: str) -> Callable[[], tuple[Any, A
         kwargs["policy"] = spec.policy
     elif spec.name == "fp8" and spec.format is not None:
         kwargs["format"] = spec.format
-    elif spec.name == "powersgd":
-        # torch's PowerSGDState names; start early as the FASTDDP_DISABLE comparison does.
-        kwargs["start_powerSGD_iter"] = 2
+    elif spec.name in _RANKED:
+        # Start early as the FASTDDP_DISABLE comparison does (torch's PowerSGDState names).
+        kwargs["start_powerSGD_iter" if spec.name == "powersgd" else "start_iter"] = 2
         if spec.rank is not None:
             kwargs["matrix_approximation_rank"] = spec.rank
     return lambda: (None, factory(**kwargs))
@@ -160,10 +162,11 @@ def torch_hook(spec: HookSpec, option: str = "--hook") -> tuple[Any, Any]:
         raise HookUnavailableError(
             f"{option} {spec}: stock torch DDP (FASTDDP_DISABLE=1) cannot tune its hook; run "
             "without FASTDDP_DISABLE, or give torch a fixed --hook")
-    if spec.name in ("int8", "fp8"):
+    if spec.name in ("int8", "fp8", "acpsgd"):
         raise HookUnavailableError(
             f"{option} {spec}: stock torch DDP has no {spec.name} gradient compression; use "
-            "--hook bf16 to compare with torch")
+            "--hook " + ("powersgd" if spec.name == "acpsgd" else "bf16") +
+            " to compare with torch")
     raise HookUnavailableError(
         f"{option} {spec}: stock torch DDP has no built-in hook that accumulates bf16 "
         "gradients in fp32; use --hook bf16 to compare with torch")

@@ -35,6 +35,8 @@ hooks (--hook):
                   with error feedback
   fp8[:FORMAT]    the same with fp8 codes; FORMAT: e4m3 (the default) or e5m2
   powersgd[:R]    PowerSGD low-rank compression of rank R (default: the hook's default)
+  acpsgd[:R]      ACP-SGD: PowerSGD's compression with one allreduce per bucket per step,
+                  P and Q in turn (rank R, default 4)
   hier[:INNER]    multi-node: reduce-scatter inside the node, INNER (none, bf16, bf16-fp32acc,
                   int8, fp8, ...; default bf16) on each rank's shard between nodes, allgather
                   inside the node; nodes of LOCAL_WORLD_SIZE ranks (torchrun's --nproc-per-node)

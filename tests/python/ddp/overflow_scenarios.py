@@ -42,6 +42,7 @@ def make_hook(name: str):
         "fp8_e5m2": lambda: h.fp8("e5m2"),
         "powersgd": lambda: h.powersgd(2, start_powerSGD_iter=2),
         "batched_powersgd": lambda: h.batched_powersgd(2, start_powerSGD_iter=2),
+        "acpsgd": lambda: h.acpsgd(2, start_iter=2),
         "hier_int8": lambda: h.hierarchical(h.int8(), local_size=2),
         "hier_bf16_ef": lambda: h.hierarchical(h.bf16(error_feedback=True), local_size=2),
         "hier_powersgd": lambda: h.hierarchical(h.powersgd(2, start_powerSGD_iter=2),

@@ -8,7 +8,7 @@ import overflow_scenarios as s
 from harness import World
 
 STATEFUL = ["bf16_ef", "fp16_ef", "bf16_fp32_ef", "int8", "fp8_e4m3", "fp8_e5m2", "powersgd",
-            "batched_powersgd", "torch_powersgd"]
+            "batched_powersgd", "torch_powersgd", "acpsgd"]
 HIERARCHICAL = ["hier_int8", "hier_bf16_ef", "hier_powersgd"]
 # No state to keep: the same must hold, with nothing to put back.
 STATELESS = ["allreduce", "bf16", "fp16", "bf16_fp32"]

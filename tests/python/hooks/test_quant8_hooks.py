@@ -80,7 +80,7 @@ def test_launcher_spelling():
     assert str(parse_hook_spec("fp8:e5m2")) == "fp8:e5m2"
     with pytest.raises(ValueError, match="fp8's format"):
         parse_hook_spec("fp8:e3m4")
-    with pytest.raises(ValueError, match="only powersgd takes a rank"):
+    with pytest.raises(ValueError, match="only powersgd and acpsgd take a rank"):
         parse_hook_spec("int8:2")
     assert fastddp_hook(HookSpec("fp8", format="e5m2"))[1].options == {
         "format": "e5m2", "error_feedback": True}

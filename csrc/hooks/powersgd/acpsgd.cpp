@@ -1,0 +1,203 @@
+#include "acpsgd.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <utility>
+
+#include "../../reducer/message.h"
+#include "../../reducer/profile_range.h"
+#include "../common/registry.h"
+#include "../common/side_stream.h"
+#include "lowrank.h"
+#include "powersgd_options.h"
+
+namespace fastddp {
+
+AcpSgdHook::AcpSgdHook(c10::intrusive_ptr<c10d::ProcessGroup> group, PowerSGDOptions options,
+                       NumpyRandomState rng)
+    : PowerSGDBase(std::move(group), options, rng, "acpsgd") {
+  // The factors are views of one matrix's stacked P and Q per slot: batching
+  // same-shape matrices would stack copies (Note [powersgd]) for no gain here.
+  FASTDDP_CHECK_VALUE(!options_.batch_tensors_with_same_shape,
+                      "fastddp acpsgd: batch_tensors_with_same_shape is not supported");
+  FASTDDP_CHECK_VALUE(options_.use_error_feedback && options_.warm_start,
+                      "fastddp acpsgd: error feedback and warm start are the algorithm's own "
+                      "(use_error_feedback and warm_start must stay True)");
+}
+
+bool AcpSgdHook::even_step() const {
+  return (iter_.load() - options_.start_powerSGD_iter) % 2 == 0;
+}
+
+int64_t AcpSgdHook::wire_bytes(const Bucket& bucket) const {
+  if (iter_.load() < options_.start_powerSGD_iter) return bucket.bytes();
+  const PowerSGDPlan plan = plan_powersgd(bucket, options_);
+  return (plan.uncompressed_numel + (even_step() ? plan.p_numel : plan.q_numel)) *
+         static_cast<int64_t>(bucket.flat.element_size());
+}
+
+std::shared_ptr<PipelinedHook::Stage> AcpSgdHook::start(
+    Bucket& bucket, size_t index, bool is_last, c10::intrusive_ptr<c10::ivalue::Future>& done) {
+  if (!step_open_) {
+    settle_last_step();
+    step_open_ = true;
+    iter_at_open_ = iter_.load();
+  }
+  done = maybe_vanilla(bucket, is_last);
+  if (done) {
+    note_launch(index, "allreduce of the bucket (before start_powerSGD_iter)");
+    return nullptr;
+  }
+  FASTDDP_PROFILE_RANGE("fastddp launch (acpsgd)");
+  const PowerSGDPlan plan = plan_powersgd(bucket, options_);
+  bool randomize = false;
+  std::shared_ptr<BucketState> state = bucket_state(bucket, index, plan, randomize);
+  BucketState& s = *state;
+  const bool p_turn = !s.has_factors || even_step();
+  s.has_factors = true;
+  {
+    const int64_t size = bucket.flat.element_size();
+    const int64_t after = plan.uncompressed_numel + (p_turn ? plan.p_numel : plan.q_numel);
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.add_bucket(plan.numel_before, after, plan.numel_before * size, after * size, index,
+                      is_last, iter_.load());
+  }
+  const at::Tensor input = bucket.flat;
+  at::add_out(s.source, input, s.error);  // M = gradient + error
+  at::Tensor p_memory = s.wire_p.narrow(0, plan.uncompressed_numel, plan.p_numel);
+  at::Tensor q_memory = s.wire_q.narrow(0, plan.uncompressed_numel, plan.q_numel);
+  PowerSGDWork work = make_powersgd_work(plan, options_, s.source, input, p_memory, q_memory);
+  if (randomize) {
+    std::vector<at::Tensor> qs;
+    for (PowerSGDBatch& b : work.batches) qs.push_back(b.q);
+    draw_random_q(qs);
+  }
+  const double eps = options_.orthogonalization_epsilon;
+  if (p_turn) {
+    for (at::Tensor& q : work.q_groups) powersgd_orthogonalize(q, eps);
+    for (PowerSGDBatch& b : work.batches) lowrank_project(b.matrices, b.q, b.p);  // P = M Q
+  } else {
+    for (at::Tensor& p : work.p_groups) powersgd_orthogonalize(p, eps);
+    for (PowerSGDBatch& b : work.batches) lowrank_back_project(b.matrices, b.p, b.q);  // Q = M^T P
+  }
+  // error = M - P Q^T with this rank's factor, in one pass; P Q^T lands in the
+  // bucket, which the reduced factor overwrites in decompress().
+  for (PowerSGDBatch& b : work.batches) {
+    at::Tensor error = s.error.narrow(0, b.offset, b.out.numel()).view_as(b.out);
+    lowrank_expand(b.p, b.q, b.out, b.matrices, error);
+  }
+  const at::Tensor wire = p_turn ? s.wire_p : s.wire_q;
+  if (!plan.uncompressed.empty()) {
+    std::vector<at::Tensor> slices;
+    slices.reserve(plan.uncompressed.size());
+    for (size_t k : plan.uncompressed) {
+      slices.push_back(s.source.narrow(0, bucket.offsets[k], bucket.numels[k]));
+    }
+    at::Tensor head = wire.narrow(0, 0, plan.uncompressed_numel);
+    at::cat_out(head, slices);
+  }
+  note_launch(index, p_turn ? "allreduce of ACP-SGD's P" : "allreduce of ACP-SGD's Q");
+  auto reduced = allreduce(wire);
+  if (is_last) ++iter_;
+  done = make_result(input);
+  complete_after(reduced, done, p_turn ? "allreduce of P" : "allreduce of Q",
+                 [this, state, batches = std::move(work.batches),
+                  uncompressed = plan.uncompressed, input, wire,
+                  head = plan.uncompressed_numel]() mutable {
+                   return decompress(*state, batches, uncompressed, input, wire, head);
+                 });
+  return nullptr;
+}
+
+void AcpSgdHook::after_step(const at::Tensor& kept) {
+  if (!step_open_) {  // a second word on a step (a failure after the end of backward)
+    if (kept.defined() && settle_pending_) last_kept_ = kept.cpu();
+    return;
+  }
+  step_open_ = false;
+  settle_pending_ = true;
+  last_iter_at_open_ = iter_at_open_;
+  last_created_ = std::move(created_);
+  created_.clear();
+  kept_ready_.reset();
+  if (!kept.defined() || kept.is_cpu()) {
+    last_kept_ = kept.defined() ? kept.clone() : at::Tensor();
+    return;
+  }
+  // Queued behind the choice on the compute stream; read at the next step.
+  last_kept_ = at::empty({}, kept.options().device(at::kCPU).pinned_memory(true));
+  last_kept_.copy_(kept, /*non_blocking=*/true);
+  kept_ready_.emplace(kept.device().type());
+  const c10::impl::VirtualGuardImpl impl(kept.device().type());
+  kept_ready_->record(impl.getStream(kept.device()));
+}
+
+void AcpSgdHook::settle_last_step() {
+  if (!settle_pending_) return;
+  settle_pending_ = false;
+  if (!last_kept_.defined()) return;
+  if (kept_ready_) kept_ready_->synchronize();  // queued at the end of the last backward
+  if (last_kept_.item<bool>()) return;
+  // Put back: as if the step had not been (its turn, and the buckets it created).
+  iter_.store(last_iter_at_open_);
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (size_t b : last_created_) states_.erase(b);
+}
+
+void AcpSgdHook::finish(Stage& stage) {
+  (void)stage;
+  FASTDDP_CHECK(false, "fastddp acpsgd: a bucket has one collective, no second stage");
+}
+
+c10::IValue AcpSgdHook::decompress(BucketState& state, std::vector<PowerSGDBatch>& batches,
+                                   const std::vector<size_t>& uncompressed,
+                                   const at::Tensor& input, const at::Tensor& wire,
+                                   int64_t uncompressed_numel) {
+  FASTDDP_PROFILE_RANGE("fastddp decompress (acpsgd)");
+  if (!uncompressed.empty()) {
+    at::Tensor head = wire.narrow(0, 0, uncompressed_numel);
+    head.div_(world_size_);
+    std::vector<at::Tensor> srcs, dsts;
+    int64_t at_elem = 0;
+    for (size_t k : uncompressed) {
+      const int64_t numel = state.numels[k];
+      dsts.push_back(input.narrow(0, state.offsets[k], numel));
+      srcs.push_back(head.narrow(0, at_elem, numel));
+      at_elem += numel;
+    }
+    at::_foreach_copy_(dsts, srcs);
+  }
+  // The reduced factor is a sum: the mean gradient is P Q^T / world size (the
+  // factor itself stays a sum, as the next step orthogonalizes it).
+  for (PowerSGDBatch& b : batches) {
+    lowrank_expand(b.p, b.q, b.out);
+    b.out.div_(world_size_);
+  }
+  // This callback's kernels run on the collective's stream (Note [hook streams]).
+  record_current_stream({wire, input, state.source, state.error, state.wire_p, state.wire_q});
+  return c10::IValue(input);
+}
+
+void AcpSgdHook::bucket_step_state(std::vector<at::Tensor>& into) const {
+  for (const auto& [index, state] : states_) {
+    into.push_back(state->error);
+    into.push_back(state->wire_p);
+    into.push_back(state->wire_q);
+  }
+}
+
+namespace {
+
+std::shared_ptr<CommHook> make_acpsgd(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                      const HookOptions& o) {
+  PowerSGDConfig config = parse_powersgd_options(o, "acpsgd");
+  return std::make_shared<AcpSgdHook>(group, config.options, config.rng);
+}
+
+}  // namespace
+
+FASTDDP_REGISTER_COMM_HOOK("acpsgd", make_acpsgd);
+
+}  // namespace fastddp
