@@ -1,7 +1,8 @@
 """PowerSGD: fastddp's native hook vs torch's powerSGD_hook, side by side in one run.
 
-    python benchmarks/powersgd.py [--parts abc] [--scale 0.25] [--blocks 24] [--rank 4]
+    python benchmarks/powersgd.py [--parts abcd] [--scale 0.25] [--blocks 24] [--rank 4]
         [--bucket-cap-mb 8] [--world 1] [--rounds 10] [--block 2] [--batch 4] [--device cpu]
+        [--link 1GB/s]
 
 Parameters are shaped as ViT-L/32's (patch embed 1024x3x32x32, 24 blocks of qkv 3072x1024,
 proj 1024x1024, fc1 4096x1024, fc2 1024x4096, layernorms and biases, class token,
@@ -21,6 +22,8 @@ position embedding, 1000-class head), hidden and MLP widths times --scale (0.25 
     torch's hook with one bucket (torch's advice for PowerSGD).
 (c) Compression: fastddp's ``comm_stats()`` bytes reduced / sent per step, and torch's
     ``PowerSGDState.compression_stats()``.
+(d) ACP-SGD (``fastddp.hooks.acpsgd``) against fastddp's PowerSGD at the same rank and
+    buckets, 2 ranks, both over an emulated --link (fastddp.link.EmulatedLinkGroup).
 
 Every figure is a median over --rounds rounds of --block steps, variants in rotating
 order, rank 0's clock. Spawns gloo ranks on 127.0.0.1 (nccl with --device cuda when there
@@ -46,6 +49,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 import fastddp
 from fastddp import _C
+from fastddp.link import EmulatedLinkGroup
 
 START = 2  # start_powerSGD_iter: torch's minimum with error feedback
 TorchDDP = nn.parallel.DistributedDataParallel
@@ -167,6 +171,38 @@ def part_b(args: argparse.Namespace, base: nn.Module, device: torch.device) -> d
             "buckets": {"fastddp": len(fast.comm_stats()["buckets"])}}
 
 
+def part_d(args: argparse.Namespace, base: nn.Module, device: torch.device) -> dict:
+    """ACP-SGD against fastddp's PowerSGD at the same rank and buckets, both on the emulated
+    --link (EmulatedLinkGroup: each collective takes what that link would make it take)."""
+    group = EmulatedLinkGroup(dist.group.WORLD, args.link)
+    hooks = {f"fastddp powersgd, rank {args.rank}":
+             lambda: fastddp.hooks.powersgd(args.rank, start_powerSGD_iter=START),
+             f"fastddp acpsgd, rank {args.rank}":
+             lambda: fastddp.hooks.acpsgd(args.rank, start_iter=START)}
+    models = {}
+    for name, make in hooks.items():
+        model = fastddp.DistributedDataParallel(copy.deepcopy(base), process_group=group,
+                                                bucket_cap_mb=args.bucket_cap_mb)
+        model.register_comm_hook(None, make())
+        models[name] = model
+    opts = {n: torch.optim.SGD(m.parameters(), lr=1e-3) for n, m in models.items()}
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(args.batch, 3, 64, 64, generator=g).to(device)
+    y = torch.randint(0, 1000, (args.batch,), generator=g).to(device)
+
+    def step(name: str) -> None:
+        opts[name].zero_grad(set_to_none=True)
+        F.cross_entropy(models[name](x), y).backward()
+        opts[name].step()
+
+    fns = {n: (lambda n=n: step(n)) for n in models}
+    for fn in fns.values():
+        for _ in range(START + 2):
+            fn()
+    return {"times": timed(fns, args, _sync(device)),
+            "sent": {n: m.comm_stats()["bytes_sent"] for n, m in models.items()}}
+
+
 def _sync(device: torch.device) -> Callable[[], None]:
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
@@ -182,7 +218,7 @@ def worker(rank: int, world: int, port: int, part: str, args: argparse.Namespace
     dist.init_process_group(backend, rank=rank, world_size=world)
     torch.manual_seed(0)
     base = ViTLike(args.hidden, args.mlp, args.blocks).to(device)
-    out = (part_a if part == "a" else part_b)(args, base, device)
+    out = {"a": part_a, "b": part_b, "d": part_d}[part](args, base, device)
     out["backend"] = backend
     if rank == 0:
         out["numel"] = sum(p.numel() for p in base.parameters())
@@ -208,7 +244,8 @@ def table(times: dict[str, float], ref: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="abc", help="which of (a), (b), (c) to run")
+    parser.add_argument("--parts", default="abc", help="which of (a), (b), (c), (d) to run")
+    parser.add_argument("--link", default="1GB/s", help="(d)'s emulated link")
     parser.add_argument("--scale", type=float, help="width factor (0.25 on CPU, 1 on CUDA)")
     parser.add_argument("--blocks", type=int, default=24)
     parser.add_argument("--rank", type=int, default=4, help="matrix_approximation_rank")
@@ -250,6 +287,13 @@ def main() -> None:
             for name, (rate, before, after) in b["torch_compression"].items():
                 print(f"    {name}: compression_stats() rate {rate:.1f}x "
                       f"({before:.0f} -> {after:.0f} elements, all steps)")
+    if "d" in args.parts:
+        d = spawn("d", 2, args)
+        print(f"(d) training step on an emulated {args.link} link, 2 {d['backend']} ranks, "
+              f"batch {args.batch} per rank; bytes each rank sent in the last step: "
+              + ", ".join(f"{n} {b / 2**20:.3f} MiB" for n, b in d["sent"].items()) + "\n")
+        powersgd_name = next(iter(d["times"]))
+        table(d["times"], powersgd_name)
 
 
 if __name__ == "__main__":
