@@ -132,6 +132,27 @@ def part_a(args: argparse.Namespace, model: nn.Module, device: torch.device) -> 
     return {"times": timed(fns, args, _sync(device)), "buckets": len(native.bucket_plan())}
 
 
+def train_timed(models: dict[str, nn.Module], args: argparse.Namespace,
+                device: torch.device) -> dict[str, float]:
+    """Training steps (SGD, cross-entropy on this rank's fixed images) of every model, past
+    the start of compression, then timed interleaved: median ms per step by name."""
+    opts = {n: torch.optim.SGD(m.parameters(), lr=1e-3) for n, m in models.items()}
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(args.batch, 3, 64, 64, generator=g).to(device)
+    y = torch.randint(0, 1000, (args.batch,), generator=g).to(device)
+
+    def step(name: str) -> None:
+        opts[name].zero_grad(set_to_none=True)
+        F.cross_entropy(models[name](x), y).backward()
+        opts[name].step()
+
+    fns = {n: (lambda n=n: step(n)) for n in models}
+    for fn in fns.values():
+        for _ in range(START + 2):
+            fn()
+    return timed(fns, args, _sync(device))
+
+
 def part_b(args: argparse.Namespace, base: nn.Module, device: torch.device) -> dict:
     one_bucket_mb = sum(p.numel() * p.element_size() for p in base.parameters()) / 2**20 + 1
     models: dict[str, nn.Module] = {}
@@ -151,21 +172,7 @@ def part_b(args: argparse.Namespace, base: nn.Module, device: torch.device) -> d
                                           start_powerSGD_iter=START)
         model.register_comm_hook(states[name], hook)
         models[name] = model
-    opts = {n: torch.optim.SGD(m.parameters(), lr=1e-3) for n, m in models.items()}
-    g = torch.Generator().manual_seed(dist.get_rank())
-    x = torch.randn(args.batch, 3, 64, 64, generator=g).to(device)
-    y = torch.randint(0, 1000, (args.batch,), generator=g).to(device)
-
-    def step(name: str) -> None:
-        opts[name].zero_grad(set_to_none=True)
-        F.cross_entropy(models[name](x), y).backward()
-        opts[name].step()
-
-    fns = {n: (lambda n=n: step(n)) for n in models}
-    for fn in fns.values():
-        for _ in range(START + 2):
-            fn()
-    times = timed(fns, args, _sync(device))
+    times = train_timed(models, args, device)
     torch_stats = {n: s.compression_stats() for n, s in states.items()}
     return {"times": times, "comm": fast.comm_stats(), "torch_compression": torch_stats,
             "buckets": {"fastddp": len(fast.comm_stats()["buckets"])}}
@@ -185,21 +192,7 @@ def part_d(args: argparse.Namespace, base: nn.Module, device: torch.device) -> d
                                                 bucket_cap_mb=args.bucket_cap_mb)
         model.register_comm_hook(None, make())
         models[name] = model
-    opts = {n: torch.optim.SGD(m.parameters(), lr=1e-3) for n, m in models.items()}
-    g = torch.Generator().manual_seed(dist.get_rank())
-    x = torch.randn(args.batch, 3, 64, 64, generator=g).to(device)
-    y = torch.randint(0, 1000, (args.batch,), generator=g).to(device)
-
-    def step(name: str) -> None:
-        opts[name].zero_grad(set_to_none=True)
-        F.cross_entropy(models[name](x), y).backward()
-        opts[name].step()
-
-    fns = {n: (lambda n=n: step(n)) for n in models}
-    for fn in fns.values():
-        for _ in range(START + 2):
-            fn()
-    return {"times": timed(fns, args, _sync(device)),
+    return {"times": train_timed(models, args, device),
             "sent": {n: m.comm_stats()["bytes_sent"] for n, m in models.items()}}
 
 

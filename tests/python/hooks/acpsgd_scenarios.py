@@ -161,18 +161,12 @@ def resume(cut: int = 5, steps: int = 9, load_hook_state: bool = True) -> dict:
     uninterrupted run, and the state's keys."""
     import io
 
+    from powersgd_state_scenarios import _train as train
+
     def make(module):
         ddp = fastddp.DistributedDataParallel(module, bucket_cap_mb=0.002)
         ddp.register_comm_hook(None, fastddp.hooks.acpsgd(2, start_iter=2))
         return ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-
-    def train(model, opt, steps_range, grads):
-        for step in steps_range:
-            inputs, target = batch(step)
-            opt.zero_grad()
-            F.mse_loss(model(inputs), target).backward()
-            grads[step] = [p.grad.clone() for p in model.parameters()]
-            opt.step()
 
     torch.manual_seed(0)
     model, opt = make(Mixed())
