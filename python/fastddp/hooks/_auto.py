@@ -2,7 +2,8 @@
 checked) and the names of the configurations it chooses among, which the tuner
 (fastddp/tuning/auto.py, Note [auto tuning]) and ``--advise`` (fastddp/tuning/advise.py)
 share: ``allreduce_fp32`` and its bucket-cap variants (``allreduce_fp32@16MB``), ``bf16``,
-``bf16_fp32_accumulate``, ``int8``, ``fp8``, ``powersgd_r<rank>``, ``hier_<inner>``."""
+``bf16_fp32_accumulate``, ``int8``, ``fp8``, ``powersgd_r<rank>``, ``acpsgd_r<rank>``,
+``hier_<inner>``."""
 
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,8 @@ LOSSLESS = "allreduce_fp32"
 BF16 = ("bf16", "bf16_fp32_accumulate")
 QUANT8 = ("int8", "fp8")
 POWERSGD = tuple(f"powersgd_r{r}" for r in (1, 2, 4, 8))
+ACPSGD = tuple(f"acpsgd_r{r}" for r in (1, 2, 4, 8))
+LOW_RANK = POWERSGD + ACPSGD  # start compressing after a few plain steps
 HIER = tuple(f"hier_{inner}" for inner in HIER_INNERS)
 HIER_16 = HIER[:2]  # fp32 or bf16 between the nodes: the bf16 policy's
 CAP_FACTORS = (0.25, 4.0)
@@ -70,7 +73,7 @@ class AutoHook:
         if self.policy in ("bf16", "any"):
             names += BF16
         if self.policy == "any":
-            names += QUANT8 + POWERSGD
+            names += QUANT8 + POWERSGD + ACPSGD
         if hierarchical and self.policy != "lossless":
             names += HIER if self.policy == "any" else HIER_16
         return names

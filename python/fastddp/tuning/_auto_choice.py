@@ -18,7 +18,7 @@ def family(name: str) -> str:
         return "bucket size"
     if name in HIER:
         return "hierarchical"
-    return "bf16" if name in BF16 else "8-bit" if name in QUANT8 else "powersgd"
+    return "bf16" if name in BF16 else "8-bit" if name in QUANT8 else "low-rank"  # PowerSGD, ACP
 
 
 def training_link(probed: Link, samples: list[dict[str, Any]], n: int) -> Link:

@@ -45,6 +45,7 @@ MAX_SAMPLES = 10
 HOOK_SPELLING = {"allreduce_fp32": "", "bf16": "bf16", "bf16_fp32_accumulate": "bf16-fp32acc",
                  "int8": "int8", "fp8": "fp8",
                  **{f"powersgd_r{r}": f"powersgd:{r}" for r in (1, 2, 4, 8)},
+                 **{f"acpsgd_r{r}": f"acpsgd:{r}" for r in (1, 2, 4, 8)},
                  "hier_allreduce_fp32": "hier:none", "hier_bf16": "hier:bf16",
                  "hier_int8": "hier:int8"}
 _MIB = 1024 * 1024
@@ -157,6 +158,13 @@ def kernel_costs(shapes: Sequence[tuple[int, ...]], device: str) -> dict[str, di
             "compress_ms_per_mb": _time_ms(lambda: error.add_(m), dev) / mb,
             "between_ms_per_mb": _time_ms(between, dev) / mb,
             "writeback_ms_per_mb": _time_ms(lambda p=p, q=q: p @ q.t(), dev) / mb}
+        # ACP-SGD: one orthogonalization and one product per step, all before its one
+        # collective; about half of PowerSGD's work between its two.
+        low_rank = costs[f"powersgd_r{r}"]
+        costs[f"acpsgd_r{r}"] = {
+            "compress_ms_per_mb": low_rank["compress_ms_per_mb"]
+            + low_rank["between_ms_per_mb"] / 2,
+            "writeback_ms_per_mb": low_rank["writeback_ms_per_mb"]}
     return costs
 
 
@@ -183,7 +191,8 @@ def _candidates(costs: dict[str, dict[str, float]], local_size: int | None = Non
             cost_model.bf16(**costs["bf16"]),
             cost_model.bf16_fp32_accumulate(**costs["bf16_fp32_accumulate"]),
             *(cost_model.quant8(name, **costs[name]) for name in _QUANT8_FORMATS),
-            *(cost_model.powersgd(r, **costs[f"powersgd_r{r}"]) for r in (1, 2, 4, 8))]
+            *(cost_model.powersgd(r, **costs[f"powersgd_r{r}"]) for r in (1, 2, 4, 8)),
+            *(cost_model.acpsgd(r, **costs[f"acpsgd_r{r}"]) for r in (1, 2, 4, 8))]
     if local_size is None:
         return flat
     inners = {c.name: c for c in flat}
@@ -199,6 +208,8 @@ def current_candidate(hook_spec: Any, hook_name: str) -> str | None:
         return "allreduce_fp32"
     if hook_spec.name == "powersgd":
         return f"powersgd_r{hook_spec.rank or 1}"
+    if hook_spec.name == "acpsgd":
+        return f"acpsgd_r{hook_spec.rank or 4}"
     if hook_spec.name == "fp8" and hook_spec.format not in (None, "e4m3"):
         return None  # modelled as e4m3; e5m2 costs the same bytes
     return {"bf16": "bf16", "bf16-fp32acc": "bf16_fp32_accumulate", "int8": "int8",

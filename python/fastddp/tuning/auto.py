@@ -67,7 +67,7 @@ import torch.distributed as dist
 
 from fastddp import hooks
 from fastddp.hooks import _hierarchical
-from fastddp.hooks._auto import BF16, HIER, LOSSLESS, POWERSGD, AutoHook, lossy
+from fastddp.hooks._auto import BF16, HIER, LOSSLESS, LOW_RANK, AutoHook, lossy
 from fastddp.link.emulator import EmulatedLinkGroup
 from fastddp.link.model import Link, bus_factor
 from fastddp.tuning import advise
@@ -98,6 +98,8 @@ def hook_for(name: str, groups: tuple | None = None) -> Any:
         return hooks.int8()
     if name == "fp8":
         return hooks.fp8()
+    if name.startswith("acpsgd_r"):
+        return hooks.acpsgd(int(name.removeprefix("acpsgd_r")), start_iter=_POWERSGD_START_ITER)
     rank = int(name.removeprefix("powersgd_r"))
     return hooks.powersgd(matrix_approximation_rank=rank,
                           start_powerSGD_iter=_POWERSGD_START_ITER)
@@ -303,7 +305,7 @@ class AutoTuner:
         self._last = (id(self.ddp._reducer), self.ddp.comm_stats()["steps"], time.perf_counter())
         # After a rebuild, the first step runs on the not yet reordered buckets.
         self._skip = _SWITCH_WARMUP + (1 if rebuilt else 0) + (
-            _POWERSGD_START_ITER if first and name in POWERSGD else 0)
+            _POWERSGD_START_ITER if first and name in LOW_RANK else 0)
 
     def _broadcast(self, values: list[int]) -> list[int]:
         """Rank 0's ``values`` on every rank (one small broadcast on the model's group)."""

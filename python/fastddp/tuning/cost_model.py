@@ -41,6 +41,8 @@ Wire bytes per bucket of S fp32 bytes (numel = S/4):
   of the compressed ones. fastddp sends U and P in one allreduce, then Q: two allreduces
   (U + P, Q); torch's hook sends three (U, P, Q): ``separate_uncompressed=True``. Steady
   state: the first ``start_powerSGD_iter`` plain steps are not modelled.
+- ``acpsgd(r)``: the same matrices; one allreduce per bucket, of U + P on one step and U + Q
+  on the next: modelled as one allreduce of U + (P + Q) / 2.
 
 Hierarchical reduction (:func:`hierarchical`, two links): the chain's collectives name
 the link they use. The bucket of S bytes, padded to P elements (a multiple of n), is
@@ -64,6 +66,7 @@ Pure arithmetic on plain numbers, tested with hand-computed cases; ``launch/repo
 import heapq
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 from dataclasses import dataclass, field
 
 from fastddp.link.model import Link, bus_factor
@@ -160,26 +163,39 @@ def quant8(name: str = "int8", **costs: float) -> Candidate:
     return Candidate(name, chain, **costs)
 
 
+def _low_rank_split(bucket: Bucket, rank: int, min_compression_rate: float,
+                    name: str) -> tuple[int, int, int]:
+    """(uncompressed numel, P numel, Q numel) of a bucket under PowerSGD's rule (shared by
+    ACP-SGD): an (n, m) view is compressed at r = min(rank, n, m) when (n + m) r times
+    min_compression_rate < n m."""
+    if bucket.shapes is None:
+        raise ValueError(f"{name}({rank}): a Bucket needs its tensors' shapes")
+    plain = p = q = 0
+    for shape in bucket.shapes:
+        numel = math.prod(shape)
+        rows = shape[0] if len(shape) > 1 else 0
+        cols = numel // rows if rows else 0
+        k = min(rank, rows, cols)
+        if rows and (rows + cols) * k * min_compression_rate < rows * cols:
+            p, q = p + rows * k, q + cols * k
+        else:
+            plain += numel
+    return plain, p, q
+
+
+def _check_rank(name: str, rank: Any) -> None:
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"{name}: rank must be a positive int, got {rank!r}")
+
+
 def powersgd(rank: int, min_compression_rate: float = 2.0, separate_uncompressed: bool = False,
              **costs: float) -> Candidate:
     """PowerSGD of ``rank``: per bucket, allreduces of U + P then Q (fastddp), or of U, P
     and Q with ``separate_uncompressed`` (torch's hook)."""
-    if not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"powersgd: rank must be a positive int, got {rank!r}")
+    _check_rank("powersgd", rank)
 
     def chain(bucket: Bucket, n: int) -> list[tuple[str, float]]:
-        if bucket.shapes is None:
-            raise ValueError(f"powersgd({rank}): a Bucket needs its tensors' shapes")
-        plain = p = q = 0
-        for shape in bucket.shapes:
-            numel = math.prod(shape)
-            rows = shape[0] if len(shape) > 1 else 0
-            cols = numel // rows if rows else 0
-            k = min(rank, rows, cols)
-            if rows and (rows + cols) * k * min_compression_rate < rows * cols:
-                p, q = p + rows * k, q + cols * k
-            else:
-                plain += numel
+        plain, p, q = _low_rank_split(bucket, rank, min_compression_rate, "powersgd")
         if not p:
             return [("allreduce", 4.0 * plain)] if plain else []
         if separate_uncompressed:
@@ -187,6 +203,19 @@ def powersgd(rank: int, min_compression_rate: float = 2.0, separate_uncompressed
             return head + [("allreduce", 4.0 * p), ("allreduce", 4.0 * q)]
         return [("allreduce", 4.0 * (plain + p)), ("allreduce", 4.0 * q)]
     return Candidate(f"powersgd_r{rank}", chain, **costs)
+
+
+def acpsgd(rank: int, min_compression_rate: float = 2.0, **costs: float) -> Candidate:
+    """ACP-SGD of ``rank`` (Note [acpsgd]): per bucket one allreduce of U + P on even steps,
+    U + Q on odd ones, modelled as their mean; its local work is all before the collective
+    (``compress``), none between collectives."""
+    _check_rank("acpsgd", rank)
+
+    def chain(bucket: Bucket, n: int) -> list[tuple[str, float]]:
+        plain, p, q = _low_rank_split(bucket, rank, min_compression_rate, "acpsgd")
+        numel = plain + (p + q) / 2
+        return [("allreduce", 4.0 * numel)] if numel else []
+    return Candidate(f"acpsgd_r{rank}", chain, **costs)
 
 
 def hierarchical(inner: Candidate, local_size: int, sum_ms_per_mb: float = 0.0) -> Candidate:

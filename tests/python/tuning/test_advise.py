@@ -26,7 +26,8 @@ from sleep_model import GRAD_BYTES
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_wide.py"
 PACKAGE_DIR = Path(fastddp.__file__).resolve().parents[1]
 CANDIDATES = ("allreduce_fp32", "bf16", "bf16_fp32_accumulate", "int8", "fp8", "powersgd_r1",
-              "powersgd_r2", "powersgd_r4", "powersgd_r8")
+              "powersgd_r2", "powersgd_r4", "powersgd_r8", "acpsgd_r1", "acpsgd_r2", "acpsgd_r4",
+              "acpsgd_r8")
 # train_wide.py --backward-sleep-ms: a 10 ms backward, which the first two buckets'
 # collectives overlap (sleep_model.py).
 SLEEP = ["--backward-sleep-ms", "10"]
@@ -149,7 +150,8 @@ def _sample(step_ms: float, ready_ms: float, exposed_ms: float) -> dict:
 def test_advise_by_hand() -> None:
     """One 4 MB bucket ready at 2 ms, 3 ms exposed, 10 ms steps: the rest of the step is
     10 - 2 - 3 = 5 ms. At 1GB/s, n=2: allreduce 4 ms -> 5 + 2 + 4 = 11 ms; bf16 2 ms ->
-    9 ms; PowerSGD rank 1: (1000 + 1000) * 4 bytes -> 5 + 2 + 0.008 ms (kernels free)."""
+    9 ms; PowerSGD rank 1: (1000 + 1000) * 4 bytes -> 5 + 2 + 0.008 ms (kernels free);
+    ACP-SGD rank 1: one allreduce of (1000 + 1000) / 2 * 4 bytes -> 5 + 2 + 0.004 ms."""
     costs = {name: {} for name in CANDIDATES}
     samples = [_sample(10.0, 2.0, 3.0), _sample(12.0, 2.0, 3.0), _sample(10.0, 2.0, 3.0)]
     result = advise.advise(samples, Link(bus_gbs=1.0), "allreduce_fp32", costs)
@@ -159,8 +161,9 @@ def test_advise_by_hand() -> None:
     assert math.isclose(rows["allreduce_fp32"]["measured_step_ms"], 10.0)
     assert math.isclose(rows["bf16"]["predicted_step_ms"], 9.0)
     assert math.isclose(rows["powersgd_r1"]["predicted_step_ms"], 7.008)
+    assert math.isclose(rows["acpsgd_r1"]["predicted_step_ms"], 7.004)
     assert math.isclose(rows["allreduce_fp32"]["compute_to_comm"], 7.0 / 4.0)
-    assert result["best"] == "powersgd_r1" and result["best_hook"] == "powersgd:1"
+    assert result["best"] == "acpsgd_r1" and result["best_hook"] == "acpsgd:1"
     assert result["link_source"] == "--emulate-link"
     # Without a link, the one estimated from the samples: 4e6 bytes in 3 ms, 3 digits.
     estimated = advise.advise(samples, None, None, costs)

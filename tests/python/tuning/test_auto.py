@@ -155,7 +155,7 @@ def test_policies_name_their_candidates() -> None:
     anything = auto.AutoHook("any").candidates(4.0)
     assert anything[:5] == auto.AutoHook("bf16").candidates(4.0)
     assert anything[5:7] == ["int8", "fp8"]
-    assert anything[7:] == [f"powersgd_r{r}" for r in (1, 2, 4, 8)]
+    assert anything[7:] == [f"{h}_r{r}" for h in ("powersgd", "acpsgd") for r in (1, 2, 4, 8)]
     assert not any(auto.lossy(n) for n in lossless)
     assert all(auto.lossy(n) for n in anything[3:])
     # Several nodes (Note [auto on several nodes]): hierarchical reduction, never lossless.
@@ -163,9 +163,11 @@ def test_policies_name_their_candidates() -> None:
     assert auto.AutoHook("bf16").candidates(4.0, hierarchical=True)[5:] == [
         "hier_allreduce_fp32", "hier_bf16"]
     multi = auto.AutoHook("any").candidates(4.0, hierarchical=True)
-    assert multi[:11] == anything and multi[11:] == [
+    assert multi[:15] == anything and multi[15:] == [
         "hier_allreduce_fp32", "hier_bf16", "hier_int8"]
-    assert all(auto.lossy(n) for n in multi[11:])
+    assert all(auto.lossy(n) for n in multi[15:])
+    assert auto.hook_for("acpsgd_r2").name == "acpsgd"
+    assert auto.hook_for("acpsgd_r2").options["matrix_approximation_rank"] == 2
     with pytest.raises(ValueError, match="groups"):
         auto.hook_for("hier_bf16")
 
