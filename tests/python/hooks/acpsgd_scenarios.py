@@ -65,8 +65,9 @@ class Reference:
             for group in groups.values():
                 for name in group:
                     n, m, r = self.shape(name)
-                    self.q[name] = torch.randn((m, r), generator=gen)
-                    self.error[name] = torch.zeros(n, m)
+                    device = self.params[name].device  # drawn on the CPU, as the hook does
+                    self.q[name] = torch.randn((m, r), generator=gen).to(device)
+                    self.error[name] = torch.zeros(n, m, device=device)
 
     def grads(self) -> dict[str, torch.Tensor]:
         world = dist.get_world_size()
@@ -109,19 +110,23 @@ class Reference:
         return out
 
 
-def against_reference(rank: int = 2, start: int = 2, steps: int = 8) -> int:
+def against_reference(rank: int = 2, start: int = 2, steps: int = 8, device: str = "cpu") -> int:
     """fastddp's acpsgd and the reference from the same weights on the same batches, SGD
     steps with the reference's gradients on both; grads compared after every backward.
-    Returns how many parameters were compressed."""
+    Returns how many parameters were compressed. On CUDA (one GPU, NCCL at world size 1:
+    registering the hook builds the reducer) the hook's bmm, orthogonalization kernels and
+    streams run against the same torch ops on the GPU."""
     torch.manual_seed(0)
-    base = Mixed()
-    fast = fastddp.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.002)
+    base = Mixed().to(device)
+    ids = [torch.cuda.current_device()] if device == "cuda" else None
+    fast = fastddp.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.002,
+                                           device_ids=ids)
     fast.register_comm_hook(None, fastddp.hooks.acpsgd(rank, start_iter=start))
     local = copy.deepcopy(base)
     ref = None
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (fast, local)]
     for step in range(steps):
-        inputs, target = batch(step)
+        inputs, target = (t.to(device) for t in batch(step))
         for model, opt in zip((fast, local), opts):
             opt.zero_grad()
             F.mse_loss(model(inputs), target).backward()

@@ -4,6 +4,7 @@
 import pytest
 
 import acpsgd_scenarios
+from harness import World
 
 
 @pytest.mark.parametrize("rank", [1, 2, 4])
@@ -60,3 +61,16 @@ def test_arguments_and_the_launcher_option():
         parse_hook_spec("acpsgd:0")
     with pytest.raises(HookUnavailableError, match="stock torch DDP has no acpsgd"):
         torch_hook(HookSpec("acpsgd"))
+
+
+@pytest.mark.gpu
+def test_matches_the_algorithm_on_cuda():
+    # One GPU over NCCL: the hook's CUDA path (bmm, the fused orthogonalization, the
+    # collective's stream) against the same torch ops on the GPU; rank 4 takes QR.
+    world = World(1, backend="nccl")
+    try:
+        for rank in (1, 4):
+            assert world.check(acpsgd_scenarios.against_reference, rank=rank,
+                               device="cuda")[0] >= 3
+    finally:
+        world.close()
