@@ -1,0 +1,189 @@
+"""Compression quality on real data: which hook trains as well as plain allreduce, what it
+sends, and how soon it gets there on a slow link. Side by side in one run.
+
+    python benchmarks/quality.py [--nproc 4] [--tasks digits,text] [--steps 300]
+        [--eval-every 25] [--links 1GB/s,10GB/s] [--configs NAME,...] [--quick]
+
+Tasks (benchmarks/quality_tasks.py): scikit-learn's handwritten digits (a small CNN, held-out
+accuracy) and the source of Python's standard library (a character-level transformer,
+held-out bits per character). Every configuration trains the same model from the same seed
+on the same per-rank batches for --steps steps on --nproc gloo ranks, one intra-op thread
+each, and is scored on the held-out split every --eval-every steps.
+
+Reported per task and configuration: the final score and its difference from fp32
+allreduce's and from torch's bf16 hook's (the 16-bit baseline "Beyond Throughput and
+Compression Ratios" recommends), the bytes one rank sends per step (fastddp's comm_stats();
+"-" for torch DDP), the first evaluated step at which the score is within TOLERANCE of fp32's
+final one, the median step time on each emulated --link (fastddp.link.EmulatedLinkGroup; 8
+timed steps after the warm-up) and their product: the time to fp32's quality on that link.
+--quick: 3 configurations, the text task, 60 steps (the test suite's run).
+"""
+
+import argparse
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import fastddp
+from fastddp.link import EmulatedLinkGroup
+from quality_tasks import task as make_task
+
+START = 10  # the low-rank hooks' plain allreduce steps (PowerSGD's start_powerSGD_iter)
+# Within this of fp32 allreduce's final score counts as its quality: one digit in a hundred
+# held-out images (accuracy), 2% of the bits per character (text).
+TOLERANCE = {"accuracy": 0.01, "bits/char": 0.02}
+H = fastddp.hooks
+CONFIGS = {  # name -> ("fastddp" | "torch", () -> (state, hook) or None)
+    "fp32 allreduce": ("fastddp", lambda: None),
+    "torch bf16_compress_hook": ("torch", lambda: (None, default_hooks.bf16_compress_hook)),
+    "fastddp bf16": ("fastddp", lambda: (None, H.bf16())),
+    "bf16, fp32 sums": ("fastddp", lambda: (None, H.bf16(accumulate="fp32"))),
+    "int8": ("fastddp", lambda: (None, H.int8())),
+    "fp8 e4m3": ("fastddp", lambda: (None, H.fp8())),
+    **{f"powersgd r{r}": ("fastddp", lambda r=r: (None, H.powersgd(r, start_powerSGD_iter=START)))
+       for r in (1, 2, 4)},
+    "torch powerSGD_hook r2": ("torch", lambda: (psgd.PowerSGDState(
+        None, matrix_approximation_rank=2, start_powerSGD_iter=START), psgd.powerSGD_hook)),
+    "batched powersgd r2": ("fastddp", lambda: (None, H.batched_powersgd(
+        2, start_powerSGD_iter=START))),
+    **{f"acpsgd r{r}": ("fastddp", lambda r=r: (None, H.acpsgd(r, start_iter=START)))
+       for r in (1, 2, 4)},
+    "hier bf16 (2x2)": ("fastddp", lambda: (None, H.hierarchical(H.bf16(), local_size=2))),
+    "hier int8 (2x2)": ("fastddp", lambda: (None, H.hierarchical(H.int8(), local_size=2))),
+}
+QUICK = ["fp32 allreduce", "fastddp bf16", "acpsgd r2"]
+
+
+def wrap(config: str, module: torch.nn.Module, group=None) -> torch.nn.Module:
+    """One bucket (the models are small): torch's PowerSGD needs that on gloo."""
+    side, make = CONFIGS[config]
+    ddp = (TorchDDP if side == "torch" else fastddp.DistributedDataParallel)(
+        module, process_group=group)
+    hook = make()
+    if hook is not None:
+        ddp.register_comm_hook(*hook)
+    return ddp
+
+
+def train(t, config: str, steps: int, eval_every: int) -> dict:
+    """Scores every eval_every steps (rank 0's model), and the bytes sent per step."""
+    model = wrap(config, t.make_model())
+    opt = t.optimizer(model.parameters())
+    rank, scores, sent = dist.get_rank(), {}, None
+    for step in range(1, steps + 1):
+        x, y = t.batch(rank, step)
+        opt.zero_grad(set_to_none=True)
+        t.loss(model, x, y).backward()
+        opt.step()
+        if step % eval_every == 0 or step == steps:
+            scores[step] = t.evaluate(model.module)
+    if isinstance(model, fastddp.DistributedDataParallel):
+        sent = model.comm_stats()["bytes_sent"]
+    return {"scores": scores, "sent": sent}
+
+
+def step_ms(t, config: str, link: str, warmup: int = START + 2, timed: int = 8) -> float:
+    model = wrap(config, t.make_model(), EmulatedLinkGroup(dist.group.WORLD, link))
+    opt = t.optimizer(model.parameters())
+    times = []
+    for step in range(warmup + timed):
+        x, y = t.batch(dist.get_rank(), step)
+        dist.barrier()
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        t.loss(model, x, y).backward()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times[warmup:])
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out = {}
+    for name in args.tasks:
+        t = make_task(name)
+        runs = {c: train(t, c, args.steps, args.eval_every) for c in args.configs}
+        times = {c: {link: step_ms(t, c, link) for link in args.links} for c in args.configs}
+        out[name] = {"metric": t.metric, "higher": t.higher_is_better, "runs": runs,
+                     "times": times}
+    if rank == 0:
+        queue.put(out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def reached(scores: dict[int, float], target: float, higher: bool) -> int | None:
+    for step, score in sorted(scores.items()):
+        if (score >= target) if higher else (score <= target):
+            return step
+    return None
+
+
+def report(name: str, r: dict, links: list[str]) -> None:
+    metric, higher = r["metric"], r["higher"]
+    final = {c: run["scores"][max(run["scores"])] for c, run in r["runs"].items()}
+    base = final["fp32 allreduce"]
+    bf16 = final.get("torch bf16_compress_hook")
+    tol = TOLERANCE[metric]
+    target = base - tol if higher else base * (1 + tol)
+    print(f"\n### {name}: held-out {metric} ({'higher' if higher else 'lower'} is better); "
+          f"fp32's quality: {metric} {'>=' if higher else '<='} {target:.4f}\n")
+    cols = " | ".join(f"ms/step, time to it @{link}" for link in links)
+    print(f"| configuration | final | vs fp32 | vs torch bf16 | bytes/step | reaches fp32's "
+          f"quality at step | {cols} |")
+    print("|---|---:|---:|---:|---:|---:|" + "---:|" * len(links))
+    for c, run in r["runs"].items():
+        at = reached(run["scores"], target, higher)
+        vs_bf16 = f"{final[c] - bf16:+.4f}" if bf16 is not None else "-"
+        sent = f"{run['sent']:,}" if run["sent"] is not None else "-"
+        timing = " | ".join(
+            f"{r['times'][c][link]:.1f}, " + (f"{at * r['times'][c][link] / 1e3:.2f} s"
+                                               if at else "never")
+            for link in links)
+        print(f"| {c} | {final[c]:.4f} | {final[c] - base:+.4f} | {vs_bf16} | {sent} | "
+              f"{at if at else 'never'} | {timing} |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--tasks", default="digits,text")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--links", default="1GB/s,10GB/s")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.tasks, args.steps, args.eval_every, args.configs = "text", 60, 20, ",".join(QUICK)
+    args.tasks, args.links = args.tasks.split(","), args.links.split(",")
+    args.configs = args.configs.split(",")
+    unknown = set(args.configs) - set(CONFIGS)
+    if unknown:
+        parser.error(f"unknown configurations {sorted(unknown)}")
+    if args.nproc != 4:
+        args.configs = [c for c in args.configs if "2x2" not in c]  # 2 nodes of 2 ranks
+    print(f"# compression quality: {args.nproc} gloo ranks, {args.steps} steps, torch "
+          f"{torch.__version__}; tasks {', '.join(args.tasks)}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = mp.get_context("spawn").Queue()
+    mp.spawn(worker, args=(args.nproc, port, args, queue), nprocs=args.nproc)
+    results = queue.get()
+    for name in args.tasks:
+        report(name, results[name], args.links)
+
+
+if __name__ == "__main__":
+    main()
