@@ -21,6 +21,7 @@ timed steps after the warm-up) and their product: the time to fp32's quality on 
 
 import argparse
 import os
+import pprint
 import socket
 import statistics
 import time
@@ -45,7 +46,7 @@ CONFIGS = {  # name -> ("fastddp" | "torch", () -> (state, hook) or None)
     "fp32 allreduce": ("fastddp", lambda: None),
     "torch bf16_compress_hook": ("torch", lambda: (None, default_hooks.bf16_compress_hook)),
     "fastddp bf16": ("fastddp", lambda: (None, H.bf16())),
-    "bf16, fp32 sums": ("fastddp", lambda: (None, H.bf16(accumulate="fp32"))),
+    "bf16 fp32-sum": ("fastddp", lambda: (None, H.bf16(accumulate="fp32"))),
     "int8": ("fastddp", lambda: (None, H.int8())),
     "fp8 e4m3": ("fastddp", lambda: (None, H.fp8())),
     **{f"powersgd r{r}": ("fastddp", lambda r=r: (None, H.powersgd(r, start_powerSGD_iter=START)))
@@ -163,6 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--links", default="1GB/s,10GB/s")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--write-table", metavar="PATH",
+                        help="also write the results as the Python module --advise cites "
+                             "(python/fastddp/tuning/quality_table.py)")
     args = parser.parse_args(argv)
     if args.quick:
         args.tasks, args.steps, args.eval_every, args.configs = "text", 60, 20, ",".join(QUICK)
@@ -183,6 +187,30 @@ def main(argv: list[str] | None = None) -> None:
     results = queue.get()
     for name in args.tasks:
         report(name, results[name], args.links)
+    if args.write_table:
+        write_table(args.write_table, results, args)
+
+
+def write_table(path: str, results: dict, args: argparse.Namespace) -> None:
+    """The scores as a Python literal (fastddp.tuning.quality_table), for --advise."""
+    table = {}
+    for name, r in results.items():
+        final = {c: run["scores"][max(run["scores"])] for c, run in r["runs"].items()}
+        base, higher = final["fp32 allreduce"], r["higher"]
+        tol = TOLERANCE[r["metric"]]
+        target = base - tol if higher else base * (1 + tol)
+        table[name] = {"metric": r["metric"], "higher_is_better": higher, "tolerance": tol,
+                       "steps": args.steps, "ranks": args.nproc,
+                       "final": {c: round(v, 4) for c, v in final.items()},
+                       "reaches_fp32_at": {c: reached(run["scores"], target, higher)
+                                           for c, run in r["runs"].items()}}
+    text = ('"""Generated (do not edit) by\n\n'
+            f"    python benchmarks/quality.py --write-table {path}\n\n"
+            "held-out scores of each hook on the two real-data tasks, which --advise cites\n"
+            '(fastddp/tuning/quality.py). The full tables: benchmarks/results/quality.md."""\n\n'
+            f"QUALITY = {pprint.pformat(table, width=96, sort_dicts=False)}\n")
+    with open(path, "w") as f:
+        f.write(text)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import torch
 
 from fastddp.hooks._auto import HIER_INNERS, cap_variant, variant_cap
 from fastddp.link.model import Link, bus_factor
-from fastddp.tuning import cost_model
+from fastddp.tuning import cost_model, quality
 
 WARMUP_STEPS = 3
 MAX_SAMPLES = 10
@@ -271,7 +271,8 @@ def advise(samples: Sequence[dict[str, Any]], link: Link | None, current: str | 
     return {"world_size": world, "link": str(link), "link_source": link_source,
             "steps_sampled": len(samples), "current": current, "measured_step_ms": step_ms,
             "fixed_ms": fixed_ms, "backward_ms": backward_ms, "candidates": rows,
-            "best": rows[0]["candidate"], "best_hook": rows[0]["hook"]}
+            "best": rows[0]["candidate"], "best_hook": rows[0]["hook"],
+            "quality": quality.quality_note(rows[0]["candidate"], shapes)}
 
 
 def format_markdown(advice: dict[str, Any], command: str | None = None) -> str:
@@ -298,6 +299,8 @@ def format_markdown(advice: dict[str, Any], command: str | None = None) -> str:
               f"({'--hook ' + best if best else 'no --hook: the default allreduce'})."]
     if command:
         lines.append(f"Command: `{command}`")
+    if advice.get("quality"):
+        lines.append(advice["quality"])
     if best:
         lines.append("Compression changes the gradients: check the loss curve before keeping it.")
     return "\n".join(lines)

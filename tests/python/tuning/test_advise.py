@@ -164,6 +164,10 @@ def test_advise_by_hand() -> None:
     assert math.isclose(rows["acpsgd_r1"]["predicted_step_ms"], 7.004)
     assert math.isclose(rows["allreduce_fp32"]["compute_to_comm"], 7.0 / 4.0)
     assert result["best"] == "acpsgd_r1" and result["best_hook"] == "acpsgd:1"
+    # A lossy hook: the advice cites its measured quality on the nearest task (a matrix, no
+    # convolution: the text model), also in the printed table.
+    assert result["quality"].startswith("Quality on the nearest measured task (a character")
+    assert result["quality"] in advise.format_markdown(result)
     assert result["link_source"] == "--emulate-link"
     # Without a link, the one estimated from the samples: 4e6 bytes in 3 ms, 3 digits.
     estimated = advise.advise(samples, None, None, costs)
