@@ -89,15 +89,8 @@ std::shared_ptr<PipelinedHook::Stage> AcpSgdHook::start(
     lowrank_expand(b.p, b.q, b.out, b.matrices, error);
   }
   const at::Tensor wire = p_turn ? s.wire_p : s.wire_q;
-  if (!plan.uncompressed.empty()) {
-    std::vector<at::Tensor> slices;
-    slices.reserve(plan.uncompressed.size());
-    for (size_t k : plan.uncompressed) {
-      slices.push_back(s.source.narrow(0, bucket.offsets[k], bucket.numels[k]));
-    }
-    at::Tensor head = wire.narrow(0, 0, plan.uncompressed_numel);
-    at::cat_out(head, slices);
-  }
+  pack_uncompressed(plan.uncompressed, bucket.offsets, bucket.numels, s.source,
+                    wire.narrow(0, 0, plan.uncompressed_numel));
   note_launch(index, p_turn ? "allreduce of ACP-SGD's P" : "allreduce of ACP-SGD's Q");
   auto reduced = allreduce(wire);
   if (is_last) ++iter_;
@@ -156,19 +149,8 @@ c10::IValue AcpSgdHook::decompress(BucketState& state, std::vector<PowerSGDBatch
                                    const at::Tensor& input, const at::Tensor& wire,
                                    int64_t uncompressed_numel) {
   FASTDDP_PROFILE_RANGE("fastddp decompress (acpsgd)");
-  if (!uncompressed.empty()) {
-    at::Tensor head = wire.narrow(0, 0, uncompressed_numel);
-    head.div_(world_size_);
-    std::vector<at::Tensor> srcs, dsts;
-    int64_t at_elem = 0;
-    for (size_t k : uncompressed) {
-      const int64_t numel = state.numels[k];
-      dsts.push_back(input.narrow(0, state.offsets[k], numel));
-      srcs.push_back(head.narrow(0, at_elem, numel));
-      at_elem += numel;
-    }
-    at::_foreach_copy_(dsts, srcs);
-  }
+  unpack_uncompressed(uncompressed, state.offsets, state.numels,
+                      wire.narrow(0, 0, uncompressed_numel), world_size_, input);
   // The reduced factor is a sum: the mean gradient is P Q^T / world size (the
   // factor itself stays a sum, as the next step orthogonalizes it).
   for (PowerSGDBatch& b : batches) {

@@ -81,15 +81,8 @@ std::shared_ptr<PipelinedHook::Stage> PowerSGDHook::start(
   // Orthogonalization is per matrix: one call per same-shape group.
   for (at::Tensor& q : work.q_groups) powersgd_orthogonalize(q, options_.orthogonalization_epsilon);
   for (PowerSGDBatch& b : work.batches) lowrank_project(b.matrices, b.q, b.p);
-  if (!plan.uncompressed.empty()) {
-    std::vector<at::Tensor> slices;
-    slices.reserve(plan.uncompressed.size());
-    for (size_t k : plan.uncompressed) {
-      slices.push_back(source.narrow(0, bucket.offsets[k], bucket.numels[k]));
-    }
-    at::Tensor head = state.wire.narrow(0, 0, plan.uncompressed_numel);
-    at::cat_out(head, slices);
-  }
+  pack_uncompressed(plan.uncompressed, bucket.offsets, bucket.numels, source,
+                    state.wire.narrow(0, 0, plan.uncompressed_numel));
   stage->plan = std::move(plan);
   stage->wire = state.wire;
   stage->p_reduced = allreduce(state.wire);
@@ -105,20 +98,9 @@ void PowerSGDHook::finish(Stage& base) {
   FASTDDP_PROFILE_RANGE("fastddp launch (powersgd Q)");
   const PowerSGDPlan& plan = stage.plan;
   BucketState& state = *stage.state;
-  if (!plan.uncompressed.empty()) {
-    at::Tensor head = stage.wire.narrow(0, 0, plan.uncompressed_numel);
-    head.div_(world_size_);
-    // The reverse of start()'s cat_out: one multi-tensor copy (one launch on CUDA).
-    std::vector<at::Tensor> srcs, dsts;
-    int64_t at_elem = 0;
-    for (size_t k : plan.uncompressed) {
-      const int64_t numel = state.numels[k];
-      dsts.push_back(stage.input.narrow(0, state.offsets[k], numel));
-      srcs.push_back(head.narrow(0, at_elem, numel));
-      at_elem += numel;
-    }
-    at::_foreach_copy_(dsts, srcs);
-  }
+  // The reverse of start()'s pack: one multi-tensor copy (one launch on CUDA).
+  unpack_uncompressed(plan.uncompressed, state.offsets, state.numels,
+                      stage.wire.narrow(0, 0, plan.uncompressed_numel), world_size_, stage.input);
   PowerSGDWork& work = stage.work;
   for (at::Tensor& p : work.p_groups) powersgd_orthogonalize(p, options_.orthogonalization_epsilon);
   for (PowerSGDBatch& b : work.batches) lowrank_back_project(b.matrices, b.p, b.q);

@@ -116,6 +116,31 @@ PowerSGDWork make_powersgd_work(const PowerSGDPlan& plan, const PowerSGDOptions&
   return work;
 }
 
+void pack_uncompressed(const std::vector<size_t>& uncompressed,
+                       const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
+                       const at::Tensor& source, at::Tensor head) {
+  if (uncompressed.empty()) return;
+  std::vector<at::Tensor> slices;
+  slices.reserve(uncompressed.size());
+  for (size_t k : uncompressed) slices.push_back(source.narrow(0, offsets[k], numels[k]));
+  at::cat_out(head, slices);
+}
+
+void unpack_uncompressed(const std::vector<size_t>& uncompressed,
+                         const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
+                         at::Tensor head, int64_t world_size, const at::Tensor& dest) {
+  if (uncompressed.empty()) return;
+  head.div_(world_size);
+  std::vector<at::Tensor> srcs, dsts;
+  int64_t at_elem = 0;
+  for (size_t k : uncompressed) {
+    dsts.push_back(dest.narrow(0, offsets[k], numels[k]));
+    srcs.push_back(head.narrow(0, at_elem, numels[k]));
+    at_elem += numels[k];
+  }
+  at::_foreach_copy_(dsts, srcs);
+}
+
 void powersgd_orthogonalize(at::Tensor& matrices, double epsilon) {
   FASTDDP_CHECK(matrices.dim() == 3 && matrices.size(2) <= matrices.size(1),
                 "fastddp powersgd_orthogonalize: matrices must be (batch, n, r) with r <= n, got ",

@@ -73,6 +73,17 @@ PowerSGDWork make_powersgd_work(const PowerSGDPlan& plan, const PowerSGDOptions&
                                 const at::Tensor& source, const at::Tensor& dest,
                                 const at::Tensor& p_memory, const at::Tensor& q_memory);
 
+// The slots sent as they are (`uncompressed`, of a bucket laid out by `offsets` and
+// `numels`), one after another into `head`: the front of a hook's wire.
+void pack_uncompressed(const std::vector<size_t>& uncompressed,
+                       const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
+                       const at::Tensor& source, at::Tensor head);
+// The reverse, once `head` is reduced (a sum): divided by the world size in place, then
+// into those slots of `dest` in one multi-tensor copy (one launch on CUDA).
+void unpack_uncompressed(const std::vector<size_t>& uncompressed,
+                         const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
+                         at::Tensor head, int64_t world_size, const at::Tensor& dest);
+
 // torch's _orthogonalize on a batch of (n, r) matrices, in place: the fused
 // kernels where they apply (float32/64, small r; r > 2 gives QR's columns up
 // to sign), else torch's ops.
