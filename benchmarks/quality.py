@@ -130,13 +130,19 @@ def reached(scores: dict[int, float], target: float, higher: bool) -> int | None
     return None
 
 
+def finals_and_target(r: dict) -> tuple[dict[str, float], float]:
+    """Each configuration's last score, and fp32's quality: its final score, less the
+    tolerance where higher is better, plus it (relative) where lower is."""
+    final = {c: run["scores"][max(run["scores"])] for c, run in r["runs"].items()}
+    base, tol = final["fp32 allreduce"], TOLERANCE[r["metric"]]
+    return final, (base - tol if r["higher"] else base * (1 + tol))
+
+
 def report(name: str, r: dict, links: list[str]) -> None:
     metric, higher = r["metric"], r["higher"]
-    final = {c: run["scores"][max(run["scores"])] for c, run in r["runs"].items()}
+    final, target = finals_and_target(r)
     base = final["fp32 allreduce"]
     bf16 = final.get("torch bf16_compress_hook")
-    tol = TOLERANCE[metric]
-    target = base - tol if higher else base * (1 + tol)
     print(f"\n### {name}: held-out {metric} ({'higher' if higher else 'lower'} is better); "
           f"fp32's quality: {metric} {'>=' if higher else '<='} {target:.4f}\n")
     cols = " | ".join(f"ms/step, time to it @{link}" for link in links)
@@ -195,11 +201,10 @@ def write_table(path: str, results: dict, args: argparse.Namespace) -> None:
     """The scores as a Python literal (fastddp.tuning.quality_table), for --advise."""
     table = {}
     for name, r in results.items():
-        final = {c: run["scores"][max(run["scores"])] for c, run in r["runs"].items()}
-        base, higher = final["fp32 allreduce"], r["higher"]
-        tol = TOLERANCE[r["metric"]]
-        target = base - tol if higher else base * (1 + tol)
-        table[name] = {"metric": r["metric"], "higher_is_better": higher, "tolerance": tol,
+        final, target = finals_and_target(r)
+        higher = r["higher"]
+        table[name] = {"metric": r["metric"], "higher_is_better": higher,
+                       "tolerance": TOLERANCE[r["metric"]],
                        "steps": args.steps, "ranks": args.nproc,
                        "final": {c: round(v, 4) for c, v in final.items()},
                        "reaches_fp32_at": {c: reached(run["scores"], target, higher)
