@@ -94,7 +94,9 @@ __device__ __forceinline__ uint32_t encode4(const float4 v, float scale, float d
   if (err != nullptr) {
     float e[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) e[k] = __fsub_rn(x[k], __fmul_rn(float_from_quant8_code<F>(c[k]), scale));
+    for (int k = 0; k < 4; ++k) {
+      e[k] = __fsub_rn(x[k], __fmul_rn(float_from_quant8_code<F>(c[k]), scale));
+    }
     *err = make_float4(e[0], e[1], e[2], e[3]);
   }
   // Little-endian: byte k of the word is value k.
@@ -124,8 +126,10 @@ __global__ void quantize_warp_kernel(const float* src, int64_t blocks, uint8_t* 
     const float divisor = quant8_divisor(scale);
     float4* e = err != nullptr ? reinterpret_cast<float4*>(err + b * kWarpBlock) : nullptr;
     uint32_t* c = reinterpret_cast<uint32_t*>(codes + b * kWarpBlock);
-    c[lane] = encode4<F>(lo, scale, divisor, nonfinite, e != nullptr ? e + lane : nullptr);
-    c[lane + 32] = encode4<F>(hi, scale, divisor, nonfinite, e != nullptr ? e + lane + 32 : nullptr);
+    float4* e_lo = e != nullptr ? e + lane : nullptr;
+    float4* e_hi = e != nullptr ? e + lane + 32 : nullptr;
+    c[lane] = encode4<F>(lo, scale, divisor, nonfinite, e_lo);
+    c[lane + 32] = encode4<F>(hi, scale, divisor, nonfinite, e_hi);
   }
 }
 

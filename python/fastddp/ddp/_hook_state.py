@@ -1,8 +1,8 @@
 """A registered comm hook's state for checkpoints, and its compression statistics.
 
 The native PowerSGD hooks keep their error feedback and warm-start Q (and ACP-SGD its P)
-per parameter index (C++); here they are keyed by parameter name, so a checkpoint survives a bucket rebuild, a
-different ``bucket_cap_mb`` and a restart.
+per parameter index (C++); here they are keyed by parameter name, so a checkpoint survives a
+bucket rebuild, a different ``bucket_cap_mb`` and a restart.
 """
 
 from __future__ import annotations
