@@ -88,6 +88,8 @@ py::dict comm_stats_dict(const Reducer& reducer) {
   out["mean_exposed_comm_ms"] =
       stats.timed_steps > 0 ? stats.total_exposed_us / 1e3 / static_cast<double>(stats.timed_steps)
                             : 0.0;
+  out["collectives"] =
+      stats.collectives >= 0 ? py::object(py::int_(stats.collectives)) : py::object(py::none());
   out["buckets"] = buckets;
   return out;
 }

@@ -30,6 +30,12 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
                 names_.size(), " names");
   rank_ = group_->getRank();
   world_size_ = group_->getSize();
+  try {  // gloo and NCCL keep the count; a backend without one raises
+    (void)group_->getSequenceNumberForGroup();
+    counts_collectives_ = true;
+  } catch (const std::exception&) {
+    counts_collectives_ = false;
+  }
 
   std::vector<size_t> seen(params_.size(), 0);
   for (const auto& bucket : plan) {
@@ -161,6 +167,12 @@ void Reducer::reset_iteration() {
   reduced_.clear();
   last_finite_ = at::Tensor();
   step_state_.snapshot(hook_->step_state());
+  collectives_at_start_ = collective_count();
+}
+
+int64_t Reducer::collective_count() const {
+  if (!counts_collectives_) return -1;
+  return static_cast<int64_t>(group_->getSequenceNumberForGroup());
 }
 
 void Reducer::set_divide_factor(int64_t factor) {

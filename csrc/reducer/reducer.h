@@ -173,6 +173,10 @@ struct CommStats {
   double exposed_us = 0;        // last step: last gradient ready -> grads final
   double total_exposed_us = 0;  // over timed_steps steps
   int64_t timed_steps = 0;      // host clock: every step; device: see DeviceTimeline
+  // Last step: the collectives issued on the group from the end of its forward
+  // to the end of its backward, counted by c10d itself (the group's sequence
+  // number, not our own bookkeeping); -1 where the backend keeps no count.
+  int64_t collectives = -1;
 };
 
 class Reducer : public std::enable_shared_from_this<Reducer> {
@@ -392,6 +396,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<int64_t> last_ready_order_;  // introspection
 
   CommStats stats_;
+  // c10d's count of the group's collectives (-1: none kept), read when a
+  // backward is armed and when it ends (CommStats::collectives).
+  int64_t collective_count() const;
+  bool counts_collectives_ = false;
+  int64_t collectives_at_start_ = 0;
   std::unique_ptr<DeviceTimeline> timeline_;  // the same points on the device's clock
   std::unique_ptr<NonFiniteGuard> nonfinite_;  // check_for_nan_in_grad only
   bool drop_hook_state_ = false;  // the failing step was non-finite

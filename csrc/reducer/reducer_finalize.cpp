@@ -55,6 +55,7 @@ void Reducer::finalize_backward() {
                                  .count();
   stats_.exposed_us = std::max(0.0, elapsed_us() - last_ready_us_);
   stats_.total_exposed_us += stats_.exposed_us;
+  stats_.collectives = counts_collectives_ ? collective_count() - collectives_at_start_ : -1;
 }
 
 void Reducer::finish_bucket(size_t b) {

@@ -190,6 +190,31 @@ def comm_stats(dtype_name: str) -> dict:
 
 
 
+def collective_counts(case: str, steps: int = 4) -> list[tuple[int, int | None]]:
+    """Per step after the first two (the second forward rebuilds the buckets and
+    broadcasts the new plan, outside the counted span), the c10d collectives torch's
+    profiler records (torch's own instrumentation of its ops, on every thread) and
+    comm_stats()["collectives"]; then the bucket count as the last item."""
+    from torch.profiler import ProfilerActivity, profile
+    hooks = {"allreduce": None, "bf16": lambda: fastddp.hooks.bf16(),
+             "int8": lambda: fastddp.hooks.int8(),
+             "powersgd": lambda: fastddp.hooks.powersgd(2, start_powerSGD_iter=2),
+             "python hook": lambda: _allreduce, "find_unused_parameters": None}
+    torch.manual_seed(0)
+    fast = fastddp.DistributedDataParallel(
+        mlp(), bucket_cap_mb=0.001, find_unused_parameters=case == "find_unused_parameters")
+    if hooks[case] is not None:
+        fast.register_comm_hook(None, hooks[case]())
+    counts = []
+    for step in range(steps):
+        inputs, target = vector_batch(step)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            F.mse_loss(fast(inputs), target).backward()
+        seen = sum(e.count for e in prof.key_averages() if e.key.startswith("c10d::"))
+        counts.append((seen, fast.comm_stats()["collectives"]))
+    return counts[2:] + [len(fast.bucket_plan())]
+
+
 def _returns_list(state: object, bucket: dist.GradBucket) -> list:
     return [bucket.buffer()]
 

@@ -66,3 +66,20 @@ def test_hook_registration_errors_are_logged_as_torch(world):
     has_error/error in _get_ddp_logging_data()."""
     (cases, *_) = world.check(cs.hook_registration_errors)
     assert all(case["has_error"] == 1 and case["error"] for case in cases), cases
+
+
+@pytest.mark.parametrize("case", ["allreduce", "bf16", "int8", "powersgd", "python hook",
+                                  "find_unused_parameters"])
+def test_comm_stats_counts_the_collectives_torch_records(world, case):
+    # comm_stats()["collectives"] is c10d's sequence number; the reference is torch's
+    # profiler. Closed forms where the hook fixes them: one allreduce per bucket, int8's
+    # alltoall and allgather per bucket, plus the unused-parameter map's allreduce.
+    *counts, buckets = world.check(cs.collective_counts, case=case)[0]
+    per_bucket = {"int8": 2}.get(case, 1)
+    extra = 1 if case == "find_unused_parameters" else 0
+    for seen, reported in counts:
+        assert seen == reported, (counts, buckets)
+        if case == "powersgd":  # P and Q, but a bucket of biases alone is only allreduced
+            assert buckets < reported <= 2 * buckets, (counts, buckets)
+        else:
+            assert reported == per_bucket * buckets + extra, (counts, buckets)

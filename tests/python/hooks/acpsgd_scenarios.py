@@ -142,8 +142,9 @@ def against_reference(rank: int = 2, start: int = 2, steps: int = 8, device: str
 
 
 def allreduces_per_step(hook: str, steps: int = 5) -> list[int]:
-    """The c10d allreduce calls of each step after the first, as torch's profiler records
-    them (torch's own instrumentation of its collectives), and the bucket count at the end."""
+    """Per step, the c10d allreduce calls as torch's profiler records them (torch's own
+    instrumentation of its collectives) and as comm_stats() reports them (c10d's sequence
+    number of the group), and the bucket count at the end."""
     torch.manual_seed(0)
     fast = fastddp.DistributedDataParallel(Mixed(), bucket_cap_mb=0.002)
     make = {"acpsgd": lambda: fastddp.hooks.acpsgd(2, start_iter=2),
@@ -154,7 +155,8 @@ def allreduces_per_step(hook: str, steps: int = 5) -> list[int]:
         inputs, target = batch(step)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             F.mse_loss(fast(inputs), target).backward()
-        counts.append(sum(e.count for e in prof.key_averages() if e.key == "c10d::allreduce_"))
+        counts.append((sum(e.count for e in prof.key_averages() if e.key == "c10d::allreduce_"),
+                       fast.comm_stats()["collectives"]))
     return counts + [len(fast.bucket_plan())]
 
 
