@@ -3,7 +3,7 @@
 
     python benchmarks/reducer_cost.py [--device cuda|cpu] [--groups default,gbv,bf16,powersgd]
         [--width 1024] [--layers 12] [--heads 16] [--vocab 32000] [--batch 8] [--seq 512]
-        [--rounds 7] [--block 6] [--profile]
+        [--rounds 7] [--block 6] [--profile] [--count]
 
 The model (issue 32's): token embedding, ``nn.TransformerEncoder`` (pre-norm, 4x MLP),
 vocabulary head; at the defaults 216.7M parameters. Loss: cross-entropy on random tokens,
@@ -21,9 +21,16 @@ both). The copies of a group are freed before the next is built.
 --profile: after the groups, torch.profiler over --block steps of fastddp (default
 arguments): the ops and kernels by self device time and fastddp's own ranges by host
 time, to show where the reducer's cost goes. Not a test.
+
+--count: instead of timing, the ops one step dispatches (ATen and c10d, top level: an op
+called by another op is that op's work), counted by torch's profiler for the three
+variants of each group, and the ones DDP adds to the bare step. Each is host time on the
+autograd thread, and on a GPU most are a kernel launch: the direction of the reducer's
+host cost, the same on any machine (tests/python/ddp/test_dispatched_ops.py asserts it).
 """
 
 import argparse
+import collections
 import copy
 import gc
 import os
@@ -157,6 +164,33 @@ def profile(runner: Runner, args) -> None:
             print(f"| {e.key} | {e.count} | {e.cpu_time_total / 1e3:.2f} |")
 
 
+def dispatched_ops(step) -> collections.Counter:
+    """The top-level ATen and c10d ops of one call of `step`, by name (torch's profiler)."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    def is_op(name: str) -> bool:
+        return name.startswith(("aten::", "c10d::"))
+
+    with tprofile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return collections.Counter(e.name for e in prof.events() if is_op(e.name) and not (
+        e.cpu_parent is not None and is_op(e.cpu_parent.name)))
+
+
+def count(group: str, runners: list[Runner], n_params: int) -> None:
+    for r in runners:  # warm-up: the bucket rebuild, PowerSGD's start
+        for _ in range(3):
+            r.step()
+    ops = {r.name: dispatched_ops(r.step) for r in runners}
+    bare = ops["bare"]
+    print(f"| {group} | bare | {sum(bare.values())} | | | |")
+    for name in ("fastddp", "torch DDP"):
+        extra = ops[name] - bare
+        listed = ", ".join(f"{op} {n}" for op, n in extra.most_common())
+        print(f"| {group} | {name} | {sum(ops[name].values())} | {sum(extra.values())} | "
+              f"{sum(extra.values()) / n_params:.2f} | {listed} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -170,6 +204,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--block", type=int, default=6)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--count", action="store_true")
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
     # The issue's model on a GPU; on the CPU a small one with the same structure.
@@ -201,10 +236,21 @@ def main() -> None:
     print(f"model: {n_params / 1e6:.1f}M parameters (width {args.width}, {args.layers} layers,"
           f" vocabulary {args.vocab}), batch {args.batch}x{args.seq}; {args.rounds} rounds of"
           f" {args.block} steps; FASTDDP_WORLD1_REDUCER={os.environ['FASTDDP_WORLD1_REDUCER']}")
-    print("\n| group | variant | ms/step | vs bare | fastddp / torch |")
-    print("|---|---|---:|---:|---:|")
+    tensors = sum(1 for _ in base.parameters())
+    if args.count:
+        print(f"\n{tensors} parameter tensors")
+        print("\n| group | variant | ops/step | added to the bare step | added per parameter "
+              "| the added ops |")
+        print("|---|---|---:|---:|---:|---|")
+    else:
+        print("\n| group | variant | ms/step | vs bare | fastddp / torch |")
+        print("|---|---|---:|---:|---:|")
     for group in groups:
         runners = build_group(group, base, device, args)
+        if args.count:
+            count(group, runners, tensors)
+            del runners
+            continue
         medians = measure(runners, args)
         bare = medians["bare"]
         for variant, t in medians.items():

@@ -23,7 +23,8 @@ bool any_nonfinite_cpu(const double* src, int64_t n);
 
 // --- CUDA (built only with CUDA; `stream` is a cudaStream_t) ----------------------
 // The same copy, setting *flag (device memory) to 1 when a value is not
-// finite; it is never cleared here. dst may equal src.
+// finite; it is never cleared here. dst may equal src. flag nullptr: no check
+// (the default hook's copy-in without check_for_nan_in_grad).
 void scale_copy_check_cuda(const float* src, float* dst, float scale, int64_t n, int32_t* flag,
                            void* stream);
 void scale_copy_check_cuda(const double* src, double* dst, double scale, int64_t n,

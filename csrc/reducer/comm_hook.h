@@ -136,6 +136,8 @@ class CommHook {
   // already is the view (gradient_as_bucket_view). With a guard, the check
   // rides on the same pass where it can (dense float32/float64 on the CPU).
   void scale_into_view(Bucket& bucket, size_t slot, const at::Tensor& grad, double scale);
+  // Its fused loop alone: false (nothing written) where it does not apply.
+  bool fused_scale_into_view(Bucket& bucket, size_t slot, const at::Tensor& grad, double scale);
   // Reports `grad` to the guard, if any, for a copy_in that wrote it elsewhere.
   void check_grad(const Bucket& bucket, size_t slot, const at::Tensor& grad);
 

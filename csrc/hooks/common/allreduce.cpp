@@ -14,6 +14,7 @@ AllreduceHook::AllreduceHook(c10::intrusive_ptr<c10d::ProcessGroup> group)
 
 void AllreduceHook::set_divide_factor(int64_t factor) {
   FASTDDP_CHECK(factor > 0, "fastddp: the divide factor must be positive, got ", factor);
+  if (factor == factor_ && inverse_.defined()) return;  // set every step: no op when unchanged
   factor_ = factor;
   inverse_ = at::scalar_tensor(1.0 / static_cast<double>(factor), at::kDouble);
   inverse_.unsafeGetTensorImpl()->set_wrapped_number(true);
@@ -31,10 +32,9 @@ void AllreduceHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad)
     // gradient_as_bucket_view: autograd accumulated into the bucket already.
     view.div_(factor_);
     check_grad(bucket, slot, view);  // x / factor is finite exactly when x is
-  } else if (guard_ != nullptr) {
-    scale_into_view(bucket, slot, grad, 1.0 / static_cast<double>(factor_));
-  } else {
-    at::mul_out(view, grad, inverse_);
+  } else if (!fused_scale_into_view(bucket, slot, grad, 1.0 / static_cast<double>(factor_))) {
+    at::mul_out(view, grad, inverse_);  // torch's copy-in, for the layouts the loop does not take
+    check_grad(bucket, slot, view);
   }
 }
 

@@ -26,7 +26,7 @@ class AllreduceHook : public CommHook {
 
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
-  int64_t factor_;
+  int64_t factor_ = 0;
   at::Tensor inverse_;  // wrapped-number scalar 1/factor, as torch's reducer uses
 };
 

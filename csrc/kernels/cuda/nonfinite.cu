@@ -32,7 +32,7 @@ __global__ void scale_copy_check_kernel(const T* src, T* dst, T scale, int64_t n
     bad |= (x - x) != T(0);
     dst[i] = x * scale;
   }
-  if (bad) *flag = 1;
+  if (bad && flag != nullptr) *flag = 1;
 }
 
 template <typename T>
