@@ -3,6 +3,7 @@ sends, and how soon it gets there on a slow link. Side by side in one run.
 
     python benchmarks/quality.py [--nproc 4] [--tasks digits,text] [--steps 300]
         [--eval-every 25] [--links 1GB/s,10GB/s] [--configs NAME,...] [--quick]
+        [--charts DIR] [--write-table PATH]
 
 Tasks (benchmarks/quality_tasks.py): scikit-learn's handwritten digits (a small CNN, held-out
 accuracy) and the source of Python's standard library (a character-level transformer,
@@ -20,6 +21,7 @@ timed steps after the warm-up) and their product: the time to fp32's quality on 
 """
 
 import argparse
+import math
 import os
 import pprint
 import socket
@@ -35,9 +37,13 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
 from fastddp.link import EmulatedLinkGroup
+import quality_chart
 from quality_tasks import task as make_task
 
-START = 10  # the low-rank hooks' plain allreduce steps (PowerSGD's start_powerSGD_iter)
+# The low-rank hooks' plain allreduce steps (PowerSGD's start_powerSGD_iter): 10% of the
+# run, where torch's PowerSGDState docs say to start tuning it. Set from --steps in worker().
+START = 30
+FINAL_LR = 0.1  # every run's learning rate decays along a cosine to this share of its peak
 # Within this of fp32 allreduce's final score counts as its quality: one digit in a hundred
 # held-out images (accuracy), 2% of the bits per character (text).
 TOLERANCE = {"accuracy": 0.01, "bits/char": 0.02}
@@ -50,13 +56,13 @@ CONFIGS = {  # name -> ("fastddp" | "torch", () -> (state, hook) or None)
     "int8": ("fastddp", lambda: (None, H.int8())),
     "fp8 e4m3": ("fastddp", lambda: (None, H.fp8())),
     **{f"powersgd r{r}": ("fastddp", lambda r=r: (None, H.powersgd(r, start_powerSGD_iter=START)))
-       for r in (1, 2, 4)},
+       for r in (1, 2, 4, 8, 16)},
     "torch powerSGD_hook r2": ("torch", lambda: (psgd.PowerSGDState(
         None, matrix_approximation_rank=2, start_powerSGD_iter=START), psgd.powerSGD_hook)),
     "batched powersgd r2": ("fastddp", lambda: (None, H.batched_powersgd(
         2, start_powerSGD_iter=START))),
     **{f"acpsgd r{r}": ("fastddp", lambda r=r: (None, H.acpsgd(r, start_iter=START)))
-       for r in (1, 2, 4)},
+       for r in (1, 2, 4, 8, 16)},
     "hier bf16 (2x2)": ("fastddp", lambda: (None, H.hierarchical(H.bf16(), local_size=2))),
     "hier int8 (2x2)": ("fastddp", lambda: (None, H.hierarchical(H.int8(), local_size=2))),
 }
@@ -78,12 +84,15 @@ def train(t, config: str, steps: int, eval_every: int) -> dict:
     """Scores every eval_every steps (rank 0's model), and the bytes sent per step."""
     model = wrap(config, t.make_model())
     opt = t.optimizer(model.parameters())
+    decay = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: FINAL_LR + (1 - FINAL_LR) * (1 + math.cos(math.pi * s / steps)) / 2)
     rank, scores, sent = dist.get_rank(), {}, None
     for step in range(1, steps + 1):
         x, y = t.batch(rank, step)
         opt.zero_grad(set_to_none=True)
         t.loss(model, x, y).backward()
         opt.step()
+        decay.step()
         if step % eval_every == 0 or step == steps:
             scores[step] = t.evaluate(model.module)
     if isinstance(model, fastddp.DistributedDataParallel):
@@ -91,7 +100,8 @@ def train(t, config: str, steps: int, eval_every: int) -> dict:
     return {"scores": scores, "sent": sent}
 
 
-def step_ms(t, config: str, link: str, warmup: int = START + 2, timed: int = 8) -> float:
+def step_ms(t, config: str, link: str, timed: int = 8) -> float:
+    warmup = START + 2  # past the low-rank hooks' start
     model = wrap(config, t.make_model(), EmulatedLinkGroup(dist.group.WORLD, link))
     opt = t.optimizer(model.parameters())
     times = []
@@ -109,6 +119,8 @@ def step_ms(t, config: str, link: str, warmup: int = START + 2, timed: int = 8) 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE="2")
     torch.set_num_threads(1)
+    global START
+    START = max(1, args.steps // 10)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     out = {}
     for name in args.tasks:
@@ -170,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--links", default="1GB/s,10GB/s")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--charts", metavar="DIR",
+                        help="also write each task's learning curves as DIR/quality_<task>.svg")
     parser.add_argument("--write-table", metavar="PATH",
                         help="also write the results as the Python module --advise cites "
                              "(python/fastddp/tuning/quality_table.py)")
@@ -195,6 +209,18 @@ def main(argv: list[str] | None = None) -> None:
         report(name, results[name], args.links)
     if args.write_table:
         write_table(args.write_table, results, args)
+    if args.charts:
+        write_charts(args.charts, results, args)
+
+
+def write_charts(folder: str, results: dict, args: argparse.Namespace) -> None:
+    """One SVG per task: held-out score against step for every configuration."""
+    for name, r in results.items():
+        _, target = finals_and_target(r)
+        curves = {c: run["scores"] for c, run in r["runs"].items()}
+        title = f"{name}: held-out {r['metric']}, {args.nproc} gloo ranks"
+        with open(os.path.join(folder, f"quality_{name}.svg"), "w") as f:
+            f.write(quality_chart.svg(title, r["metric"], curves, target))
 
 
 def write_table(path: str, results: dict, args: argparse.Namespace) -> None:

@@ -97,7 +97,8 @@ def _text() -> Task:
     split = int(len(tokens) * 0.9)
     train, test = tokens[:split], tokens[split:]
     g = torch.Generator().manual_seed(0)
-    starts = torch.randint(len(test) - CONTEXT - 1, (64,), generator=g)
+    # 256 windows (16K characters): the score's noise well under the benchmark's tolerance.
+    starts = torch.randint(len(test) - CONTEXT - 1, (256,), generator=g)
     test_x = torch.stack([test[s:s + CONTEXT] for s in starts])
     test_y = torch.stack([test[s + 1:s + CONTEXT + 1] for s in starts])
 

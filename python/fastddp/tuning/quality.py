@@ -10,8 +10,8 @@ from fastddp.tuning.quality_table import QUALITY
 # Candidate (cost model name) -> the benchmark's configuration name.
 CONFIG = {"bf16": "fastddp bf16", "bf16_fp32_accumulate": "bf16 fp32-sum", "int8": "int8",
           "fp8": "fp8 e4m3", "hier_bf16": "hier bf16 (2x2)", "hier_int8": "hier int8 (2x2)",
-          **{f"powersgd_r{r}": f"powersgd r{r}" for r in (1, 2, 4)},
-          **{f"acpsgd_r{r}": f"acpsgd r{r}" for r in (1, 2, 4)}}
+          **{f"powersgd_r{r}": f"powersgd r{r}" for r in (1, 2, 4, 8)},
+          **{f"acpsgd_r{r}": f"acpsgd r{r}" for r in (1, 2, 4, 8)}}
 TASKS = {"digits": "a small CNN on scikit-learn's handwritten digits",
          "text": "a character-level transformer on Python's standard library"}
 BASELINE = "fp32 allreduce"

@@ -6,13 +6,15 @@ import os
 import re
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_quick_run_reports_every_configuration():
-    done = subprocess.run([sys.executable, "benchmarks/quality.py", "--quick"], cwd=ROOT,
+def test_quick_run_reports_every_configuration(tmp_path):
+    done = subprocess.run([sys.executable, "benchmarks/quality.py", "--quick",
+                           "--charts", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=900,
                           env={**os.environ, "PYTHONPATH": str(ROOT / "python")})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -30,3 +32,8 @@ def test_quick_run_reports_every_configuration():
     # bf16 rounding of the averaged gradient costs nothing measurable in 60 steps: within
     # the benchmark's stated tolerance of fp32's score (2% of the bits per character).
     assert rows["fastddp bf16"][4] != "never", done.stdout
+    # The chart: a well-formed SVG with one curve per configuration (plus the legend's and
+    # the target's lines), each through the 3 evaluations at steps 20, 40 and 60.
+    svg = ET.parse(tmp_path / "quality_text.svg").getroot()
+    curves = svg.findall("{http://www.w3.org/2000/svg}polyline")
+    assert len(curves) == 3 and all(len(c.get("points").split()) == 3 for c in curves)
