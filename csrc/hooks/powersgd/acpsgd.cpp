@@ -68,7 +68,8 @@ std::shared_ptr<PipelinedHook::Stage> AcpSgdHook::start(
   at::add_out(s.source, input, s.error);  // M = gradient + error
   at::Tensor p_memory = s.wire_p.narrow(0, plan.uncompressed_numel, plan.p_numel);
   at::Tensor q_memory = s.wire_q.narrow(0, plan.uncompressed_numel, plan.q_numel);
-  PowerSGDWork work = make_powersgd_work(plan, options_, s.source, input, p_memory, q_memory);
+  PowerSGDWork work = s.views.get(plan, options_, bucket.offsets, bucket.numels, s.source, input,
+                                 p_memory, q_memory, s.error);
   if (randomize) {
     std::vector<at::Tensor> qs;
     for (PowerSGDBatch& b : work.batches) qs.push_back(b.q);
@@ -84,22 +85,17 @@ std::shared_ptr<PipelinedHook::Stage> AcpSgdHook::start(
   }
   // error = M - P Q^T with this rank's factor, in one pass; P Q^T lands in the
   // bucket, which the reduced factor overwrites in decompress().
-  for (PowerSGDBatch& b : work.batches) {
-    at::Tensor error = s.error.narrow(0, b.offset, b.out.numel()).view_as(b.out);
-    lowrank_expand(b.p, b.q, b.out, b.matrices, error);
-  }
+  for (PowerSGDBatch& b : work.batches) lowrank_expand(b.p, b.q, b.out, b.matrices, b.error);
   const at::Tensor wire = p_turn ? s.wire_p : s.wire_q;
-  pack_uncompressed(plan.uncompressed, bucket.offsets, bucket.numels, s.source,
-                    wire.narrow(0, 0, plan.uncompressed_numel));
+  pack_uncompressed(work.uncompressed_source, wire.narrow(0, 0, plan.uncompressed_numel));
   note_launch(index, p_turn ? "allreduce of ACP-SGD's P" : "allreduce of ACP-SGD's Q");
   auto reduced = allreduce(wire);
   if (is_last) ++iter_;
   done = make_result(input);
   complete_after(reduced, done, p_turn ? "allreduce of P" : "allreduce of Q",
-                 [this, state, batches = std::move(work.batches),
-                  uncompressed = plan.uncompressed, input, wire,
+                 [this, state, work = std::move(work), input, wire,
                   head = plan.uncompressed_numel]() mutable {
-                   return decompress(*state, batches, uncompressed, input, wire, head);
+                   return decompress(*state, work, input, wire, head);
                  });
   return nullptr;
 }
@@ -144,13 +140,12 @@ void AcpSgdHook::finish(Stage& stage) {
   FASTDDP_CHECK(false, "fastddp acpsgd: a bucket has one collective, no second stage");
 }
 
-c10::IValue AcpSgdHook::decompress(BucketState& state, std::vector<PowerSGDBatch>& batches,
-                                   const std::vector<size_t>& uncompressed,
+c10::IValue AcpSgdHook::decompress(BucketState& state, PowerSGDWork& work,
                                    const at::Tensor& input, const at::Tensor& wire,
                                    int64_t uncompressed_numel) {
   FASTDDP_PROFILE_RANGE("fastddp decompress (acpsgd)");
-  unpack_uncompressed(uncompressed, state.offsets, state.numels,
-                      wire.narrow(0, 0, uncompressed_numel), world_size_, input);
+  unpack_uncompressed(wire.narrow(0, 0, uncompressed_numel), world_size_, work.uncompressed_dest);
+  std::vector<PowerSGDBatch>& batches = work.batches;
   // The reduced factor is a sum: the mean gradient is P Q^T / world size (the
   // factor itself stays a sum, as the next step orthogonalizes it).
   for (PowerSGDBatch& b : batches) {

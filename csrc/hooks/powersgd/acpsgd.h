@@ -86,6 +86,7 @@ class AcpSgdHook : public PowerSGDBase {
     // Its factors came from a compressed step or a carried state: it can take
     // either turn (else it sends P, from a drawn Q).
     bool has_factors = false;
+    PowerSGDWorkCache views;  // the step's views of the tensors above and the bucket
   };
 
   bool even_step() const;  // iter - start_powerSGD_iter is even: P's turn
@@ -95,8 +96,7 @@ class AcpSgdHook : public PowerSGDBase {
   std::shared_ptr<BucketState> bucket_state(const Bucket& bucket, size_t index,
                                             const PowerSGDPlan& plan, bool& randomize);
   void adopt_carried(BucketState& state, bool& randomize);
-  c10::IValue decompress(BucketState& state, std::vector<PowerSGDBatch>& batches,
-                         const std::vector<size_t>& uncompressed, const at::Tensor& input,
+  c10::IValue decompress(BucketState& state, PowerSGDWork& work, const at::Tensor& input,
                          const at::Tensor& wire, int64_t uncompressed_numel);
   bool ps_are_state() const override { return true; }
   void loaded() override;

@@ -66,7 +66,9 @@ std::shared_ptr<PipelinedHook::Stage> PowerSGDHook::start(
   }
   // Stacked after the error feedback: torch stacks views of the corrected buffer.
   at::Tensor p_memory = state.wire.narrow(0, plan.uncompressed_numel, plan.p_numel);
-  stage->work = make_powersgd_work(plan, options_, source, input, p_memory, state.q_memory);
+  stage->work = state.views.get(plan, options_, bucket.offsets, bucket.numels, source, input,
+                                p_memory, state.q_memory,
+                                options_.use_error_feedback ? state.error : at::Tensor());
   PowerSGDWork& work = stage->work;
   if (randomize) {
     std::vector<at::Tensor> qs;
@@ -81,8 +83,7 @@ std::shared_ptr<PipelinedHook::Stage> PowerSGDHook::start(
   // Orthogonalization is per matrix: one call per same-shape group.
   for (at::Tensor& q : work.q_groups) powersgd_orthogonalize(q, options_.orthogonalization_epsilon);
   for (PowerSGDBatch& b : work.batches) lowrank_project(b.matrices, b.q, b.p);
-  pack_uncompressed(plan.uncompressed, bucket.offsets, bucket.numels, source,
-                    state.wire.narrow(0, 0, plan.uncompressed_numel));
+  pack_uncompressed(work.uncompressed_source, state.wire.narrow(0, 0, plan.uncompressed_numel));
   stage->plan = std::move(plan);
   stage->wire = state.wire;
   stage->p_reduced = allreduce(state.wire);
@@ -99,9 +100,9 @@ void PowerSGDHook::finish(Stage& base) {
   const PowerSGDPlan& plan = stage.plan;
   BucketState& state = *stage.state;
   // The reverse of start()'s pack: one multi-tensor copy (one launch on CUDA).
-  unpack_uncompressed(plan.uncompressed, state.offsets, state.numels,
-                      stage.wire.narrow(0, 0, plan.uncompressed_numel), world_size_, stage.input);
   PowerSGDWork& work = stage.work;
+  unpack_uncompressed(stage.wire.narrow(0, 0, plan.uncompressed_numel), world_size_,
+                      work.uncompressed_dest);
   for (at::Tensor& p : work.p_groups) powersgd_orthogonalize(p, options_.orthogonalization_epsilon);
   for (PowerSGDBatch& b : work.batches) lowrank_back_project(b.matrices, b.p, b.q);
   record_current_stream({stage.wire, stage.input, stage.input_copy, state.source,
@@ -109,16 +110,15 @@ void PowerSGDHook::finish(Stage& base) {
   for (const PowerSGDBatch& b : work.batches) record_current_stream({b.matrices, b.out});
   auto q_reduced = allreduce(state.q_memory);
   complete_after(q_reduced, stage.result, "allreduce of Q",
-                 [this, state = stage.state, batches = std::move(work.batches),
-                  uncompressed = stage.plan.uncompressed, input = stage.input,
+                 [this, state = stage.state, work = std::move(work), input = stage.input,
                   input_copy = stage.input_copy]() mutable {
-                   return decompress(*state, batches, uncompressed, input, input_copy);
+                   return decompress(*state, work, input, input_copy);
                  });
 }
 
-c10::IValue PowerSGDHook::decompress(BucketState& state, std::vector<PowerSGDBatch>& batches,
-                                     const std::vector<size_t>& uncompressed,
+c10::IValue PowerSGDHook::decompress(BucketState& state, PowerSGDWork& work,
                                      const at::Tensor& input, const at::Tensor& input_copy) {
+  std::vector<PowerSGDBatch>& batches = work.batches;
   FASTDDP_PROFILE_RANGE("fastddp decompress (powersgd)");
   state.q_memory.div_(world_size_);
   const bool error_feedback = options_.use_error_feedback;
@@ -129,9 +129,8 @@ c10::IValue PowerSGDHook::decompress(BucketState& state, std::vector<PowerSGDBat
                                     [](const PowerSGDBatch& b) { return b.unstack.empty(); });
   for (PowerSGDBatch& b : batches) {
     if (fuse_error) {
-      // b.out views the bucket, b.matrices the same slot of M.
-      at::Tensor error = state.error.narrow(0, b.offset, b.out.numel()).view_as(b.out);
-      lowrank_expand(b.p, b.q, b.out, b.matrices, error);
+      // b.out views the bucket, b.matrices the same slot of M, b.error of the error.
+      lowrank_expand(b.p, b.q, b.out, b.matrices, b.error);
       continue;
     }
     lowrank_expand(b.p, b.q, b.out);
@@ -139,13 +138,12 @@ c10::IValue PowerSGDHook::decompress(BucketState& state, std::vector<PowerSGDBat
       b.unstack[i].copy_(b.out[static_cast<int64_t>(i)]);
     }
   }
-  if (fuse_error) {
-    for (size_t k : uncompressed) {
-      at::Tensor error = state.error.narrow(0, state.offsets[k], state.numels[k]);
-      at::sub_out(error, input_copy.narrow(0, state.offsets[k], state.numels[k]),
-                  input.narrow(0, state.offsets[k], state.numels[k]));
-    }
-  } else if (error_feedback) {
+  if (fuse_error && !work.uncompressed_error.empty()) {
+    // The uncompressed slots' error, M - the average, in two multi-tensor ops
+    // (two launches on CUDA, not one per slot); the same values as a sub.
+    at::_foreach_copy_(work.uncompressed_error, work.uncompressed_source);
+    at::_foreach_sub_(work.uncompressed_error, work.uncompressed_dest);
+  } else if (error_feedback && !fuse_error) {
     at::sub_out(state.error, input_copy, input);
   }
   // This callback's kernels run on the collective's stream (Note [hook streams]).

@@ -75,6 +75,7 @@ class PowerSGDHook : public PowerSGDBase {
     at::Tensor q_memory;  // every Q of the bucket, flat
     // Carried Qs (q_offset, Q) to put in place once Q is initialized.
     std::vector<std::pair<int64_t, at::Tensor>> qs_after_draw;
+    PowerSGDWorkCache views;  // the step's views of the tensors above and the bucket
   };
   struct PowerSGDStage;
 
@@ -84,8 +85,7 @@ class PowerSGDHook : public PowerSGDBase {
   void count(const PowerSGDPlan& plan, size_t index, bool is_last, int64_t element_size);
   // The completion of the Q allreduce: M = P Q^T into the bucket, the new
   // error. Local work only (it runs in a completion callback).
-  c10::IValue decompress(BucketState& state, std::vector<PowerSGDBatch>& batches,
-                         const std::vector<size_t>& uncompressed, const at::Tensor& input,
+  c10::IValue decompress(BucketState& state, PowerSGDWork& work, const at::Tensor& input,
                          const at::Tensor& input_copy);
   // A bucket's state into `into`'s errors and qs, per parameter (views).
   void carry(const BucketState& state, PowerSGDCheckpoint& into) const;

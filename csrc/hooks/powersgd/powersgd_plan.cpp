@@ -116,29 +116,75 @@ PowerSGDWork make_powersgd_work(const PowerSGDPlan& plan, const PowerSGDOptions&
   return work;
 }
 
+PowerSGDWork PowerSGDWorkCache::get(const PowerSGDPlan& plan, const PowerSGDOptions& options,
+                                    const std::vector<int64_t>& offsets,
+                                    const std::vector<int64_t>& numels,
+                                    const at::Tensor& source, const at::Tensor& dest,
+                                    const at::Tensor& p_memory, const at::Tensor& q_memory,
+                                    const at::Tensor& error) {
+  std::vector<intptr_t> of;
+  for (const at::Tensor* t : {&source, &dest, &p_memory, &q_memory, &error}) {
+    of.push_back(t->defined() ? reinterpret_cast<intptr_t>(t->data_ptr()) : 0);
+    of.push_back(t->defined() ? t->numel() : -1);
+  }
+  if (!of_.empty() && of != of_) {  // moved: keep nothing from now on
+    moving_ = true;
+    work_ = PowerSGDWork();
+    of_.clear();
+  }
+  if (of_.empty()) {
+    PowerSGDWork work = make_powersgd_work(plan, options, source, dest, p_memory, q_memory);
+    if (error.defined()) {
+      for (PowerSGDBatch& b : work.batches) {
+        if (b.unstack.empty()) b.error = error.narrow(0, b.offset, b.out.numel()).view_as(b.out);
+      }
+    }
+    for (size_t k : plan.uncompressed) {
+      work.uncompressed_source.push_back(source.narrow(0, offsets[k], numels[k]));
+      work.uncompressed_dest.push_back(dest.narrow(0, offsets[k], numels[k]));
+      if (error.defined()) {
+        work.uncompressed_error.push_back(error.narrow(0, offsets[k], numels[k]));
+      }
+    }
+    if (moving_ || options.batch_tensors_with_same_shape) return work;
+    work_ = std::move(work);
+    of_ = std::move(of);
+  }
+  return work_;  // a copy: the tensors' handles, no data
+}
+
 void pack_uncompressed(const std::vector<size_t>& uncompressed,
                        const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
                        const at::Tensor& source, at::Tensor head) {
-  if (uncompressed.empty()) return;
   std::vector<at::Tensor> slices;
   slices.reserve(uncompressed.size());
   for (size_t k : uncompressed) slices.push_back(source.narrow(0, offsets[k], numels[k]));
-  at::cat_out(head, slices);
+  pack_uncompressed(slices, std::move(head));
+}
+
+void pack_uncompressed(const std::vector<at::Tensor>& slices, at::Tensor head) {
+  if (!slices.empty()) at::cat_out(head, slices);
 }
 
 void unpack_uncompressed(const std::vector<size_t>& uncompressed,
                          const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
                          at::Tensor head, int64_t world_size, const at::Tensor& dest) {
-  if (uncompressed.empty()) return;
+  std::vector<at::Tensor> dsts;
+  for (size_t k : uncompressed) dsts.push_back(dest.narrow(0, offsets[k], numels[k]));
+  unpack_uncompressed(std::move(head), world_size, dsts);
+}
+
+void unpack_uncompressed(at::Tensor head, int64_t world_size,
+                         const std::vector<at::Tensor>& dests) {
+  if (dests.empty()) return;
   head.div_(world_size);
-  std::vector<at::Tensor> srcs, dsts;
+  std::vector<at::Tensor> srcs;
   int64_t at_elem = 0;
-  for (size_t k : uncompressed) {
-    dsts.push_back(dest.narrow(0, offsets[k], numels[k]));
-    srcs.push_back(head.narrow(0, at_elem, numels[k]));
-    at_elem += numels[k];
+  for (const at::Tensor& d : dests) {
+    srcs.push_back(head.narrow(0, at_elem, d.numel()));
+    at_elem += d.numel();
   }
-  at::_foreach_copy_(dsts, srcs);
+  at::_foreach_copy_(dests, srcs);
 }
 
 void powersgd_orthogonalize(at::Tensor& matrices, double epsilon) {

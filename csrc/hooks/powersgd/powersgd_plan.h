@@ -52,6 +52,7 @@ struct PowerSGDBatch {
   std::vector<at::Tensor> unstack;  // when stacked: the (n, m) destinations of `out`
   at::Tensor p, q;                 // (B, n, r), (B, m, r) views of the memories
   int64_t offset = -1;             // unstacked: the matrix's offset in the bucket
+  at::Tensor error;                // unstacked, from PowerSGDWorkCache: the error's (B, n, m)
 };
 
 // A step's compression work: the bmm batches (torch's
@@ -61,6 +62,9 @@ struct PowerSGDBatch {
 struct PowerSGDWork {
   std::vector<PowerSGDBatch> batches;
   std::vector<at::Tensor> p_groups, q_groups;
+  // From PowerSGDWorkCache: the uncompressed slots of the source, the bucket
+  // and the error (empty where the cache was given no error).
+  std::vector<at::Tensor> uncompressed_source, uncompressed_dest, uncompressed_error;
 };
 
 // The bucket's layout only: no tensor is touched.
@@ -73,16 +77,44 @@ PowerSGDWork make_powersgd_work(const PowerSGDPlan& plan, const PowerSGDOptions&
                                 const at::Tensor& source, const at::Tensor& dest,
                                 const at::Tensor& p_memory, const at::Tensor& q_memory);
 
+// make_powersgd_work's views, made once per bucket state and handed out again
+// while they view the same tensors: each view is a dispatched op, and they are
+// ~10 per matrix per step, host time that on a GPU delays the launches behind
+// it (reducer_cost.py --count). Stacked batches copy data, so
+// batch_tensors_with_same_shape makes them afresh. `error` (may be undefined):
+// the error feedback, also viewed per unstacked matrix (PowerSGDBatch::error).
+// Once a viewed tensor moves (lazy_bucket_allocation gives the bucket a new
+// buffer every backward, Note [lazy bucket storage]) it keeps nothing: kept
+// views would hold the released buffer alive between steps.
+class PowerSGDWorkCache {
+ public:
+  // `offsets` and `numels`: the bucket's slots.
+  PowerSGDWork get(const PowerSGDPlan& plan, const PowerSGDOptions& options,
+                   const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
+                   const at::Tensor& source, const at::Tensor& dest, const at::Tensor& p_memory,
+                   const at::Tensor& q_memory, const at::Tensor& error);
+
+ private:
+  PowerSGDWork work_;
+  std::vector<intptr_t> of_;  // what work_ views: data pointers and sizes
+  bool moving_ = false;
+};
+
 // The slots sent as they are (`uncompressed`, of a bucket laid out by `offsets` and
 // `numels`), one after another into `head`: the front of a hook's wire.
 void pack_uncompressed(const std::vector<size_t>& uncompressed,
                        const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
                        const at::Tensor& source, at::Tensor head);
+// The same from the slots' views (PowerSGDWork::uncompressed_source).
+void pack_uncompressed(const std::vector<at::Tensor>& slices, at::Tensor head);
 // The reverse, once `head` is reduced (a sum): divided by the world size in place, then
 // into those slots of `dest` in one multi-tensor copy (one launch on CUDA).
 void unpack_uncompressed(const std::vector<size_t>& uncompressed,
                          const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
                          at::Tensor head, int64_t world_size, const at::Tensor& dest);
+// The same into the slots' views (PowerSGDWork::uncompressed_dest).
+void unpack_uncompressed(at::Tensor head, int64_t world_size,
+                         const std::vector<at::Tensor>& dests);
 
 // torch's _orthogonalize on a batch of (n, r) matrices, in place: the fused
 // kernels where they apply (float32/64, small r; r > 2 gives QR's columns up

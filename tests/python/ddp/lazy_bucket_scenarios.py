@@ -82,6 +82,22 @@ def training(gradient_as_bucket_view: bool, set_to_none: bool, hook: str = "none
     agree(lambda: _expect(len(fast.bucket_plan()) > 1, f"buckets {fast.bucket_plan()}"))
 
 
+def low_rank_as_eager(hook: str) -> None:
+    """PowerSGD and ACP-SGD on lazy buckets against the same hook on eager ones, bit for
+    bit (the same ops in the same order, other addresses): the views a low-rank hook keeps
+    across steps (PowerSGDWorkCache) must follow the bucket's buffer, new every backward."""
+    make = {"powersgd": lambda: fastddp.hooks.powersgd(start_powerSGD_iter=2),
+            "acpsgd": lambda: fastddp.hooks.acpsgd(start_iter=2)}[hook]
+    torch.manual_seed(0)
+    base = mlp()
+    eager, lazy = (fastddp.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=CAP_MB,
+                                                   lazy_bucket_allocation=is_lazy)
+                   for is_lazy in (False, True))
+    for model in (eager, lazy):
+        model.register_comm_hook(None, make())
+    train(eager, lazy, ulps=0, after_backward=lambda step: expect_nothing_held(lazy, str(step)))
+
+
 def no_sync(gradient_as_bucket_view: bool, set_to_none: bool) -> None:
     """Accumulation under no_sync() (local grads, compared before any synchronized
     backward; no bucket allocated for them), then a synchronized one. mlp(), not a model
@@ -187,10 +203,14 @@ def released(gradient_as_bucket_view: bool, hook: str) -> None:
     fast = fastddp.DistributedDataParallel(mlp(), bucket_cap_mb=CAP_MB, lazy_bucket_allocation=True,
                                            gradient_as_bucket_view=gradient_as_bucket_view)
     refs: list[StorageWeakRef] = []
+    # The low-rank hooks compress from the third step (2: the least torch allows), so that
+    # they view the bucket's buffers (PowerSGDWorkCache) while these move.
+    low_rank = {"powersgd": lambda: fastddp.hooks.powersgd(start_powerSGD_iter=2),
+                "acpsgd": lambda: fastddp.hooks.acpsgd(start_iter=2)}
     if hook == "python":
         fast.register_comm_hook(None, _average_hook(refs))
     else:
-        fast.register_comm_hook(None, getattr(fastddp.hooks, hook)())
+        fast.register_comm_hook(None, low_rank.get(hook, getattr(fastddp.hooks, hook))())
     previous: list[StorageWeakRef] = []
     for step in range(4):
         fast.zero_grad(set_to_none=True)

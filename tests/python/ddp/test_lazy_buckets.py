@@ -39,9 +39,15 @@ def test_lazy_join_uneven_inputs(world):
 
 
 @pytest.mark.parametrize(("gradient_as_bucket_view", "hook"), [
-    (False, "python"), (True, "python"), (True, "bf16"), (True, "int8")])
+    (False, "python"), (True, "python"), (True, "bf16"), (True, "int8"), (True, "powersgd"),
+    (True, "acpsgd")])
 def test_released_buffers_are_freed(world, gradient_as_bucket_view, hook):
     world.check(s.released, gradient_as_bucket_view=gradient_as_bucket_view, hook=hook)
+
+
+@pytest.mark.parametrize("hook", ["powersgd", "acpsgd"])
+def test_low_rank_hooks_as_on_eager_buckets(world, hook):
+    world.check(s.low_rank_as_eager, hook=hook)
 
 
 @pytest.mark.parametrize(("param", "reduce"), [("bf16", "fp32"), ("fp16", None)])
