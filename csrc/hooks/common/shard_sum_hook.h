@@ -54,6 +54,9 @@ class ShardSumHook : public PipelinedHook {
     at::Tensor wire;     // world_size shards: the alltoall's input, the allgather's output
     at::Tensor recv;     // world_size shards: the alltoall's output
     at::Tensor reduced;  // one shard: this rank's sum, the allgather's input
+    // wire's view of each bucket slot, for hooks that keep them (made once:
+    // a view per gradient per step is a dispatched op, host time).
+    std::vector<at::Tensor> slots;
   };
 
   // `wire_format` names the shards in errors: "16-bit", "8-bit".

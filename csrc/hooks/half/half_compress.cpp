@@ -42,6 +42,9 @@ std::shared_ptr<ShardSumHook::ShardBuffers>& HalfCompressHook::state_for(const B
     state = std::make_shared<ShardBuffers>();
     // Zeros: the padding takes part in the collectives and must stay finite.
     state->wire = at::zeros({padded}, bucket.flat.options().dtype(scalar_type_of(options_.kind)));
+    for (size_t k = 0; k < bucket.offsets.size(); ++k) {
+      state->slots.push_back(state->wire.narrow(0, bucket.offsets[k], bucket.numels[k]));
+    }
   }
   return state;
 }
@@ -51,7 +54,7 @@ void HalfCompressHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& gr
   ShardBuffers& s = *state_for(bucket);
   const int64_t offset = bucket.offsets[slot];
   const int64_t numel = bucket.numels[slot];
-  at::Tensor wire = s.wire.narrow(0, offset, numel);
+  at::Tensor& wire = s.slots[slot];
   if (!grad.defined()) {
     wire.zero_();
     return;
@@ -138,9 +141,17 @@ void HalfCompressHook::write_back(Bucket& bucket, const c10::IValue& result,
                 "fastddp: the ", name(), " comm hook's result is not its 16-bit wire buffer");
   FASTDDP_CHECK(dsts.size() == bucket.views.size(), "fastddp: ", dsts.size(),
                 " write-back destinations for a bucket of ", bucket.views.size());
+  // The result is the state's wire (the allreduce's, or the allgather's output):
+  // its slot views are kept.
+  const auto state = states_.find(bucket.id);
+  const std::vector<at::Tensor>* kept =
+      state != states_.end() && state->second->wire.data_ptr() == reduced.data_ptr()
+          ? &state->second->slots
+          : nullptr;
   std::vector<at::Tensor> srcs, outs;
   for (size_t k = 0; k < dsts.size(); ++k) {
-    const at::Tensor src = reduced.narrow(0, bucket.offsets[k], bucket.numels[k]);
+    const at::Tensor src =
+        kept ? (*kept)[k] : reduced.narrow(0, bucket.offsets[k], bucket.numels[k]);
     const at::Tensor& view = bucket.views[k];
     at::Tensor& dst = dsts[k];
     if (!dst.defined()) continue;  // unused on every rank: its grad stays as it is
