@@ -9,7 +9,9 @@ Tasks (benchmarks/quality_tasks.py): scikit-learn's handwritten digits (a small 
 accuracy) and the source of Python's standard library (a character-level transformer,
 held-out bits per character). Every configuration trains the same model from the same seed
 on the same per-rank batches for --steps steps on --nproc gloo ranks, one intra-op thread
-each, and is scored on the held-out split every --eval-every steps.
+each, and is scored on the held-out split every --eval-every steps. The learning rate
+decays along a cosine to FINAL_LR of its peak; the low-rank hooks compress from 10% of the
+steps on (START).
 
 Reported per task and configuration: the final score and its difference from fp32
 allreduce's and from torch's bf16 hook's (the 16-bit baseline "Beyond Throughput and

@@ -26,7 +26,7 @@ time, to show where the reducer's cost goes. Not a test.
 called by another op is that op's work), counted by torch's profiler for the three
 variants of each group, and the ones DDP adds to the bare step. Each is host time on the
 autograd thread, and on a GPU most are a kernel launch: the direction of the reducer's
-host cost, the same on any machine (tests/python/ddp/test_dispatched_ops.py asserts it).
+host cost, the same on any machine (tests/python/benchmarks/test_reducer_cost.py asserts it).
 """
 
 import argparse
