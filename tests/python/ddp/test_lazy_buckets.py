@@ -39,8 +39,7 @@ def test_lazy_join_uneven_inputs(world):
 
 
 @pytest.mark.parametrize(("gradient_as_bucket_view", "hook"), [
-    (False, "python"), (True, "python"), (True, "bf16"), (True, "int8"), (True, "powersgd"),
-    (True, "acpsgd")])
+    (False, "python"), (True, "python"), (True, "bf16"), (True, "int8")])
 def test_released_buffers_are_freed(world, gradient_as_bucket_view, hook):
     world.check(s.released, gradient_as_bucket_view=gradient_as_bucket_view, hook=hook)
 
