@@ -153,25 +153,8 @@ PowerSGDWork PowerSGDWorkCache::get(const PowerSGDPlan& plan, const PowerSGDOpti
   return work_;  // a copy: the tensors' handles, no data
 }
 
-void pack_uncompressed(const std::vector<size_t>& uncompressed,
-                       const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
-                       const at::Tensor& source, at::Tensor head) {
-  std::vector<at::Tensor> slices;
-  slices.reserve(uncompressed.size());
-  for (size_t k : uncompressed) slices.push_back(source.narrow(0, offsets[k], numels[k]));
-  pack_uncompressed(slices, std::move(head));
-}
-
 void pack_uncompressed(const std::vector<at::Tensor>& slices, at::Tensor head) {
   if (!slices.empty()) at::cat_out(head, slices);
-}
-
-void unpack_uncompressed(const std::vector<size_t>& uncompressed,
-                         const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
-                         at::Tensor head, int64_t world_size, const at::Tensor& dest) {
-  std::vector<at::Tensor> dsts;
-  for (size_t k : uncompressed) dsts.push_back(dest.narrow(0, offsets[k], numels[k]));
-  unpack_uncompressed(std::move(head), world_size, dsts);
 }
 
 void unpack_uncompressed(at::Tensor head, int64_t world_size,

@@ -100,19 +100,12 @@ class PowerSGDWorkCache {
   bool moving_ = false;
 };
 
-// The slots sent as they are (`uncompressed`, of a bucket laid out by `offsets` and
-// `numels`), one after another into `head`: the front of a hook's wire.
-void pack_uncompressed(const std::vector<size_t>& uncompressed,
-                       const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
-                       const at::Tensor& source, at::Tensor head);
-// The same from the slots' views (PowerSGDWork::uncompressed_source).
+// The uncompressed slots (their views, PowerSGDWork::uncompressed_source), one
+// after another into `head`: the front of a hook's wire.
 void pack_uncompressed(const std::vector<at::Tensor>& slices, at::Tensor head);
 // The reverse, once `head` is reduced (a sum): divided by the world size in place, then
-// into those slots of `dest` in one multi-tensor copy (one launch on CUDA).
-void unpack_uncompressed(const std::vector<size_t>& uncompressed,
-                         const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
-                         at::Tensor head, int64_t world_size, const at::Tensor& dest);
-// The same into the slots' views (PowerSGDWork::uncompressed_dest).
+// into the slots' views (PowerSGDWork::uncompressed_dest) in one multi-tensor copy (one
+// launch on CUDA).
 void unpack_uncompressed(at::Tensor head, int64_t world_size,
                          const std::vector<at::Tensor>& dests);
 
