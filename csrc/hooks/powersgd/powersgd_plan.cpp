@@ -122,17 +122,18 @@ PowerSGDWork PowerSGDWorkCache::get(const PowerSGDPlan& plan, const PowerSGDOpti
                                     const at::Tensor& source, const at::Tensor& dest,
                                     const at::Tensor& p_memory, const at::Tensor& q_memory,
                                     const at::Tensor& error) {
-  std::vector<intptr_t> of;
+  Viewed of{};  // on the stack: this runs per bucket per step
+  size_t i = 0;
   for (const at::Tensor* t : {&source, &dest, &p_memory, &q_memory, &error}) {
-    of.push_back(t->defined() ? reinterpret_cast<intptr_t>(t->data_ptr()) : 0);
-    of.push_back(t->defined() ? t->numel() : -1);
+    of[i++] = t->defined() ? reinterpret_cast<intptr_t>(t->data_ptr()) : 0;
+    of[i++] = t->defined() ? t->numel() : -1;
   }
-  if (!of_.empty() && of != of_) {  // moved: keep nothing from now on
+  if (kept_ && of != of_) {  // moved: keep nothing from now on
     moving_ = true;
+    kept_ = false;
     work_ = PowerSGDWork();
-    of_.clear();
   }
-  if (of_.empty()) {
+  if (!kept_) {
     PowerSGDWork work = make_powersgd_work(plan, options, source, dest, p_memory, q_memory);
     if (error.defined()) {
       for (PowerSGDBatch& b : work.batches) {
@@ -148,7 +149,8 @@ PowerSGDWork PowerSGDWorkCache::get(const PowerSGDPlan& plan, const PowerSGDOpti
     }
     if (moving_ || options.batch_tensors_with_same_shape) return work;
     work_ = std::move(work);
-    of_ = std::move(of);
+    of_ = of;
+    kept_ = true;
   }
   return work_;  // a copy: the tensors' handles, no data
 }

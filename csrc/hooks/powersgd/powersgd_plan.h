@@ -5,6 +5,7 @@
 
 #include <ATen/Tensor.h>
 
+#include <array>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -96,7 +97,10 @@ class PowerSGDWorkCache {
 
  private:
   PowerSGDWork work_;
-  std::vector<intptr_t> of_;  // what work_ views: data pointers and sizes
+  // What work_ views: the data pointer and size of each tensor get() is given.
+  using Viewed = std::array<intptr_t, 10>;
+  Viewed of_{};
+  bool kept_ = false;  // work_ and of_ are set
   bool moving_ = false;
 };
 
