@@ -122,7 +122,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE="2")
     torch.set_num_threads(1)
     global START
-    START = max(1, args.steps // 10)
+    START = max(2, args.steps // 10)  # 2: the least PowerSGD's error feedback allows
     dist.init_process_group("gloo", rank=rank, world_size=world)
     out = {}
     for name in args.tasks:
@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(args.configs) - set(CONFIGS)
     if unknown:
         parser.error(f"unknown configurations {sorted(unknown)}")
+    if "fp32 allreduce" not in args.configs:
+        parser.error("--configs must include 'fp32 allreduce': every score is read against it")
     if args.nproc != 4:
         args.configs = [c for c in args.configs if "2x2" not in c]  # 2 nodes of 2 ranks
     print(f"# compression quality: {args.nproc} gloo ranks, {args.steps} steps, torch "
