@@ -21,7 +21,8 @@ x.to(bfloat16) (6 B). Both sides allocate their outputs here.
 
 ortho: PowerSGD's orthogonalization of a batch of (n, r) P matrices in place, fastddp's
 fused kernel (_C.fused_orthogonalize) against torch's powerSGD_hook._orthogonalize
-(Gram-Schmidt op by op for r <= 2, batched linalg.qr above), on ViT-like P shapes.
+(Gram-Schmidt op by op for r <= 2, batched linalg.qr above), on ViT-like P shapes and
+tall ones (an embedding's).
 Median microseconds per call; GB/s counts one read and one write of the batch.
 
 This is a benchmark, not a test.
@@ -155,8 +156,10 @@ def quant8_table(device: str, sizes: str, reps: int) -> None:
                       f"{n_bytes / t_theirs / 1e9:.1f} | {t_theirs / t_ours:.2f}x |")
 
 
-# (batch, n): 24 matrices of ViT-Base's 1024-row or ViT-Large's 4096-row gradients.
-ORTHO_SHAPES = [(24, 1024), (24, 4096)]
+# (batch, n): 24 matrices of ViT-Base's 1024-row or ViT-Large's 4096-row gradients, then
+# tall ones, which take the tall path from rank 3 (Note [tall orthogonalization]): GPT-2's
+# 50257-row token embedding alone, and 4 of 16384 rows (a 4x-wide MLP of width 4096).
+ORTHO_SHAPES = [(24, 1024), (24, 4096), (1, 50257), (4, 16384)]
 ORTHO_RANKS = [1, 2, 4, 8]
 
 

@@ -16,6 +16,7 @@
 #include "../hooks/powersgd/powersgd_plan.h"
 #include "../hooks/quant8/quant8_ops.h"
 #include "../hooks/common/registry.h"
+#include "../hooks/common/side_stream.h"
 #include "python_hook.h"
 #include "../reducer/message.h"
 
@@ -156,6 +157,21 @@ void bind_hooks(py::module& m) {
       },
       py::arg("matrices"), py::arg("epsilon") = 0.0,
       "torch's PowerSGD _orthogonalize on a (batch, n, r) tensor, in place; returns it.");
+  m.def(
+      "_tall_orthogonalize_cpu",
+      [](at::Tensor matrices) { return tall_orthogonalize_cpu(matrices); }, py::arg("matrices"),
+      "The CUDA tall orthogonalization's arithmetic on a CPU tensor, in place (for tests; see "
+      "csrc/hooks/powersgd/orthogonalize.h).");
+  m.def(
+      "_side_stream",
+      [](const std::string& device) {
+        const c10::Stream stream = side_stream(c10::Device(device));
+        return std::make_tuple(stream.id(), stream.device_index(),
+                               static_cast<int>(stream.device_type()));
+      },
+      py::arg("device"),
+      "The hooks' side stream of a device (Note [hook streams]) as (stream_id, device_index, "
+      "device_type), the arguments of torch.cuda.Stream that wrap it.");
   m.def(
       "fused_orthogonalize",
       [](at::Tensor matrices, double epsilon) { return fused_orthogonalize(matrices, epsilon); },

@@ -26,6 +26,8 @@
 //   As QR, epsilon is ignored and the result is always orthonormal: a column that is exactly zero after projection (rank-deficient
 //   input, e.g. an all-zero gradient) is replaced by a unit vector orthogonal
 //   to the earlier columns instead of becoming NaN.
+// From kTallRows rows, r > 2 takes the tall path instead (CholeskyQR2 over
+// row chunks, Note [tall orthogonalization] in orthogonalize_tall.h).
 #pragma once
 
 #include <cstdint>
@@ -34,6 +36,11 @@ namespace fastddp::kernels {
 
 // Whether rank r takes the QR-like path (two passes, epsilon ignored).
 constexpr bool orthogonalize_like_qr(int64_t r) { return r > 2; }
+
+// Largest r the CPU kernels take: the column-major scratch copy of one matrix
+// stays in L2 up to about this rank for PowerSGD's n; beyond it LAPACK's
+// blocked QR wins. Callers check it (r is not checked again here).
+constexpr int64_t kOrthogonalizeCpuMaxRank = 64;
 
 // CPU: single-threaded over the `batch` matrices starting at `matrices`; the
 // caller threads by handing out chunks of the batch. Vectorized per column.

@@ -14,7 +14,8 @@
 //   compute stream  waits only in the reducer's finalize, at the end of
 //                   backward, on the bucket's future.
 // So backward never queues behind communication. The side stream is one per
-// device from c10's pool, shared by all hooks of the process. Every tensor used
+// device, created by fastddp (not one of c10's pool, which other code draws
+// from too) and shared by all hooks of the process. Every tensor used
 // on a stream other than the one it was allocated on is recorded there with
 // the caching allocator (recordStream), so its memory is not reused before
 // that stream's work ran; no tensor is kept alive by hand for that.
@@ -41,6 +42,9 @@ class SideStreamScope {
  private:
   std::optional<c10::StreamGuard> guard_;
 };
+
+// `device`'s side stream (the same one for the life of the process).
+c10::Stream side_stream(const c10::Device& device);
 
 // recordStream on the current stream for each defined non-CPU tensor: they are
 // used by work queued there (Note [hook streams]).

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "../orthogonalize.h"
+#include "../orthogonalize_tall.h"
 #include "launch.cuh"
 
 namespace fastddp::kernels {
@@ -146,9 +147,12 @@ __device__ void gram_schmidt_pass(T* a, int64_t n, int r, double epsilon, bool l
   }
 }
 
+// `only`, when given, holds a flag per matrix of the launch: the blocks of the
+// matrices whose flag is 0 return at once (the tall path's Gram-Schmidt step).
 template <typename T>
 __global__ void orthogonalize_kernel(T* matrices, int64_t n, int r, double epsilon,
-                                     bool like_qr) {
+                                     bool like_qr, const int32_t* only) {
+  if (only != nullptr && only[blockIdx.x] == 0) return;  // block-uniform
   __shared__ Shared sh;
   T* a = matrices + static_cast<int64_t>(blockIdx.x) * n * r;
   if (like_qr) {
@@ -160,7 +164,8 @@ __global__ void orthogonalize_kernel(T* matrices, int64_t n, int r, double epsil
 }
 
 template <typename T>
-void launch(T* matrices, int64_t batch, int64_t n, int64_t r, double epsilon, void* stream_ptr) {
+void launch(T* matrices, int64_t batch, int64_t n, int64_t r, double epsilon, void* stream_ptr,
+            const int32_t* only = nullptr) {
   if (batch <= 0 || n <= 0 || r <= 0) return;
   if (r > kOrthogonalizeCudaMaxRank) {
     throw std::invalid_argument("fastddp orthogonalize_cuda: rank " + std::to_string(r) +
@@ -170,7 +175,8 @@ void launch(T* matrices, int64_t batch, int64_t n, int64_t r, double epsilon, vo
   for (int64_t begin = 0; begin < batch; begin += kMaxGrid) {
     const int64_t blocks = batch - begin < kMaxGrid ? batch - begin : kMaxGrid;
     orthogonalize_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        matrices + begin * n * r, n, static_cast<int>(r), epsilon, orthogonalize_like_qr(r));
+        matrices + begin * n * r, n, static_cast<int>(r), epsilon, orthogonalize_like_qr(r),
+        only == nullptr ? nullptr : only + begin);
     check(cudaGetLastError(), "orthogonalize_cuda launch");
   }
 }
@@ -185,6 +191,16 @@ void orthogonalize_cuda(float* matrices, int64_t batch, int64_t n, int64_t r, do
 void orthogonalize_cuda(double* matrices, int64_t batch, int64_t n, int64_t r, double epsilon,
                         void* stream) {
   launch(matrices, batch, n, r, epsilon, stream);
+}
+
+void orthogonalize_cuda_where(float* matrices, int64_t batch, int64_t n, int64_t r,
+                              const int32_t* only, void* stream) {
+  launch(matrices, batch, n, r, 0.0, stream, only);
+}
+
+void orthogonalize_cuda_where(double* matrices, int64_t batch, int64_t n, int64_t r,
+                              const int32_t* only, void* stream) {
+  launch(matrices, batch, n, r, 0.0, stream, only);
 }
 
 }  // namespace fastddp::kernels

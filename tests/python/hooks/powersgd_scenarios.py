@@ -73,6 +73,22 @@ class Mixed(nn.Module):
         return self.head(h)
 
 
+class Tall(nn.Module):
+    """One 8200 x 16 matrix, compressed up to rank 4 (torch's min_compression_rate 2). On
+    CUDA its P (8200 x r) takes fastddp's tall orthogonalization path from rank 3
+    (CholeskyQR2, Note [tall orthogonalization]); torch uses linalg.qr."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8200, 16) / 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.weight.t())
+
+
+MODELS = {"mixed": Mixed, "tall": Tall}
+
+
 def serialized_powerSGD_hook(state: psgd.PowerSGDState,
                              bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """torch's powerSGD_hook, waited for before the next bucket's hook runs. torch issues the
@@ -106,20 +122,25 @@ def serialized_batched_powerSGD_hook(
     return done
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, model: str = "mixed") -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    if model == "tall":
+        return torch.randn(6, 16, generator=g), torch.randn(6, 8200, generator=g)
     return torch.randn(6, 4, 5, 5, generator=g), torch.randn(6, 2, generator=g)
 
 
 def powersgd_training(steps: int = 6, how: str = "fastddp", fast_seed: int | None = None,
                       bucket_cap_mb: float = 0.004, gradient_as_bucket_view: bool = False,
-                      batched: bool = False, **state_args) -> dict:
+                      batched: bool = False, model: str = "mixed", device: str = "cpu",
+                      **state_args) -> dict:
     """torch DDP + torch's powerSGD_hook against fastddp + the native hook. `how`:
     "fastddp" (fastddp.hooks.powersgd) or "torch" (torch's hook and a PowerSGDState).
     fast_seed: a different random_seed for fastddp (a mismatch the check must catch).
-    batched: torch's batched_powerSGD_hook and fastddp.hooks.batched_powersgd instead."""
+    batched: torch's batched_powerSGD_hook and fastddp.hooks.batched_powersgd instead.
+    model: a key of MODELS; device: where the model and its gradients live. The result says
+    which fastddp orthogonalization paths ran."""
     torch.manual_seed(0)
-    base = Mixed()
+    base = MODELS[model]().to(device)
     ddp_args = {"bucket_cap_mb": bucket_cap_mb, "gradient_as_bucket_view": gradient_as_bucket_view}
     ref = TorchDDP(copy.deepcopy(base), **ddp_args)
     fast = fastddp.DistributedDataParallel(copy.deepcopy(base), **ddp_args)
@@ -140,12 +161,27 @@ def powersgd_training(steps: int = 6, how: str = "fastddp", fast_seed: int | Non
         make = fastddp.hooks.batched_powersgd if batched else fastddp.hooks.powersgd
         fast.register_comm_hook(None, make(**fast_args))
     opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ref, fast)]
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    with profiler:
+        differs_from_mean = _train(ref, fast, opts, base, steps, model, device, batched,
+                                   state_args)
+    stats = fast.comm_stats()
+    ranges = {e.name for e in profiler.events() if e.name.startswith("fastddp orthogonalize")}
+    return {"hook": fast._reducer.hook_name, "differs_from_mean": differs_from_mean,
+            "bytes_sent": stats["bytes_sent"], "bytes_reduced": stats["bytes_reduced"],
+            "buckets": len(stats["buckets"]), "torch_stats": list(ref_state.compression_stats()),
+            "orthogonalize_ranges": sorted(ranges)}
+
+
+def _train(ref: nn.Module, fast: nn.Module, opts: list, base: nn.Module, steps: int,
+           model: str, device: str, batched: bool, state_args: dict) -> bool:
+    """powersgd_training's steps; whether a compressed step differed from the plain mean."""
     differs_from_mean = False
     for step in range(steps):
-        inputs, target = batch(step)
-        for model, opt in zip((ref, fast), opts):
+        inputs, target = (t.to(device) for t in batch(step, model))
+        for net, opt in zip((ref, fast), opts):
             opt.zero_grad(set_to_none=step % 2 == 0)
-            F.mse_loss(model(inputs), target).backward()
+            F.mse_loss(net(inputs), target).backward()
         tol = BATCHED_TOL if batched else TOL
         agree(lambda s=step: compare_grads(unwrap(ref), unwrap(fast), f"step {s}", tol))
         if step >= state_args.get("start_powerSGD_iter", 1000):
@@ -155,10 +191,7 @@ def powersgd_training(steps: int = 6, how: str = "fastddp", fast_seed: int | Non
         with torch.no_grad():  # float rounding must not compound through the optimizer
             for p, q in zip(ref.parameters(), fast.parameters()):
                 q.copy_(p)
-    stats = fast.comm_stats()
-    return {"hook": fast._reducer.hook_name, "differs_from_mean": differs_from_mean,
-            "bytes_sent": stats["bytes_sent"], "bytes_reduced": stats["bytes_reduced"],
-            "buckets": len(stats["buckets"]), "torch_stats": list(ref_state.compression_stats())}
+    return differs_from_mean
 
 
 def _differs_from_plain_mean(base: nn.Module, fast: nn.Module, inputs: torch.Tensor,

@@ -61,6 +61,22 @@ def test_half_hooks_match_torch_on_cuda(gloo_worlds, case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rank", [2, 4])
+def test_powersgd_on_a_tall_matrix_matches_torch_on_cuda(gloo_worlds, rank):
+    """An 8200 x 16 weight on 2 ranks' CUDA tensors: from rank 3 fastddp orthogonalizes its
+    P on the tall path (CholeskyQR2, Note [tall orthogonalization]), torch with linalg.qr;
+    at rank 2 both run Gram-Schmidt. Grads within powersgd_scenarios.TOL every step."""
+    import powersgd_scenarios
+
+    out = gloo_worlds(2).check(powersgd_scenarios.powersgd_training, model="tall",
+                               device="cuda", matrix_approximation_rank=rank,
+                               start_powerSGD_iter=2)[0]
+    assert out["differs_from_mean"]
+    tall = "fastddp orthogonalize tall" in out["orthogonalize_ranges"]
+    assert tall == (rank > 2), out["orthogonalize_ranges"]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("batched", [False, True], ids=["powerSGD_hook", "batched"])
 def test_torch_powersgd_hook_on_cuda_gloo(gloo_worlds, batched):
     """torch's powerSGD_hook with a PowerSGDState on 2 ranks' CUDA tensors: fastddp runs it
@@ -93,3 +109,14 @@ def test_packed_half_scenario_on_cpu(world):
     assert world.check(s.half_hooks, fast_hook="fastddp.fp16",
                        ref_hook="torch.fp16_compress_hook", packed=True,
                        device="cpu")[0] == "fp16"
+
+
+def test_tall_powersgd_scenario_on_cpu(world):
+    # The tall-matrix scenario above on CPU tensors: the same grads as torch's hook, and no
+    # tall path (the CPU keeps Gram-Schmidt, test_orthogonalize.py).
+    import powersgd_scenarios
+
+    out = world.check(powersgd_scenarios.powersgd_training, model="tall",
+                      matrix_approximation_rank=4, start_powerSGD_iter=2)[0]
+    assert out["differs_from_mean"]
+    assert out["orthogonalize_ranges"] == ["fastddp orthogonalize"]

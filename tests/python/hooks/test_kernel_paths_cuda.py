@@ -82,3 +82,27 @@ def test_quantize_and_dequantize_paths(fmt, n, offset):
         k = -(-(c.numel() - 1) // block)
         got = _C._dequantize8(c.cuda()[1:], s.cuda()[:k], fmt, block)
         assert same(got.cpu(), _C._dequantize8(c[1:], s[:k], fmt, block))
+
+
+def test_the_side_stream_is_fastddps_own():
+    # Note [hook streams]: one stream per device, created by fastddp, so not one of the
+    # pool's that torch.cuda.Stream() (and any other library) hands out round-robin, and
+    # the same for the life of the process (one cuBLAS workspace for PowerSGD's products).
+    ids = _C._side_stream("cuda:0")
+    assert ids == _C._side_stream("cuda:0")
+    ours = torch.cuda.Stream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
+    assert ours.device == torch.device("cuda:0")
+    pool = {torch.cuda.Stream(device=0, priority=p).cuda_stream for p in (0, -1)
+            for _ in range(40)}  # the pool has 32 streams per priority
+    assert ours.cuda_stream not in pool
+    assert ours.cuda_stream not in (0, torch.cuda.current_stream(0).cuda_stream)
+
+
+def test_tall_orthogonalization_path_runs_on_cuda():
+    # From 8192 rows and rank 3 the CUDA kernels take CholeskyQR2 over row blocks (Note
+    # [tall orthogonalization]); test_orthogonalize.py checks its numbers against torch's QR.
+    from test_orthogonalize import ran_tall_path, random_batch
+
+    assert ran_tall_path(random_batch(2, 70_000, 4, torch.float32, 0).cuda())
+    assert not ran_tall_path(random_batch(2, 8191, 4, torch.float32, 0).cuda())
+

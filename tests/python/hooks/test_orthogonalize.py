@@ -2,8 +2,9 @@
 powerSGD_hook._orthogonalize.
 
 r <= 2: torch's Gram-Schmidt, so the results agree element by element. r > 2: torch
-uses linalg.qr; the fused kernel's twice-applied Gram-Schmidt gives the same columns up
-to sign (which PowerSGD's P Q^T does not see), so signs are matched first. The CUDA test
+uses linalg.qr; the fused kernel's twice-applied Gram-Schmidt (CholeskyQR2 from 8192 rows)
+gives the same columns up to sign (which PowerSGD's P Q^T does not see), so signs are
+matched first. The CUDA test
 checks the GPU kernel against the CPU one.
 """
 
@@ -15,6 +16,11 @@ from fastddp import _C
 
 NS = [1, 2, 3, 4, 8, 16, 17, 100, 1000, 4096]
 RANKS = [1, 2, 3, 4, 8, 16]
+# From 8192 rows (kTallRows), r > 2 takes the tall path on CUDA (CholeskyQR2 over row
+# chunks, Note [tall orthogonalization]); on CPU tall() runs its arithmetic. 20011 leaves a
+# short last chunk.
+TALL_NS = [8192, 20011]
+TALL_RANKS = [3, 4, 8, 16]
 
 
 def random_batch(batch: int, n: int, r: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -71,19 +77,28 @@ def fused(m: torch.Tensor, epsilon: float) -> torch.Tensor:
     return out
 
 
+def tall(m: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
+    """The CUDA tall path's arithmetic (CholeskyQR2 over row chunks) on a CPU tensor, as
+    fused() takes it on CUDA; epsilon is ignored there, as by QR."""
+    out = m.clone()
+    assert _C._tall_orthogonalize_cpu(out) is True
+    return out
+
+
 def torch_orthogonalize(m: torch.Tensor, epsilon: float) -> torch.Tensor:
     out = m.clone()
     psgd._orthogonalize(out, epsilon)
     return out
 
 
-def check_matches_torch(r: int, n: int, device: str) -> None:
-    """The fused kernel of `device` against torch's _orthogonalize on the same device."""
+def check_matches_torch(r: int, n: int, device: str, orthogonalize=fused) -> None:
+    """The fused kernel of `device` (or `orthogonalize`) against torch's _orthogonalize on
+    the same device."""
     for dtype in (torch.float32, torch.float64):
         for batch in (1, 7):
             for eps in (0.0, 1e-8):
                 m = random_batch(batch, n, r, dtype, seed=1000 * n + 10 * r + batch)
-                got = fused(m.to(device), eps).cpu()
+                got = orthogonalize(m.to(device), eps).cpu()
                 want = torch_orthogonalize(m.to(device), eps).cpu()
                 what = f"{device} {dtype} batch {batch} n {n} r {r} eps {eps}"
                 if r <= 2:
@@ -105,7 +120,7 @@ def check_matches_torch(r: int, n: int, device: str) -> None:
                                                    atol=tol / 10, msg=what)
 
 
-@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("n", NS + TALL_NS[:1])
 @pytest.mark.parametrize("r", RANKS)
 def test_matches_torch(r: int, n: int) -> None:
     if r > n:
@@ -113,15 +128,63 @@ def test_matches_torch(r: int, n: int) -> None:
     check_matches_torch(r, n, "cpu")
 
 
+@pytest.mark.parametrize("n", TALL_NS)
+@pytest.mark.parametrize("r", TALL_RANKS)
+def test_tall_matches_torch(r: int, n: int) -> None:
+    check_matches_torch(r, n, "cpu", tall)
+
+
+def ran_tall_path(m: torch.Tensor) -> bool:
+    """Whether orthogonalizing m recorded the tall path's profiler range."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fused(m, 0.0)
+    names = {e.name for e in prof.events()}
+    assert "fastddp orthogonalize" in names or "fastddp orthogonalize tall" in names
+    return "fastddp orthogonalize tall" in names
+
+
+def test_cpu_keeps_gram_schmidt_on_tall_matrices() -> None:
+    # Per core, the vectorized Gram-Schmidt is several times faster than CholeskyQR2's
+    # r^2 scalar products per row; the tall path is the GPU's (test_kernel_paths_cuda.py).
+    assert not ran_tall_path(random_batch(1, 20011, 16, torch.float64, 0))
+
+
+@pytest.mark.parametrize("n, r", [(8191, 3), (20011, 2), (20011, 65)])
+def test_tall_twin_refuses_other_shapes(n: int, r: int) -> None:
+    # Below 8192 rows, at r <= 2 (torch's Gram-Schmidt) and above the CPU's rank limit.
+    m = random_batch(1, n, r, torch.float32, 0)
+    before = m.clone()
+    assert _C._tall_orthogonalize_cpu(m) is False
+    assert torch.equal(m, before)
+
+
+def test_tall_path_gives_the_same_bits_on_any_thread_count() -> None:
+    # Partial Gram matrices per fixed row chunk, summed in chunk order: the threads only
+    # decide who computes which chunk.
+    m = random_batch(3, 20011, 4, torch.float32, seed=5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = tall(m)
+        torch.set_num_threads(max(2, threads))
+        many = tall(m)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+@pytest.mark.parametrize("n, orthogonalize", [(1024, fused), (8192, tall)], ids=["", "tall"])
 @pytest.mark.parametrize("r", [3, 4, 8, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_nearly_dependent_columns_stay_orthogonal(r: int, dtype: torch.dtype) -> None:
+def test_nearly_dependent_columns_stay_orthogonal(r: int, dtype: torch.dtype, n: int,
+                                                  orthogonalize) -> None:
     # Every column is the first plus 1e-4 of noise: one Gram-Schmidt pass would lose
-    # about 1e-4 * 1e4 = all of its orthogonality in float32; QR and two passes do not.
-    m = random_batch(3, 1024, r, torch.float64, seed=r)
+    # about 1e-4 * 1e4 = all of its orthogonality in float32; QR and two passes do not
+    # (nor does the tall path, whose Cholesky step sends such matrices to Gram-Schmidt).
+    m = random_batch(3, n, r, torch.float64, seed=r)
     m[:, :, 1:] = m[:, :, :1] + 1e-4 * m[:, :, 1:]
     m = m.to(dtype)
-    got = fused(m, 0.0)
+    got = orthogonalize(m, 0.0)
     assert orthogonality_error(got) < 1e-4
     assert orthogonality_error(torch_orthogonalize(m, 0.0)) < 1e-4  # torch's QR: the bar
 
@@ -139,15 +202,16 @@ def test_zero_column_like_torch(r: int) -> None:
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("n, orthogonalize", [(64, fused), (8192, tall)], ids=["", "tall"])
 @pytest.mark.parametrize("eps", [0.0, 1e-8])
-def test_rank_deficient_is_completed_like_qr(eps: float) -> None:
+def test_rank_deficient_is_completed_like_qr(eps: float, n: int, orthogonalize) -> None:
     # torch's QR returns orthonormal columns for any input; so does the fused r > 2 path
-    # (a zero gradient must not turn into NaN).
-    m = random_batch(3, 64, 4, torch.float32, seed=4)
+    # (a zero gradient must not turn into NaN), the tall one included.
+    m = random_batch(3, n, 4, torch.float32, seed=4)
     m[0] = 0
     m[1, :, 2] = 0
     m[2, :, 3] = 3 * m[2, :, 1]
-    got = fused(m, eps)
+    got = orthogonalize(m, eps)
     assert got.isfinite().all()
     assert orthogonality_error(got) < 1e-5
     assert span_error(m[1:], got[1:]) < 1e-5
@@ -183,7 +247,7 @@ def test_unsupported_input_is_left_alone(make) -> None:
 def test_cuda_matches_torch_on_cuda(r: int) -> None:
     """The CUDA kernel against torch's _orthogonalize on CUDA tensors (its Gram-Schmidt in
     torch's CUDA ops for r <= 2, CUDA's linalg.qr above), with the CPU test's bounds."""
-    for n in NS:
+    for n in NS + (TALL_NS if r > 2 else []):
         if r <= n:
             check_matches_torch(r, n, "cuda")
 
