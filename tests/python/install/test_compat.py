@@ -107,9 +107,14 @@ def build_and_check(venv_python: str, version: str, env_extra: dict, tmp_path) -
     # both cores busy (benchmarks/results/suite.md); 3x that. Under three concurrent suites
     # and three other builds it passed the old 30 min bound (stop 36), and the compilers
     # that subprocess.run left behind went on for minutes: the whole group is killed now.
+    # ccache's base is the checkout, not the copy: the venv's torch headers lie under it
+    # too (build/torch-*-venv), so every path the compile sees is made relative and a fresh
+    # clone at another path reuses the objects (with the copy as base, the venv's absolute
+    # include paths missed the cache in each new clone: the 2.11 build took about 25 minutes
+    # of a loaded run).
     built = run_in_own_group([venv_python, "-m", "pip", "install", "--no-build-isolation",
                               "--no-deps", "--no-index", src], 3600,
-                             env={**ccache_env(src), **env_extra})
+                             env={**ccache_env(root), **env_extra})
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     check = subprocess.run([venv_python, "-m", "fastddp", "--check"], capture_output=True,
                            text=True, timeout=600, cwd=tmp_path)
