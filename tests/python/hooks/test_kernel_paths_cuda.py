@@ -105,4 +105,3 @@ def test_tall_orthogonalization_path_runs_on_cuda():
 
     assert ran_tall_path(random_batch(2, 70_000, 4, torch.float32, 0).cuda())
     assert not ran_tall_path(random_batch(2, 8191, 4, torch.float32, 0).cuda())
-

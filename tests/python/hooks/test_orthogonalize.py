@@ -2,10 +2,10 @@
 powerSGD_hook._orthogonalize.
 
 r <= 2: torch's Gram-Schmidt, so the results agree element by element. r > 2: torch
-uses linalg.qr; the fused kernel's twice-applied Gram-Schmidt (CholeskyQR2 from 8192 rows)
-gives the same columns up to sign (which PowerSGD's P Q^T does not see), so signs are
-matched first. The CUDA test
-checks the GPU kernel against the CPU one.
+uses linalg.qr; the fused kernel's twice-applied Gram-Schmidt (on CUDA from 8192 rows,
+CholeskyQR2: its arithmetic on CPU is tall() here) gives the same columns up to sign (which
+PowerSGD's P Q^T does not see), so signs are matched first. The CUDA tests check the GPU
+kernels against torch on CUDA and against the CPU kernel.
 """
 
 import pytest
