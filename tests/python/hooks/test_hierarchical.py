@@ -4,9 +4,11 @@ wrong meshes and local sizes, and the launcher's --hook hier:INNER."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -88,6 +90,46 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if entry.isdigit() and int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def _outputs_or_stacks(agents: list[subprocess.Popen]) -> list[str]:
+    """Both agents' outputs; past the no-hang deadline (TIMEOUT_S, over 9x this test's 12 s
+    with both cores busy), fails with each rank's Python stacks (SIGABRT under
+    PYTHONFAULTHANDLER; the ranks write to their agent's stdout) and both agents' outputs,
+    every process of theirs killed. A loaded fresh-clone run once passed the deadline here
+    with no more than one rank's start-up line to show for it (results/suite.md)."""
+    try:
+        return [a.communicate(timeout=TIMEOUT_S)[0] for a in agents]
+    except subprocess.TimeoutExpired:
+        for agent in agents:
+            for rank in _children(agent.pid):
+                try:
+                    os.kill(rank, signal.SIGABRT)
+                except ProcessLookupError:
+                    pass
+        time.sleep(5)  # the stacks are written
+        for agent in agents:
+            try:
+                os.killpg(agent.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        texts = [a.communicate()[0] for a in agents]
+        pytest.fail(f"no result within {TIMEOUT_S} s:\n" + "\n".join(
+            f"--- agent {i} ---\n{text}" for i, text in enumerate(texts)))
+
+
 @pytest.mark.parametrize("hook", ["hier:bf16", "auto:bf16"])
 def test_launcher_two_nodes(tmp_path, hook):
     """docs/multinode.md's command line, as two torchrun agents (2 "nodes" x 2 ranks) on
@@ -105,9 +147,10 @@ def test_launcher_two_nodes(tmp_path, hook):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
            "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=hier-test",
            "-m", "fastddp", "--hook", hook, str(SCRIPT), "--out", str(out), "--steps", "60"]
+    env["PYTHONFAULTHANDLER"] = "1"  # a SIGABRT'd rank prints its threads' stacks
     agents = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True) for _ in range(2)]
-    outputs = [a.communicate(timeout=TIMEOUT_S)[0] for a in agents]
+                               text=True, start_new_session=True) for _ in range(2)]
+    outputs = _outputs_or_stacks(agents)
     for agent, text in zip(agents, outputs):
         assert agent.returncode == 0, text
     fast = json.loads(out.read_text())
