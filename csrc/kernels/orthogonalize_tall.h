@@ -67,35 +67,32 @@ void orthogonalize_tall_cpu(T* matrices, int64_t batch, int64_t n, int64_t r,
   std::vector<double> partials(static_cast<size_t>(batch * chunks * rr));
   std::vector<double> inv(static_cast<size_t>(batch * rr));
   std::vector<char> gram_schmidt(static_cast<size_t>(batch), 0);
+  // work(b, k) for k in [0, per_matrix) of each matrix b that Gram-Schmidt
+  // takes (`refused`) or does not, threaded over all (b, k).
+  auto each = [&](int64_t per_matrix, bool refused, const auto& work) {
+    parallel_for(batch * per_matrix, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t b = t / per_matrix;
+        if ((gram_schmidt[b] != 0) == refused) work(b, t % per_matrix);
+      }
+    });
+  };
   for (int pass = 0; pass < 2; ++pass) {
-    parallel_for(batch * chunks, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t b = t / chunks;
-        if (gram_schmidt[b]) continue;
-        tall_gram_cpu(matrices + b * n * r, n, r, t % chunks, partials.data() + t * rr);
-      }
+    each(chunks, false, [&](int64_t b, int64_t chunk) {
+      tall_gram_cpu(matrices + b * n * r, n, r, chunk, partials.data() + (b * chunks + chunk) * rr);
     });
-    parallel_for(batch, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        if (gram_schmidt[b]) continue;
-        gram_schmidt[b] =
-            !tall_factor_cpu(partials.data() + b * chunks * rr, chunks, r, inv.data() + b * rr);
-      }
+    each(1, false, [&](int64_t b, int64_t) {
+      gram_schmidt[b] =
+          !tall_factor_cpu(partials.data() + b * chunks * rr, chunks, r, inv.data() + b * rr);
     });
-    parallel_for(batch * chunks, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t b = t / chunks;
-        if (gram_schmidt[b]) continue;
-        tall_apply_cpu(matrices + b * n * r, n, r, t % chunks, inv.data() + b * rr);
-      }
+    each(chunks, false, [&](int64_t b, int64_t chunk) {
+      tall_apply_cpu(matrices + b * n * r, n, r, chunk, inv.data() + b * rr);
     });
   }
   // After a first pass the matrix holds its first-pass Q, whose columns span
   // the same nested subspaces as the input's: Gram-Schmidt of it is the same.
-  parallel_for(batch, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      if (gram_schmidt[b]) orthogonalize_cpu(matrices + b * n * r, 1, n, r, 0.0);
-    }
+  each(1, true, [&](int64_t b, int64_t) {
+    orthogonalize_cpu(matrices + b * n * r, 1, n, r, 0.0);
   });
 }
 

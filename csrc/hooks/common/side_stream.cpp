@@ -40,15 +40,6 @@ c10::Stream new_side_stream(const c10::Device& device) {
   return impl.getStreamFromGlobalPool(device);
 }
 
-c10::Stream side_stream_of(const c10::Device& device) {
-  static std::mutex mutex;
-  static std::unordered_map<c10::Device, c10::Stream> streams;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = streams.find(device);
-  if (it == streams.end()) it = streams.emplace(device, new_side_stream(device)).first;
-  return it->second;
-}
-
 void record_one(const at::Tensor& tensor) {
   if (!tensor.defined() || tensor.device().is_cpu()) return;
   const c10::impl::VirtualGuardImpl impl(tensor.device().type());
@@ -57,18 +48,25 @@ void record_one(const at::Tensor& tensor) {
 
 }  // namespace
 
+c10::Stream side_stream(const c10::Device& device) {
+  static std::mutex mutex;
+  static std::unordered_map<c10::Device, c10::Stream> streams;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = streams.find(device);
+  if (it == streams.end()) it = streams.emplace(device, new_side_stream(device)).first;
+  return it->second;
+}
+
 SideStreamScope::SideStreamScope(const c10::Device& device) {
   if (device.is_cpu()) return;
   const c10::impl::VirtualGuardImpl impl(device.type());
   const c10::Stream current = impl.getStream(device);
-  const c10::Stream side = side_stream_of(device);
+  const c10::Stream side = side_stream(device);
   c10::Event ready(device.type());
   ready.record(current);
   ready.block(side);  // a stream wait on the device: the host goes on
   guard_.emplace(side);
 }
-
-c10::Stream side_stream(const c10::Device& device) { return side_stream_of(device); }
 
 void record_current_stream(std::initializer_list<at::Tensor> tensors) {
   for (const at::Tensor& tensor : tensors) record_one(tensor);
