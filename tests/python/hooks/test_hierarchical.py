@@ -105,11 +105,11 @@ def _children(pid: int) -> list[int]:
 
 
 def _outputs_or_stacks(agents: list[subprocess.Popen]) -> list[str]:
-    """Both agents' outputs; past the no-hang deadline (TIMEOUT_S, over 9x this test's 12 s
-    with both cores busy), fails with each rank's Python stacks (SIGABRT under
-    PYTHONFAULTHANDLER; the ranks write to their agent's stdout) and both agents' outputs,
-    every process of theirs killed. A loaded fresh-clone run once passed the deadline here
-    with no more than one rank's start-up line to show for it (results/suite.md)."""
+    """Both agents' outputs; past the no-hang deadline (TIMEOUT_S, 4x this test's 30 s with
+    both cores busy inside test_hierarchical.py), fails with the Python stacks of every rank
+    and both agents (SIGABRT under PYTHONFAULTHANDLER; the ranks write to their agent's
+    stdout) and both agents' outputs (their INFO log: each phase with its time), every
+    process of theirs killed. How this found what slowed the test down: results/suite.md."""
     try:
         return [a.communicate(timeout=TIMEOUT_S)[0] for a in agents]
     except subprocess.TimeoutExpired:
@@ -119,6 +119,11 @@ def _outputs_or_stacks(agents: list[subprocess.Popen]) -> list[str]:
                     os.kill(rank, signal.SIGABRT)
                 except ProcessLookupError:
                     pass
+        for agent in agents:
+            try:
+                os.kill(agent.pid, signal.SIGABRT)
+            except ProcessLookupError:
+                pass
         time.sleep(5)  # the stacks are written
         for agent in agents:
             try:
@@ -147,7 +152,8 @@ def test_launcher_two_nodes(tmp_path, hook):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
            "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=hier-test",
            "-m", "fastddp", "--hook", hook, str(SCRIPT), "--out", str(out), "--steps", "60"]
-    env["PYTHONFAULTHANDLER"] = "1"  # a SIGABRT'd rank prints its threads' stacks
+    env["PYTHONFAULTHANDLER"] = "1"  # a SIGABRT'd rank or agent prints its threads' stacks
+    env["LOGLEVEL"] = "INFO"  # torchrun's agents log their phases
     agents = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True) for _ in range(2)]
     outputs = _outputs_or_stacks(agents)
