@@ -320,16 +320,18 @@ def _process_groups() -> list:
 
 
 def _destroy_groups_but(kept: set) -> None:
-    """Destroys the process groups a finished scenario made (hierarchical hooks, device
-    meshes, subgroups). Each gloo group keeps a thread that wakes every 10 ms for good: a
-    persistent world that kept them all had hundreds per rank by the suite's end, and
-    their wake-ups starved other processes beside two busy loops (a two-node launcher
-    run took 104-155 s instead of 13 s beside 4 idle ranks holding 10 scenarios' groups;
-    results/suite.md)."""
+    """Destroys the process groups a finished scenario made (hierarchical hooks, subgroups).
+    Each gloo group keeps a thread that wakes every 10 ms for good: a persistent world that
+    kept them all had hundreds per rank by the suite's end, and their wake-ups starved other
+    processes beside two busy loops (a two-node launcher run took 104-155 s instead of 13 s
+    beside 4 idle ranks holding 10 scenarios' groups; results/suite.md).
+
+    A device mesh's groups stay: meshes compare equal by their layout alone, so torch's
+    DTensor caches hand a later scenario's equal mesh the earlier one's group names."""
     import torch.distributed as dist
 
     for group in _process_groups():
-        if group not in kept:
+        if group not in kept and not group.group_desc.startswith("mesh"):
             dist.destroy_process_group(group)
 
 
