@@ -105,11 +105,12 @@ def _children(pid: int) -> list[int]:
 
 
 def _outputs_or_stacks(agents: list[subprocess.Popen]) -> list[str]:
-    """Both agents' outputs; past the no-hang deadline (TIMEOUT_S, 4x this test's 30 s with
-    both cores busy inside test_hierarchical.py), fails with the Python stacks of every rank
-    and both agents (SIGABRT under PYTHONFAULTHANDLER; the ranks write to their agent's
-    stdout) and both agents' outputs (their INFO log: each phase with its time), every
-    process of theirs killed. How this found what slowed the test down: results/suite.md."""
+    """Both agents' outputs; past the no-hang deadline (TIMEOUT_S), fails with the Python
+    stacks of every rank and both agents (SIGABRT under PYTHONFAULTHANDLER; the ranks write
+    to their agent's stdout) and both agents' outputs (their INFO log: each phase with its
+    time), every process of theirs killed. The test takes 13 s beside two busy loops alone,
+    but 95-117 s inside its file, where the 4-rank world's kept gloo groups wake every 10 ms
+    (results/suite.md: the cause, and why the harness fix was taken back)."""
     try:
         return [a.communicate(timeout=TIMEOUT_S)[0] for a in agents]
     except subprocess.TimeoutExpired:
