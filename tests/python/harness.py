@@ -282,11 +282,15 @@ def _worker_main(rank: int, size: int, port: int, backend: str,
     except BaseException as e:
         conn.send(_failure(rank, e))
         return
+    world_groups = set(_process_groups())
     while True:
         try:
             message = conn.recv()
         except (EOFError, OSError):
             break
+        # Every rank answered the previous scenario before this message was sent (run()
+        # collects all replies first), so no collective is left on its groups.
+        _destroy_groups_but(world_groups)
         if message is _STOP:
             break
         name, kwargs = message
@@ -307,6 +311,33 @@ def _worker_main(rank: int, size: int, port: int, backend: str,
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _process_groups() -> list:
+    from torch.distributed import distributed_c10d
+
+    return list(distributed_c10d._world.pg_map)
+
+
+def _destroy_groups_but(kept: set) -> None:
+    """Destroys the c10d groups a finished scenario made (hierarchical hooks, subgroups).
+    Each gloo group keeps a thread that wakes every 10 ms for good: a persistent world that
+    kept them all had hundreds per rank by the suite's end, and their wake-ups starved other
+    processes beside two busy loops (a two-node launcher run took 104-155 s instead of 13 s
+    beside 4 idle ranks holding 10 scenarios' groups; results/suite.md).
+
+    A device mesh's groups stay: meshes compare equal by their layout alone, so torch's
+    DTensor caches hand a later scenario's equal mesh the earlier one's group names. So do
+    the link emulator's wrappers, which sit in torch's group map without a name (torch's
+    destroy_process_group raises KeyError on them)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    named = distributed_c10d._world.pg_names
+    for group in _process_groups():
+        if (group not in kept and group in named
+                and not group.group_desc.startswith("mesh")):
+            dist.destroy_process_group(group)
 
 
 def _failure(rank: int, e: BaseException) -> RankResult:

@@ -108,9 +108,9 @@ def _outputs_or_stacks(agents: list[subprocess.Popen]) -> list[str]:
     """Both agents' outputs; past the no-hang deadline (TIMEOUT_S), fails with the Python
     stacks of every rank and both agents (SIGABRT under PYTHONFAULTHANDLER; the ranks write
     to their agent's stdout) and both agents' outputs (their INFO log: each phase with its
-    time), every process of theirs killed. The test takes 13 s beside two busy loops alone,
-    but 95-117 s inside its file, where the 4-rank world's kept gloo groups wake every 10 ms
-    (results/suite.md: the cause, and why the harness fix was taken back)."""
+    time), every process of theirs killed. The deadline is 4x the 28-33 s the test takes
+    beside two busy loops inside its file; it took 95-117 s there while the file's 4-rank
+    world kept every scenario's gloo groups (results/suite.md)."""
     try:
         return [a.communicate(timeout=TIMEOUT_S)[0] for a in agents]
     except subprocess.TimeoutExpired:
