@@ -314,9 +314,11 @@ def _worker_main(rank: int, size: int, port: int, backend: str,
 
 
 def _process_groups() -> list:
+    """torch's named c10d groups (not the link emulator's wrappers: they sit in torch's group
+    map without a name, and torch's destroy_process_group raises KeyError on them)."""
     from torch.distributed import distributed_c10d
 
-    return list(distributed_c10d._world.pg_map)
+    return list(distributed_c10d._world.pg_names)
 
 
 def _destroy_groups_but(kept: set) -> None:
@@ -327,16 +329,11 @@ def _destroy_groups_but(kept: set) -> None:
     beside 4 idle ranks holding 10 scenarios' groups; results/suite.md).
 
     A device mesh's groups stay: meshes compare equal by their layout alone, so torch's
-    DTensor caches hand a later scenario's equal mesh the earlier one's group names. So do
-    the link emulator's wrappers, which sit in torch's group map without a name (torch's
-    destroy_process_group raises KeyError on them)."""
+    DTensor caches hand a later scenario's equal mesh the earlier one's group names."""
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d
 
-    named = distributed_c10d._world.pg_names
     for group in _process_groups():
-        if (group not in kept and group in named
-                and not group.group_desc.startswith("mesh")):
+        if group not in kept and not group.group_desc.startswith("mesh"):
             try:
                 dist.destroy_process_group(group)
             except Exception:  # hygiene only: a group kept costs time, never a result

@@ -16,6 +16,7 @@ import fastddp
 import hier_scenarios
 import hook_scenarios
 from fastddp.launch.patch import HookSpec, parse_hook_spec
+from test_elastic import _descendants
 from test_launcher import PACKAGE_DIR, SCRIPT, TIMEOUT_S
 
 
@@ -90,20 +91,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (Linux /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if entry.isdigit() and int(fields[1]) == pid:
-            found.append(int(entry))
-    return found
-
-
 def _outputs_or_stacks(agents: list[subprocess.Popen]) -> list[str]:
     """Both agents' outputs; past the no-hang deadline (TIMEOUT_S), fails with the Python
     stacks of every rank and both agents (SIGABRT under PYTHONFAULTHANDLER; the ranks write
@@ -115,7 +102,7 @@ def _outputs_or_stacks(agents: list[subprocess.Popen]) -> list[str]:
         return [a.communicate(timeout=TIMEOUT_S)[0] for a in agents]
     except subprocess.TimeoutExpired:
         for agent in agents:
-            for rank in _children(agent.pid):
+            for rank in _descendants(agent.pid):
                 try:
                     os.kill(rank, signal.SIGABRT)
                 except ProcessLookupError:
