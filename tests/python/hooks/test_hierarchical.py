@@ -5,7 +5,6 @@ wrong meshes and local sizes, and the launcher's --hook hier:INNER."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import fastddp
 import hier_scenarios
 import hook_scenarios
 from fastddp.launch.patch import HookSpec, parse_hook_spec
+from harness import _free_port
 from test_elastic import _descendants
 from test_launcher import PACKAGE_DIR, SCRIPT, TIMEOUT_S
 
@@ -83,12 +83,6 @@ def test_parse_hier_spec():
                       ("hier:nope", "not a hook")):
         with pytest.raises(ValueError, match=text):
             parse_hook_spec(bad)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _outputs_or_stacks(agents: list[subprocess.Popen]) -> list[str]:
