@@ -24,9 +24,9 @@ void Reducer::finalize_backward() {
     at::Tensor kept;  // undefined: nothing checked, the step stands
     if (!reduced_.empty()) {  // Note [a bad step leaves no trace]
       const at::NoGradGuard no_grad;
-      kept = all_finite(reduced_);
-      step_state_.keep_if_finite(hook_->step_state(), kept);
-      if (track_finite_) last_finite_ = kept;
+      const at::Tensor finite = all_finite(reduced_);
+      kept = step_state_.keep_if_finite(hook_->step_state(), finite);
+      if (track_finite_) last_finite_ = finite;
       reduced_.clear();
     }
     hook_->after_step(kept);

@@ -31,15 +31,37 @@ at::Tensor all_finite(const std::vector<at::Tensor>& tensors) {
   // The largest magnitude of each tensor (one fused launch per dtype and
   // device on CUDA): NaN or Inf if it holds one, finite otherwise (no sum of
   // squares to overflow on large finite values).
+  // Empty tensors hold nothing non-finite, and have no infinity norm.
+  std::vector<at::Tensor> held;
+  held.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) {
+    if (t.numel() > 0) held.push_back(t);
+  }
+  if (held.empty()) {
+    const auto where = tensors.empty() ? at::TensorOptions() : tensors.front().options();
+    return at::ones({}, where.dtype(at::kBool));
+  }
   const std::vector<at::Tensor> maxima =
-      at::_foreach_norm(tensors, std::numeric_limits<double>::infinity());
+      at::_foreach_norm(held, std::numeric_limits<double>::infinity());
   return at::stack(maxima).isfinite().all();
 }
 
-void StepState::keep_if_finite(const std::vector<at::Tensor>& tensors, const at::Tensor& finite) {
-  if (tensors.empty()) return;
-  if (finite.is_cpu() && finite.item<bool>()) return;  // no device: a branch costs nothing
-  select(tensors, finite);
+at::Tensor StepState::keep_if_finite(const std::vector<at::Tensor>& tensors,
+                                     const at::Tensor& finite) {
+  if (tensors.empty() || saved_.empty()) return finite;
+  std::vector<at::Tensor> copies;
+  copies.reserve(saved_.size());
+  for (const Saved& s : saved_) copies.push_back(s.copy);
+  if (finite.is_cpu()) {  // no device: branches cost nothing, and a finite step reads no copy
+    if (finite.item<bool>() || !all_finite(copies).item<bool>()) {
+      return at::ones({}, finite.options());
+    }
+    select(tensors, finite);
+    return finite;
+  }
+  const at::Tensor keep = finite.logical_or(all_finite(copies).to(finite.device()).logical_not());
+  select(tensors, keep);
+  return keep;
 }
 
 void StepState::restore(const std::vector<at::Tensor>& tensors) {

@@ -18,6 +18,17 @@
 // Under check_for_nan_in_grad the failed step puts the state back the same
 // way. Hooks without state (allreduce, bf16 without error feedback) cost
 // nothing here.
+//
+// A state that was already non-finite before the step is kept as the step
+// leaves it, as torch's hooks keep theirs: torch's powerSGD_hook
+// orthogonalizes a zero matrix (a parameter unused under
+// find_unused_parameters, at rank <= 2) to NaN and carries that in its error
+// feedback for good, and putting back every later step where that parameter
+// is used would freeze every other parameter's state too (issue 43: the
+// trunk's gradient then left torch's from the third compressed step). So a
+// step is put back only when it would turn a finite state non-finite. On the
+// CPU the snapshot is read for that only after a non-finite step; on a device
+// it is one more max-norm over the snapshot.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -33,9 +44,10 @@ class StepState {
   // Whether the last snapshot had anything to protect.
   bool empty() const { return saved_.empty(); }
   // After the write-back: `tensors` (the hook's state now) keep this step's
-  // values where `finite` (all_finite of the averaged gradients) is true, else
-  // take back the snapshot's.
-  void keep_if_finite(const std::vector<at::Tensor>& tensors, const at::Tensor& finite);
+  // values where `finite` (all_finite of the averaged gradients) is true or
+  // the snapshot was not all finite, else take back the snapshot's. Returns
+  // whether the step's state stands (a 0-dim bool on `finite`'s device).
+  at::Tensor keep_if_finite(const std::vector<at::Tensor>& tensors, const at::Tensor& finite);
   // After a failed step (check_for_nan_in_grad): the snapshot's values back.
   void restore(const std::vector<at::Tensor>& tensors);
 
