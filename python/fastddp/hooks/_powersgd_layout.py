@@ -21,10 +21,12 @@ P when the compiled module reports it (``"ps"`` / ``"bucket_ps"`` in the hook's
 torch's hook given the state still reuses its Q). Loading ignores it.
 """
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
 import torch
+
+if TYPE_CHECKING:  # numpy only where a torch PowerSGDState's generator is read or made
+    import numpy as np
 
 from fastddp import _C
 
@@ -114,7 +116,12 @@ def batched_to_torch(raw: dict, plan: list[list[int]], src: Parameters) -> tuple
     return errors, ps, qs
 
 
-def numpy_rng(native_state: str) -> np.random.RandomState:
+def numpy_rng(native_state: str) -> "np.random.RandomState":
+    """The native generator as torch's PowerSGDState holds it. numpy is imported here, not
+    at module level: torch's wheel does not require numpy, and only a torch PowerSGDState
+    (whose generator is numpy's) needs it."""
+    import numpy as np
+
     pos, *key = (int(v) for v in native_state.split())
     rng = np.random.RandomState()
     rng.set_state(("MT19937", np.array(key, dtype=np.uint32), pos, 0, 0.0))
@@ -122,6 +129,15 @@ def numpy_rng(native_state: str) -> np.random.RandomState:
 
 
 # --- torch (per bucket index) -> native (per parameter index) ------------------------------
+
+def _numpy() -> Any:
+    """numpy, or None where it is not installed (then no PowerSGDState can hold its rng)."""
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
+
 
 def to_native(fields: dict[str, Any], src: Parameters) -> dict[str, Any]:
     """A PowerSGDState's training state as the native hook's load_state_dict takes it."""
@@ -132,7 +148,8 @@ def to_native(fields: dict[str, Any], src: Parameters) -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"fastddp: {where}'s {name} must be an int >= 0, got {value!r}")
     rng = fields["rng"]
-    if not isinstance(rng, np.random.RandomState):
+    np = _numpy()
+    if np is None or not isinstance(rng, np.random.RandomState):
         raise ValueError(f"fastddp: {where}'s rng must be a numpy RandomState, got "
                          f"{type(rng).__name__}")
     _, key, pos, *_ = rng.get_state()

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from fastddp.selfcheck import environment
-from fastddp.selfcheck.cases import all_cases
+from fastddp.selfcheck.cases import all_cases, skipped_cases
 from fastddp.selfcheck.runner import Row, run_world
 
 # A hang is the only way to get near this: the CPU check takes about a minute.
@@ -79,6 +79,8 @@ def main(out=sys.stdout) -> int:
             say(f"{case.name:<{width}}  {label:<16} {against:<10} {row.seconds:6.2f}  {text}")
             if not ok:
                 failures.append(f"{case.name} on {label}: {text}")
+    for name in skipped_cases():
+        say(f"{name:<{width}}  skipped: torch's PowerSGDState needs numpy, not installed here")
     say()
     took = time.monotonic() - started
     if failures:
