@@ -17,6 +17,7 @@
 #include "../hooks/quant8/quant8_ops.h"
 #include "../hooks/common/registry.h"
 #include "../hooks/common/side_stream.h"
+#include "../hooks/common/spare_state.h"
 #include "python_hook.h"
 #include "../reducer/message.h"
 
@@ -172,6 +173,10 @@ void bind_hooks(py::module& m) {
       py::arg("device"),
       "The hooks' side stream of a device (Note [hook streams]) as (stream_id, device_index, "
       "device_type), the arguments of torch.cuda.Stream that wrap it.");
+  m.def("_settle_as_on_device", &set_settle_as_on_device, py::arg("on"),
+        "Double-buffered hook state settles as on a device (swap, then a put-back on the "
+        "device flag) for CPU tensors too: the tests run that path without a GPU "
+        "(csrc/hooks/common/spare_state.h).");
   m.def(
       "fused_orthogonalize",
       [](at::Tensor matrices, double epsilon) { return fused_orthogonalize(matrices, epsilon); },

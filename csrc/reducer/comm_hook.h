@@ -101,6 +101,20 @@ class CommHook {
   // here, where a device read would synchronize.
   virtual void after_step(const at::Tensor& kept) { (void)kept; }
 
+  // Note [double-buffered step state]: a hook that writes each step's new
+  // state into spare buffers, leaving the state it read untouched, settles it
+  // itself and gives step_state() nothing to copy: a finite step then costs no
+  // copy and no select. settle_step() runs at the end of every synchronized
+  // backward that reached the write-back, with `finite` as keep_if_finite
+  // gets it (undefined: nothing was checked, the step stands); it keeps the
+  // new state where `finite` is true or the state it read was already not
+  // all finite (reducer/step_state.h), else the state it read, and returns
+  // that choice as a 0-dim bool (a device tensor on a device: no host sync).
+  // discard_step(): a failed step; the state it read stands.
+  virtual bool settles_own_state() const { return false; }
+  virtual at::Tensor settle_step(const at::Tensor& finite) { return finite; }
+  virtual void discard_step() {}
+
   // Whether run() and write_back() accept sparse buckets (see Bucket::sparse):
   // copy_in then stores the gradient in bucket.sparse_grad, run() reduces it,
   // and the future's tensor becomes the parameter's .grad.

@@ -22,12 +22,19 @@ void Reducer::finalize_backward() {
     if (track_usage() && used_work_ && !used_map_reduced_) used_work_->wait();
     if (options_.mixed_precision) restore_masters();
     at::Tensor kept;  // undefined: nothing checked, the step stands
-    if (!reduced_.empty()) {  // Note [a bad step leaves no trace]
+    {  // Note [a bad step leaves no trace]
       const at::NoGradGuard no_grad;
-      const at::Tensor finite = all_finite(reduced_);
-      kept = step_state_.keep_if_finite(hook_->step_state(), finite);
-      if (track_finite_) last_finite_ = finite;
-      reduced_.clear();
+      at::Tensor finite;
+      if (!reduced_.empty()) {
+        finite = all_finite(reduced_);
+        if (track_finite_) last_finite_ = finite;
+        reduced_.clear();
+      }
+      if (hook_->settles_own_state()) {  // Note [double-buffered step state]
+        kept = hook_->settle_step(finite);
+      } else if (finite.defined()) {
+        kept = step_state_.keep_if_finite(hook_->step_state(), finite);
+      }
     }
     hook_->after_step(kept);
     if (optimizer_step_) {
@@ -124,6 +131,9 @@ void Reducer::fail_iteration(const std::exception_ptr& error) {
     bucket.future.reset();
   }
   release_buckets();  // nothing writes into them any more
+  // A double-buffered hook's step wrote only its spare buffers: whatever the
+  // failure, the state it read stands (Note [double-buffered step state]).
+  if (hook_->settles_own_state()) hook_->discard_step();
   if (drop_hook_state_) {  // check_for_nan_in_grad: the state from before the step
     step_state_.restore(hook_->step_state());
     drop_hook_state_ = false;
@@ -195,7 +205,7 @@ void Reducer::write_back(Bucket& bucket, const c10::IValue& result) {
   // require grad (create_graph=True).
   const at::NoGradGuard no_grad;
   hook_->write_back(bucket, result, dsts);
-  if (step_state_.empty() && !track_finite_) return;
+  if (step_state_.empty() && !track_finite_ && !hook_->settles_own_state()) return;
   for (const at::Tensor& dst : dsts) {
     if (dst.defined()) reduced_.push_back(dst);  // checked once all are in
   }

@@ -73,6 +73,9 @@ class HierarchicalHook : public CommHook {
   void abandon_step() override;
   std::vector<at::Tensor> step_state() override { return inner_->step_state(); }
   void after_step(const at::Tensor& kept) override { inner_->after_step(kept); }
+  bool settles_own_state() const override { return inner_->settles_own_state(); }
+  at::Tensor settle_step(const at::Tensor& finite) override { return inner_->settle_step(finite); }
+  void discard_step() override { inner_->discard_step(); }
   // The inner hook's bytes for this rank's shard: what crosses the inter-node
   // link. The intra-node bytes are intra_wire_bytes().
   int64_t wire_bytes(const Bucket& bucket) const override;

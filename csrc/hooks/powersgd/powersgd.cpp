@@ -59,16 +59,22 @@ std::shared_ptr<PipelinedHook::Stage> PowerSGDHook::start(
   at::Tensor source = input;
   if (options_.use_error_feedback) {
     // M = gradient + error, out of place: M is also the copy the new error
-    // is taken from, and the bucket receives P Q^T.
+    // is taken from, and then the new error itself (Note [double-buffered
+    // step state]); the bucket receives P Q^T. state.error is only read.
     at::add_out(state.source, input, state.error);  // a kept buffer: no page faults per step
     stage->input_copy = state.source;
     source = stage->input_copy;
   }
+  // The step's Q is the spare: last step's Q (the state) is read once here,
+  // and orthogonalized, projected and replaced in the spare.
+  // (None yet where a resumed checkpoint supplies every Q: qs_after_draw below.)
+  if (!randomize && state.q_memory.defined()) state.q_spare.copy_(state.q_memory);
+  state.pending = true;
   // Stacked after the error feedback: torch stacks views of the corrected buffer.
   at::Tensor p_memory = state.wire.narrow(0, plan.uncompressed_numel, plan.p_numel);
   stage->work = state.views.get(plan, options_, bucket.offsets, bucket.numels, source, input,
-                                p_memory, state.q_memory,
-                                options_.use_error_feedback ? state.error : at::Tensor());
+                                p_memory, state.q_spare,
+                                options_.use_error_feedback ? state.source : at::Tensor());
   PowerSGDWork& work = stage->work;
   if (randomize) {
     std::vector<at::Tensor> qs;
@@ -76,7 +82,7 @@ std::shared_ptr<PipelinedHook::Stage> PowerSGDHook::start(
     draw_random_q(qs);
   }
   for (const auto& carried : state.qs_after_draw) {
-    state.q_memory.narrow(0, carried.first, carried.second.numel())
+    state.q_spare.narrow(0, carried.first, carried.second.numel())
         .copy_(carried.second.reshape(-1));
   }
   state.qs_after_draw.clear();
@@ -106,9 +112,9 @@ void PowerSGDHook::finish(Stage& base) {
   for (at::Tensor& p : work.p_groups) powersgd_orthogonalize(p, options_.orthogonalization_epsilon);
   for (PowerSGDBatch& b : work.batches) lowrank_back_project(b.matrices, b.p, b.q);
   record_current_stream({stage.wire, stage.input, stage.input_copy, state.source,
-                         state.q_memory});
+                         state.q_spare});
   for (const PowerSGDBatch& b : work.batches) record_current_stream({b.matrices, b.out});
-  auto q_reduced = allreduce(state.q_memory);
+  auto q_reduced = allreduce(state.q_spare);
   complete_after(q_reduced, stage.result, "allreduce of Q",
                  [this, state = stage.state, work = std::move(work), input = stage.input,
                   input_copy = stage.input_copy]() mutable {
@@ -120,10 +126,12 @@ c10::IValue PowerSGDHook::decompress(BucketState& state, PowerSGDWork& work,
                                      const at::Tensor& input, const at::Tensor& input_copy) {
   std::vector<PowerSGDBatch>& batches = work.batches;
   FASTDDP_PROFILE_RANGE("fastddp decompress (powersgd)");
-  state.q_memory.div_(world_size_);
+  state.q_spare.div_(world_size_);
   const bool error_feedback = options_.use_error_feedback;
   // The new error (M - P Q^T) in the same pass as P Q^T where the result
-  // goes straight into the bucket; stacked batches take one sub over all.
+  // goes straight into the bucket, in place of M (b.error views M: the
+  // kernels read each element before they write it); stacked batches take
+  // one sub over all.
   const bool fuse_error =
       error_feedback && std::all_of(batches.begin(), batches.end(),
                                     [](const PowerSGDBatch& b) { return b.unstack.empty(); });
@@ -139,26 +147,21 @@ c10::IValue PowerSGDHook::decompress(BucketState& state, PowerSGDWork& work,
     }
   }
   if (fuse_error && !work.uncompressed_error.empty()) {
-    // The uncompressed slots' error, M - the average, in two multi-tensor ops
-    // (two launches on CUDA, not one per slot); the same values as a sub.
-    at::_foreach_copy_(work.uncompressed_error, work.uncompressed_source);
+    // The uncompressed slots' error, M - the average, in place of M: one
+    // multi-tensor op (one launch on CUDA, not one per slot).
     at::_foreach_sub_(work.uncompressed_error, work.uncompressed_dest);
   } else if (error_feedback && !fuse_error) {
-    at::sub_out(state.error, input_copy, input);
+    at::Tensor error = input_copy;  // M's buffer, state.source
+    error.sub_(input);
   }
   // This callback's kernels run on the collective's stream (Note [hook streams]).
-  record_current_stream({state.q_memory, state.error, input, input_copy});
+  record_current_stream({state.q_spare, input, input_copy});
   for (const PowerSGDBatch& b : batches) record_current_stream({b.p, b.matrices, b.out});
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!options_.warm_start) state.q_memory = at::Tensor();
   return c10::IValue(input);
 }
 
 void PowerSGDHook::bucket_step_state(std::vector<at::Tensor>& into) const {
-  for (const auto& [index, state] : states_) {
-    into.push_back(state->error);     // undefined without error feedback: skipped
-    into.push_back(state->q_memory);  // undefined without warm start
-  }
+  (void)into;  // double-buffered: nothing for the reducer to copy (settle_step)
 }
 
 namespace {

@@ -30,7 +30,12 @@
 //   - Q's allreduce is pipelined with the next bucket (Note [pipelined
 //     hooks]), so any bucket size works, on gloo too;
 //   - state (error, Q) is per parameter across a bucket rebuild and in a
-//     checkpoint (powersgd_state.cpp), where torch keys it by bucket index.
+//     checkpoint (powersgd_state.cpp), where torch keys it by bucket index;
+//   - the state is double-buffered (Note [double-buffered step state]): the
+//     new error goes into M's buffer, in the pass that computes it, and the
+//     step's Q into a spare; settle_step() swaps them in when the step
+//     stands. The one copy per step is Q's (m r per matrix), into the spare,
+//     because the orthogonalization works in place.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -56,6 +61,9 @@ class PowerSGDHook : public PowerSGDBase {
   // The bucket's bytes before compression starts; then the uncompressed
   // slots plus the P and Q memories.
   int64_t wire_bytes(const Bucket& bucket) const override;
+  bool settles_own_state() const override { return true; }
+  at::Tensor settle_step(const at::Tensor& finite) override;
+  void discard_step() override;
 
  protected:
   std::shared_ptr<Stage> start(Bucket& bucket, size_t index, bool is_last,
@@ -70,9 +78,11 @@ class PowerSGDHook : public PowerSGDBase {
     // Where each compressed slot's P (p_rows x q_cols) is in `wire` (-1: none).
     std::vector<int64_t> p_offsets, p_rows;
     at::Tensor error;     // error feedback, the bucket's numel
-    at::Tensor source;    // M = gradient + error, with error feedback
+    at::Tensor source;    // M = gradient + error, with error feedback; then the new error
     at::Tensor wire;      // [uncompressed | P]: one allreduce
-    at::Tensor q_memory;  // every Q of the bucket, flat
+    at::Tensor q_memory;  // every Q of the bucket, flat (the state: warm start)
+    at::Tensor q_spare;   // this step's Q: the second allreduce
+    bool pending = false;  // this step wrote source and q_spare: settle_step decides
     // Carried Qs (q_offset, Q) to put in place once Q is initialized.
     std::vector<std::pair<int64_t, at::Tensor>> qs_after_draw;
     PowerSGDWorkCache views;  // the step's views of the tensors above and the bucket

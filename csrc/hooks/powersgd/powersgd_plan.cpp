@@ -128,31 +128,30 @@ PowerSGDWork PowerSGDWorkCache::get(const PowerSGDPlan& plan, const PowerSGDOpti
     of[i++] = t->defined() ? reinterpret_cast<intptr_t>(t->data_ptr()) : 0;
     of[i++] = t->defined() ? t->numel() : -1;
   }
-  if (kept_ && of != of_) {  // moved: keep nothing from now on
+  for (const Kept& k : kept_) {
+    if (k.set && k.of == of) return k.work;  // a copy: the tensors' handles, no data
+  }
+  if (kept_[next_].set && kept_[1 - next_].set) {  // a third set: moved, keep nothing from now on
     moving_ = true;
-    kept_ = false;
-    work_ = PowerSGDWork();
+    kept_ = {};
   }
-  if (!kept_) {
-    PowerSGDWork work = make_powersgd_work(plan, options, source, dest, p_memory, q_memory);
+  PowerSGDWork work = make_powersgd_work(plan, options, source, dest, p_memory, q_memory);
+  if (error.defined()) {
+    for (PowerSGDBatch& b : work.batches) {
+      if (b.unstack.empty()) b.error = error.narrow(0, b.offset, b.out.numel()).view_as(b.out);
+    }
+  }
+  for (size_t k : plan.uncompressed) {
+    work.uncompressed_source.push_back(source.narrow(0, offsets[k], numels[k]));
+    work.uncompressed_dest.push_back(dest.narrow(0, offsets[k], numels[k]));
     if (error.defined()) {
-      for (PowerSGDBatch& b : work.batches) {
-        if (b.unstack.empty()) b.error = error.narrow(0, b.offset, b.out.numel()).view_as(b.out);
-      }
+      work.uncompressed_error.push_back(error.narrow(0, offsets[k], numels[k]));
     }
-    for (size_t k : plan.uncompressed) {
-      work.uncompressed_source.push_back(source.narrow(0, offsets[k], numels[k]));
-      work.uncompressed_dest.push_back(dest.narrow(0, offsets[k], numels[k]));
-      if (error.defined()) {
-        work.uncompressed_error.push_back(error.narrow(0, offsets[k], numels[k]));
-      }
-    }
-    if (moving_ || options.batch_tensors_with_same_shape) return work;
-    work_ = std::move(work);
-    of_ = of;
-    kept_ = true;
   }
-  return work_;  // a copy: the tensors' handles, no data
+  if (moving_ || options.batch_tensors_with_same_shape) return work;
+  kept_[next_] = {work, of, true};
+  next_ = 1 - next_;
+  return work;
 }
 
 void pack_uncompressed(const std::vector<at::Tensor>& slices, at::Tensor head) {

@@ -84,9 +84,12 @@ PowerSGDWork make_powersgd_work(const PowerSGDPlan& plan, const PowerSGDOptions&
 // it (reducer_cost.py --count). Stacked batches copy data, so
 // batch_tensors_with_same_shape makes them afresh. `error` (may be undefined):
 // the error feedback, also viewed per unstacked matrix (PowerSGDBatch::error).
-// Once a viewed tensor moves (lazy_bucket_allocation gives the bucket a new
-// buffer every backward, Note [lazy bucket storage]) it keeps nothing: kept
-// views would hold the released buffer alive between steps.
+// It keeps two sets: a double-buffered state (Note [double-buffered step
+// state]) swaps its buffers after every step that stands, so the tensors
+// alternate between two sets of pointers. Once a third set comes
+// (lazy_bucket_allocation gives the bucket a new buffer every backward,
+// Note [lazy bucket storage]) it keeps nothing: kept views would hold the
+// released buffers alive between steps.
 class PowerSGDWorkCache {
  public:
   // `offsets` and `numels`: the bucket's slots.
@@ -96,11 +99,15 @@ class PowerSGDWorkCache {
                    const at::Tensor& q_memory, const at::Tensor& error);
 
  private:
-  PowerSGDWork work_;
-  // What work_ views: the data pointer and size of each tensor get() is given.
+  // What a work views: the data pointer and size of each tensor get() is given.
   using Viewed = std::array<intptr_t, 10>;
-  Viewed of_{};
-  bool kept_ = false;  // work_ and of_ are set
+  struct Kept {
+    PowerSGDWork work;
+    Viewed of{};
+    bool set = false;
+  };
+  std::array<Kept, 2> kept_;
+  size_t next_ = 0;  // the entry a new set of pointers goes into
   bool moving_ = false;
 };
 

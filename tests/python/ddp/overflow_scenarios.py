@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 import fastddp
+from fastddp import _C
 from scenarios import vector_batch
 
 BAD_STEP = 4  # after PowerSGD's start (2): its memories exist and are used
@@ -122,6 +123,17 @@ def scaler_run(hook: str, where: str = "all", ranks: str = "one", steps: int = 9
                                                             ref.parameters())),
             "taken_after": taken[BAD_STEP + 1:], "scales": (scale, ref_scale),
             "finite": all(bool(p.isfinite().all()) for p in fast.parameters())}
+
+
+def scaler_run_settled_as_on_device(**kwargs) -> dict:
+    """scaler_run with double-buffered hook state settled as on a GPU (the host swaps in
+    every step's state, and a put-back keyed on the step's flag restores the old one: Note
+    [double-buffered step state]), so that path is tested where there is no GPU."""
+    _C._settle_as_on_device(True)
+    try:
+        return scaler_run(**kwargs)
+    finally:
+        _C._settle_as_on_device(False)
 
 
 def long_run(hook: str, steps: int = 200, every: int = 5) -> dict:

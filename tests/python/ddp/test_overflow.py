@@ -24,9 +24,9 @@ def nccl_world1():
     world.close()
 
 
-def both(world, hook: str, **kwargs) -> None:
+def both(world, hook: str, scenario=s.scaler_run, **kwargs) -> None:
     for where, ranks in PLACES:
-        for r in world.check(s.scaler_run, hook=hook, where=where, ranks=ranks, **kwargs):
+        for r in world.check(scenario, hook=hook, where=where, ranks=ranks, **kwargs):
             what = f"{hook}, overflow in {where} on {ranks} rank(s): {r}"
             # Every step after the bad one is taken (the scale is never halved again).
             assert r["taken_after"] == [True] * len(r["taken_after"]), what
@@ -36,6 +36,12 @@ def both(world, hook: str, **kwargs) -> None:
 @pytest.mark.parametrize("hook", STATEFUL + STATELESS)
 def test_one_overflow_leaves_no_trace(world, hook):
     both(world, hook)
+
+
+@pytest.mark.parametrize("hook", ["powersgd", "torch_powersgd"])
+def test_device_settling_leaves_no_trace(world, hook):
+    # The GPU's way of settling double-buffered state, run on CPU tensors.
+    both(world, hook, scenario=s.scaler_run_settled_as_on_device)
 
 
 @pytest.mark.parametrize("hook", HIERARCHICAL)

@@ -15,6 +15,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
+from fastddp import _C
 from powersgd_scenarios import TOL, serialized_powerSGD_hook
 from scenarios import agree, unwrap
 
@@ -68,7 +69,17 @@ def _grads_agree(ref: nn.Module, fast: nn.Module, where: str) -> None:
 
 
 def unused_heads_training(bucket_cap_mb: float, steps: int = 8, rank: int = 2,
-                          start: int = 2, seed: int = 7) -> dict:
+                          start: int = 2, seed: int = 7, as_on_device: bool = False) -> dict:
+    """as_on_device: the hook's double-buffered state settles as on a GPU (Note
+    [double-buffered step state]), where the state read is judged by its Qs."""
+    _C._settle_as_on_device(as_on_device)
+    try:
+        return _train(bucket_cap_mb, steps, rank, start, seed)
+    finally:
+        _C._settle_as_on_device(False)
+
+
+def _train(bucket_cap_mb: float, steps: int, rank: int, start: int, seed: int) -> dict:
     torch.manual_seed(0)
     base = Heads()
     args = {"bucket_cap_mb": bucket_cap_mb, "find_unused_parameters": True}

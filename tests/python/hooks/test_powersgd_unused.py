@@ -7,9 +7,10 @@ import pytest
 import powersgd_unused_scenarios as scen
 
 
+@pytest.mark.parametrize("as_on_device", [False, True], ids=["cpu_settle", "device_settle"])
 @pytest.mark.parametrize("cap", [scen.HEADS_ONLY_MB, scen.SHARED_MB], ids=["heads_alone", "shared"])
-def test_matches_torch(world, cap):
-    out = world.check(scen.unused_heads_training, bucket_cap_mb=cap)[0]
+def test_matches_torch(world, cap, as_on_device):
+    out = world.check(scen.unused_heads_training, bucket_cap_mb=cap, as_on_device=as_on_device)[0]
     assert out["hook"] == "powersgd", out  # torch's hook and state ran as the native hook
     if cap == scen.SHARED_MB:  # the unused heads share the one bucket with the trunk
         assert out["buckets"] == [["even", "never", "odd", "trunk"]], out
