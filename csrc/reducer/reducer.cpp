@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -154,6 +155,7 @@ void Reducer::reset_iteration() {
   next_bucket_ = 0;
   finalize_queued_ = false;
   hooks_seen_ = false;
+  graph_retained_ = false;
   marked_unused_ = false;
   last_ready_order_.clear();
   for (Bucket& bucket : buckets_) bucket.pending = bucket.params.size();
@@ -204,11 +206,23 @@ void Reducer::handle_grad_ready(size_t index) {
     });
   }
   if (phase_ == Phase::kIdle) return;
+  // Note [a backward after the reduction]: torch's reducer ignores every hook
+  // between its finalize and the next forward, so a second backward through
+  // one forward output (retain_graph=True) leaves unreduced gradients behind
+  // without a word; fastddp raises for that one. Only a backward that retained
+  // its graph can be followed by another through the same forward: autograd
+  // frees the graph's saved tensors otherwise. Any other backward after the
+  // reduction went through the bare module (model.module(x), as torch's
+  // test_c10d_pypg does) or some other graph: its gradients stay local, as
+  // under torch.
+  if (phase_ == Phase::kReduced && !graph_retained_) return;
   FASTDDP_CHECK(phase_ != Phase::kReduced, "fastddp: parameter '", names_[index],
                 "' received a gradient after this iteration's gradients were already reduced. "
                 "DistributedDataParallel reduces once per forward: a second backward through the "
                 "same forward output is not supported. Run the forward again, or do the extra "
                 "backward passes under no_sync().");
+  // A thread-local read (the engine's current graph task): true where there is none.
+  graph_retained_ = graph_retained_ || torch::autograd::get_current_graph_task_keep_graph();
   note_backward_start();
   if (static_first_iteration()) {
     ++expected_hooks_[index];

@@ -266,7 +266,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   enum class Phase {
     kIdle,       // no synchronized backward expected: hooks do nothing
     kExpecting,  // armed by after_forward(true)
-    kReduced,    // this forward's backward is done; another one is an error
+    kReduced,    // this forward's backward is done; see Note [a backward after the reduction]
   };
 
   void install_hooks();
@@ -351,6 +351,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   size_t next_bucket_ = 0;
   bool finalize_queued_ = false;
   bool hooks_seen_ = false;  // a hook fired in this backward
+  // Whether a backward that fired this iteration's hooks retained its graph
+  // (retain_graph=True). Note [a backward after the reduction].
+  bool graph_retained_ = false;
   int64_t divide_factor_ = 0;  // 0: the world size
 
   // Note [skipping unused buckets].

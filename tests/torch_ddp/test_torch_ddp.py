@@ -3,14 +3,18 @@
 Modelled on pytorch's test/distributed/test_distributed_spawn.py (the DDP tests of
 ``distributed_test._DistTestBase``, gloo, 2 ranks) and test/distributed/rpc/
 test_tensorpipe_agent.py (the DDP-under-RPC suites of ``ddp_under_dist_autograd_test``).
+Also the cases of pytorch's test/distributed/test_c10d_pypg.py (DDP over a process group
+written in Python), which the wheel does not ship: python_group_tests.py has them, under
+torch's names, as fastddp's own code.
 
 Column: fastddp by default; ``FASTDDP_DISABLE=1`` runs the same tests on stock torch DDP.
 fastddp must replace torch's class before torch's test modules are imported (they do
 ``from torch.nn.parallel import DistributedDataParallel``). Every rank is a spawned process
-that re-imports this module, so patching here at the top covers the test process and all
-ranks. Each rank also checks, before the test body runs, that the names it will use are the
-column's class, and in the fastddp column constructing torch's own class raises: a run that
-silently tested torch's DDP cannot pass.
+that re-imports this module (in the Python-group cases, as in torch's, a thread of this
+process), so patching here at the top covers the test process and all ranks. Each rank
+also checks, before the test body runs, that the names it will use are the column's class,
+and in the fastddp column constructing torch's own class raises: a run that silently tested
+torch's DDP cannot pass.
 
 Selection, xfail marks for known failures and deselection of stock failures: conftest.py.
 Both columns side by side: compare_columns.py (make test-torch-ddp-suite).
@@ -99,6 +103,8 @@ from torch.testing._internal.distributed.rpc.tensorpipe_rpc_agent_test_fixture i
     TensorPipeRpcAgentTestFixture,
 )
 
+import python_group_tests as pypg  # imports torch's DDP name after the patch, as torch's do
+
 # torch raises the limit for two slow tests to 400 and 500 s; one limit for all here.
 for _name in common_distributed.TIMEOUT_OVERRIDE:
     common_distributed.TIMEOUT_OVERRIDE[_name] = common_distributed.TIMEOUT_DEFAULT
@@ -113,6 +119,7 @@ def ddp_names_in_use() -> dict[str, type]:
         "distributed_test.DistributedDataParallel": distributed_test.DistributedDataParallel,
         "ddp_under_dist_autograd_test.DistributedDataParallel":
             rpc_ddp.DistributedDataParallel,
+        "python_group_tests.DDP": pypg.DDP,
     }
 
 
@@ -143,6 +150,16 @@ def _run_with_env(env: dict[str, str], run: Any, *args: Any, **kwargs: Any) -> N
     run(*args, **kwargs)
 
 
+def _record(test: Any, ddp_calls: int, ranks_reported: int) -> None:
+    """One JSON line for ``test`` in FASTDDP_TORCH_DDP_RECORD's file, when it is set."""
+    record = os.environ.get("FASTDDP_TORCH_DDP_RECORD")
+    if record:
+        name = f"{type(test).__name__}::{test._testMethodName}"
+        with open(record, "a") as f:
+            f.write(json.dumps({"test": name, "column": COLUMN, "ddp_calls": ddp_calls,
+                                "ranks_reported": ranks_reported}) + "\n")
+
+
 class ColumnChecked:
     """Mixed in before torch's test classes: spawns the ranks (as pytorch's spawn runners
     do), checks the DDP class in every rank and records how many DDP constructor calls each
@@ -168,12 +185,7 @@ class ColumnChecked:
         super().tearDown()  # type: ignore[misc]
         counts = [int(p.read_text()) for p in Path(self._counts_dir).iterdir()]
         shutil.rmtree(self._counts_dir, ignore_errors=True)
-        record = os.environ.get("FASTDDP_TORCH_DDP_RECORD")
-        if record:
-            name = f"{type(self).__name__}::{self._testMethodName}"  # type: ignore[attr-defined]
-            with open(record, "a") as f:
-                f.write(json.dumps({"test": name, "column": COLUMN, "ddp_calls": sum(counts),
-                                    "ranks_reported": len(counts)}) + "\n")
+        _record(self, sum(counts), len(counts))
 
     def run_test(self, test_name: str, parent_pipe: Any) -> None:
         """In a rank: the test body runs after the class check; failures of either go
@@ -209,4 +221,37 @@ class TensorPipeDdpComparisonTest(ColumnChecked, rpc_ddp.DdpComparisonTest,
 
 class TensorPipeCudaDdpComparisonTest(ColumnChecked, rpc_ddp.CudaDdpComparisonTest,
                                       TensorPipeRpcAgentTestFixture, MultiProcessTestCase):
+    pass
+
+
+class ThreadColumnChecked:
+    """ColumnChecked for torch's thread-per-rank tests (MultiThreadedTestCase): every rank is
+    a thread of this process, which the patch at the top already covers; each checks the DDP
+    class before the test body runs, and the process's constructor count gives the record."""
+
+    def setUp(self) -> None:
+        self._calls_before = _ddp_calls
+        super().setUp()  # type: ignore[misc]  (spawns the rank threads)
+
+    def tearDown(self) -> None:
+        super().tearDown()  # type: ignore[misc]
+        _record(self, _ddp_calls - self._calls_before, self.world_size)  # type: ignore
+
+    def run_test_with_threaded_pg(self, test_name: str, rank: int, world_size: int) -> None:
+        body = getattr(self, test_name)
+
+        def checked() -> Any:
+            check_ddp_names()
+            return body()
+
+        setattr(self, test_name, checked)
+        super().run_test_with_threaded_pg(test_name, rank, world_size)  # type: ignore[misc]
+
+
+# test_c10d_pypg.py's DDP classes (python_group_tests.py): one rank, a Python ProcessGroup.
+class TestDDPWithWorkSubclass(ThreadColumnChecked, pypg.TestDDPWithWorkSubclass):
+    pass
+
+
+class TestDDPWithWorkWrapper(ThreadColumnChecked, pypg.TestDDPWithWorkWrapper):
     pass

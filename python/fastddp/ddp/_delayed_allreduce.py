@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fastddp import _group_ops
 from fastddp.ddp._module_sync import broadcast_tensors
 
 
@@ -51,14 +52,14 @@ class DelayedAllReduce:
 
     def _launch(self, grad: torch.Tensor) -> torch.Tensor:
         self.buffer.div_(self.group.size())
-        self._work = dist.all_reduce(self.buffer, group=self.group, async_op=True)
+        self._work = _group_ops.all_reduce(self.group, self.buffer, async_op=True)
         torch.autograd.Variable._execution_engine.queue_callback(self._wait)
         return grad
 
     def _wait(self) -> None:
         work, self._work = self._work, None
         if work is not None:
-            work.wait()
+            _group_ops.wait(work)
 
     def point_grads_at_buffer(self) -> None:
         """torch's ``_clear_grad_buffer``: a parameter whose grad is None gets its view back

@@ -13,6 +13,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from fastddp import _group_ops
 from fastddp.ddp import _compile, _hook_state
 from fastddp.ddp._construction import _move_inputs
 from fastddp.ddp._join import announce_backward_sync, sync_buffers
@@ -38,8 +39,9 @@ def before_module(ddp: DistributedDataParallel, inputs: tuple, kwargs: dict
     # Collective order must match _join.py's main_hook on joined ranks.
     work = Join.notify_join_context(ddp)
     if work is not None and not ddp._divide_by_initial_world_size:
-        # Divide by the ranks still training (a host sync, only in this mode).
-        work.wait()
+        # Divide by the ranks still training (a host sync, only in this mode). A Python Work
+        # is waited on as C++ waits on it (_group_ops.wait).
+        _group_ops.wait(work)
         reducer.set_divide_factor(int(work.get_future().value()[0].item()))
     if sync:
         ddp.logger.before_forward(reducer.num_iterations, reducer.comm_stats,

@@ -20,15 +20,19 @@ from torch.distributed.algorithms.join import JoinHook
 # torch's class, which it subclasses.
 from torch.nn.parallel import DistributedDataParallel
 
+from fastddp import _group_ops
 from fastddp.ddp._hook_state import _hook_name
 from fastddp.ddp._module_sync import broadcast_tensors
 
 
 
 def find_common_rank(ddp: DistributedDataParallel, candidate: bool) -> int:
-    """The largest rank among those where ``candidate`` holds (one allreduce)."""
-    rank = torch.tensor([dist.get_rank(ddp.process_group) if candidate else -1], device=ddp.device)
-    dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=ddp.process_group)
+    """The largest rank among those where ``candidate`` holds (one allreduce). The group's
+    own rank and allreduce, not dist.get_rank(group): a group written in Python need not be
+    in c10d's group map (_group_ops)."""
+    group = ddp.process_group
+    rank = torch.tensor([group.rank() if candidate else -1], device=ddp.device)
+    _group_ops.all_reduce(group, rank, op=dist.ReduceOp.MAX)
     common = int(rank.item())
     if common < 0:
         raise RuntimeError("fastddp join: no rank qualified as the authoritative model copy")
@@ -43,10 +47,10 @@ def announce_backward_sync(ddp: DistributedDataParallel, joined: bool) -> bool |
     flag = torch.ones(1, device=ddp.device)
     if joined or not ddp.require_backward_grad_sync:
         flag.zero_()
-    work = dist.all_reduce(flag, group=ddp.process_group, async_op=True)
+    work = _group_ops.all_reduce(ddp.process_group, flag, async_op=True)
     if not joined:
         return None
-    work.wait()
+    _group_ops.wait(work)
     return bool(flag.item() != 0)
 
 

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from fastddp import _group_ops
+
 # torch DDP broadcasts module state in chunks of this size.
 BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 
@@ -75,16 +77,17 @@ def verify_param_shapes(
 
 def _gather_vectors(group: dist.ProcessGroup, local: list[int],
                     device: torch.device) -> list[list[int]]:
-    """Every rank's list of ints (of any length), in rank order."""
+    """Every rank's list of ints (of any length), in rank order (through the group object,
+    which need not be in c10d's group map: see _group_ops)."""
     world = group.size()
     mine = torch.tensor(local, dtype=torch.int64, device=device)
     lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(lengths, torch.tensor([mine.numel()], device=device), group=group)
+    _group_ops.all_gather(group, lengths, torch.tensor([mine.numel()], device=device))
     counts = [int(n.item()) for n in lengths]
     padded = torch.zeros(max(counts), dtype=torch.int64, device=device)
     padded[: mine.numel()] = mine
     gathered = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded, group=group)
+    _group_ops.all_gather(group, gathered, padded)
     return [t[:n].tolist() for t, n in zip(gathered, counts)]
 
 

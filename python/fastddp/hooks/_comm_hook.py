@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fastddp import _C
+from fastddp import _C, _group_ops
 from fastddp.hooks import _hierarchical
 
 _HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -75,16 +75,18 @@ class CommHook:
             buffer.copy_(wire[:n])
             return buffer
 
+        # On the group object, as torch DDP's reducer calls it (a group written in Python
+        # need not be in c10d's group map: fastddp/_group_ops.py).
         if self.options.get("accumulate", self.name) != "fp32":
-            return dist.all_reduce(wire, group=group, async_op=True).get_future().then(decompress)
+            return _group_ops.all_reduce(group, wire, async_op=True).get_future().then(decompress)
         shards = torch.empty_like(wire)
-        dist.all_to_all_single(shards, wire, group=group)
+        _group_ops.all_to_all_single(group, shards, wire)
         rows = shards.view(world, -1)
         total = rows[0].float()
         for r in range(1, world):
             total = total + rows[r].float()
-        return _all_gather_single(wire, total.to(dtype), group=group,
-                                  async_op=True).get_future().then(decompress)
+        return _group_ops.all_gather_single(group, wire, total.to(dtype)).get_future().then(
+            decompress)
 
     def _gather_residuals(self, bucket: dist.GradBucket, like: torch.Tensor) -> torch.Tensor:
         parts = []
@@ -102,15 +104,11 @@ class CommHook:
             offset += p.numel()
 
 
-# torch 2.14 renamed all_gather_into_tensor (and warns on the old name).
-_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-
-
 def _reference_allreduce(group: dist.ProcessGroup,
                          bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     buffer = bucket.buffer()
     buffer.mul_(1.0 / group.size())
-    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(
+    return _group_ops.all_reduce(group, buffer, async_op=True).get_future().then(
         lambda fut: fut.value()[0])
 
 

@@ -9,7 +9,10 @@ Ranks are node-major, as torchrun numbers them: node k holds ranks k*local .. k*
 import os
 from typing import Any
 
+import torch
 import torch.distributed as dist
+
+from fastddp import _group_ops
 
 MESH_DIMS = ("node", "local")
 
@@ -59,7 +62,7 @@ def groups_from_mesh(mesh: Any, process_group: dist.ProcessGroup,
     """(intra, inter) of a checked mesh that must tile ``process_group``'s ranks."""
     check_mesh(mesh, where)
     mesh_ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
-    group_ranks = sorted(dist.get_process_group_ranks(process_group))
+    group_ranks = sorted(_model_group_ranks(process_group))
     if mesh_ranks != group_ranks:
         raise ValueError(f"{where}: the mesh (shape {tuple(mesh.shape)}, ranks "
                          f"{_short(mesh_ranks)}) does not tile the model's process group "
@@ -83,13 +86,23 @@ def groups_from_local_size(local_size: int, process_group: dist.ProcessGroup,
     if world // local_size < 2:
         raise ValueError(f"{where}: local_size={local_size} makes one node of the {world} "
                          "ranks: there is no inter-node link; use the inner hook directly")
-    ranks = dist.get_process_group_ranks(process_group)
+    ranks = _model_group_ranks(process_group)
     nodes = world // local_size
     intra_ranks = [ranks[k * local_size:(k + 1) * local_size] for k in range(nodes)]
     inter_ranks = [ranks[j::local_size] for j in range(local_size)]
     intra, _ = dist.new_subgroups_by_enumeration(intra_ranks)
     inter, _ = dist.new_subgroups_by_enumeration(inter_ranks)
     return intra, inter
+
+
+def _model_group_ranks(process_group: dist.ProcessGroup) -> list[int]:
+    """The world ranks of the model's group, in its rank order. A group written in Python
+    need not be in c10d's group map, where dist.get_process_group_ranks looks: then every
+    rank's world rank is gathered through the group itself (_group_ops.global_ranks), on the
+    device the world's backend carries (NCCL: this rank's GPU)."""
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    return _group_ops.global_ranks(process_group, device)
 
 
 def check_groups(intra: Any, inter: Any, process_group: dist.ProcessGroup, where: str) -> None:

@@ -40,6 +40,7 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
                                         BroadcastOptions, GatherOptions, ReduceOptions,
                                         ReduceScatterOptions, ScatterOptions)
 
+from fastddp import _group_ops
 from fastddp.link._typed_future import remember_done, typed_future_maker
 from fastddp.link.model import Link, parse_link
 
@@ -123,13 +124,15 @@ def _wait_real(work: Any, device: torch.device) -> None:
     that the completed Work needs no stream synchronization from its users)."""
     if work is None:
         return
+    # _group_ops.wait: the wrapped group may be written in Python, its Work's wait(timeout)
+    # waited on as C++ waits on it.
     if device.type != "cuda":
-        work.wait()
+        _group_ops.wait(work)
         return
     with torch.cuda.device(device):
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
-            work.wait()  # makes `stream` wait for the collective
+            _group_ops.wait(work)  # makes `stream` wait for the collective
         stream.synchronize()
 
 

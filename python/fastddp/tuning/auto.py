@@ -65,7 +65,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fastddp import hooks
+from fastddp import _group_ops, hooks
 from fastddp.hooks import _hierarchical
 from fastddp.hooks._auto import BF16, HIER, LOSSLESS, LOW_RANK, AutoHook, lossy
 from fastddp.link.emulator import EmulatedLinkGroup
@@ -311,15 +311,13 @@ class AutoTuner:
         """Rank 0's ``values`` on every rank (one small broadcast on the model's group)."""
         device = self.ddp._reducer_params[0].device
         t = torch.tensor(values, dtype=torch.int64, device=device)
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        self.group.broadcast([t], opts).wait()
+        _group_ops.broadcast(self.group, t, src=0)
         return t.tolist()
 
 
 def _time_allreduce(group: dist.ProcessGroup, t: torch.Tensor) -> float:
     t0 = time.perf_counter()
-    group.allreduce([t]).wait()
+    _group_ops.all_reduce(group, t)  # waited on as C++ waits (a Python Work's wait(timeout))
     if t.device.type == "cuda":
         torch.cuda.synchronize(t.device)
     return time.perf_counter() - t0
