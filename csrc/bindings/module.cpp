@@ -91,6 +91,9 @@ py::dict comm_stats_dict(const Reducer& reducer) {
   out["collectives"] =
       stats.collectives >= 0 ? py::object(py::int_(stats.collectives)) : py::object(py::none());
   out["buckets"] = buckets;
+  py::dict cost;  // Note [counted cost]
+  for (int k = 0; k < cost::kKinds; ++k) cost[cost::name(static_cast<cost::Kind>(k))] = stats.cost[k];
+  out["step_cost"] = cost;
   return out;
 }
 

@@ -15,12 +15,14 @@
 namespace fastddp::kernels {
 
 // dst[i] = half(src[i] * scale). With residual (error feedback):
-//   v = src[i] * scale + residual[i];  dst[i] = half(v);  residual[i] = v - float(dst[i])
-// (each operation rounded on its own, as the same torch ops would be).
+//   v = src[i] * scale + residual[i];  dst[i] = half(v);  new_residual[i] = v - float(dst[i])
+// (each operation rounded on its own, as the same torch ops would be). The new
+// residual goes elsewhere than the one read (Note [double-buffered step state]):
+// the two must not overlap. residual and new_residual: both or neither.
 // With `nonfinite` (check_for_nan_in_grad), *nonfinite is set to 1 when some
 // src[i] is NaN or infinite, in the same pass (it is never cleared).
-void compress_cpu(HalfKind kind, const float* src, float scale, float* residual, uint16_t* dst,
-                  int64_t n, int32_t* nonfinite = nullptr);
+void compress_cpu(HalfKind kind, const float* src, float scale, const float* residual,
+                  float* new_residual, uint16_t* dst, int64_t n, int32_t* nonfinite = nullptr);
 
 // torch's fp16_compress_hook / bf16_compress_hook, bit for bit (Note [torch's half
 // rounding]): the gradient is cast first, then divided in 16 bits as ATen divides a
@@ -42,8 +44,9 @@ void sum_shards_cpu(HalfKind kind, const uint16_t* shards, int64_t stride, int64
 
 // One grad into its slice of the wire buffer (the copy-in of one parameter).
 // `nonfinite`: device memory, as for compress_cpu.
-void compress_cuda(HalfKind kind, const float* src, float scale, float* residual, uint16_t* dst,
-                   int64_t n, void* stream, int32_t* nonfinite = nullptr);
+void compress_cuda(HalfKind kind, const float* src, float scale, const float* residual,
+                   float* new_residual, uint16_t* dst, int64_t n, void* stream,
+                   int32_t* nonfinite = nullptr);
 
 // The CUDA twin of cast_divide_cpu, as ATen divides on CUDA by a CPU scalar: it
 // multiplies by the float reciprocal (BinaryDivTrueKernel.cu), so

@@ -33,7 +33,8 @@ FASTDDP_VECTOR_CLONES int compress_plain(const float* __restrict src, float scal
 
 template <HalfKind K, bool kCheck>
 FASTDDP_VECTOR_CLONES int compress_feedback(const float* __restrict src, float scale,
-                                            float* __restrict residual,
+                                            const float* __restrict residual,
+                                            float* __restrict new_residual,
                                             uint16_t* __restrict dst, int64_t n) {
   int bad = 0;
   for (int64_t i = 0; i < n; ++i) {
@@ -41,14 +42,15 @@ FASTDDP_VECTOR_CLONES int compress_feedback(const float* __restrict src, float s
     const float v = add_rn(mul_rn(src[i], scale), residual[i]);
     const uint16_t h = half_bits_from_float<K>(v);
     dst[i] = h;
-    residual[i] = v - float_from_half_bits<K>(h);
+    new_residual[i] = v - float_from_half_bits<K>(h);
   }
   return bad;
 }
 
 template <HalfKind K, bool kCheck>
-int compress_one_kind(const float* src, float scale, float* residual, uint16_t* dst, int64_t n) {
-  return residual ? compress_feedback<K, kCheck>(src, scale, residual, dst, n)
+int compress_one_kind(const float* src, float scale, const float* residual, float* new_residual,
+                      uint16_t* dst, int64_t n) {
+  return residual ? compress_feedback<K, kCheck>(src, scale, residual, new_residual, dst, n)
                   : compress_plain<K, kCheck>(src, scale, dst, n);
 }
 
@@ -92,16 +94,18 @@ FASTDDP_VECTOR_CLONES void sum_shards(const uint16_t* __restrict shards, int64_t
 
 }  // namespace
 
-void compress_cpu(HalfKind kind, const float* src, float scale, float* residual, uint16_t* dst,
-                  int64_t n, int32_t* nonfinite) {
+void compress_cpu(HalfKind kind, const float* src, float scale, const float* residual,
+                  float* new_residual, uint16_t* dst, int64_t n, int32_t* nonfinite) {
   const bool bf16 = kind == HalfKind::kBFloat16;
+  const float* r = residual;
+  float* nr = new_residual;
   if (nonfinite == nullptr) {
-    bf16 ? compress_one_kind<HalfKind::kBFloat16, false>(src, scale, residual, dst, n)
-         : compress_one_kind<HalfKind::kFloat16, false>(src, scale, residual, dst, n);
+    bf16 ? compress_one_kind<HalfKind::kBFloat16, false>(src, scale, r, nr, dst, n)
+         : compress_one_kind<HalfKind::kFloat16, false>(src, scale, r, nr, dst, n);
     return;
   }
-  const int bad = bf16 ? compress_one_kind<HalfKind::kBFloat16, true>(src, scale, residual, dst, n)
-                       : compress_one_kind<HalfKind::kFloat16, true>(src, scale, residual, dst, n);
+  const int bad = bf16 ? compress_one_kind<HalfKind::kBFloat16, true>(src, scale, r, nr, dst, n)
+                       : compress_one_kind<HalfKind::kFloat16, true>(src, scale, r, nr, dst, n);
   if (bad) *nonfinite = 1;
 }
 

@@ -9,6 +9,7 @@
 #include "../kernels/nonfinite.h"
 #include "nonfinite_guard.h"
 #include "message.h"
+#include "step_cost.h"
 
 #if defined(FASTDDP_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>
@@ -30,6 +31,7 @@ void CommHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) {
   }
   if (!grad.defined()) {
     bucket.views[slot].zero_();
+    cost::add(cost::kCopyIn, static_cast<int64_t>(bucket.views[slot].nbytes()));
     return;
   }
   scale_into_view(bucket, slot, grad, 1.0);
@@ -83,6 +85,8 @@ bool CommHook::fused_scale_into_view(Bucket& bucket, size_t slot, const at::Tens
   const bool fused = same_dense_layout(grad, view) && !(scale == 1.0 && grad.is_alias_of(view)) &&
                      (grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kDouble);
   if (!fused) return false;
+  // Read the gradient, write the slot; the check rides along.
+  cost::add(cost::kCopyIn, 2 * static_cast<int64_t>(view.nbytes()));
   const bool is_float = grad.scalar_type() == at::kFloat;
   if (grad.is_cpu()) {
     const bool bad = is_float ? fused_scale_check<float>(grad, view, scale)
@@ -105,6 +109,9 @@ void CommHook::scale_into_view(Bucket& bucket, size_t slot, const at::Tensor& gr
                                double scale) {
   if (fused_scale_into_view(bucket, slot, grad, scale)) return;
   at::Tensor& view = bucket.views[slot];
+  // In place with scale 1 (gradient_as_bucket_view): nothing moves.
+  const bool moves = !grad.is_alias_of(view) || scale != 1.0;
+  cost::add(cost::kCopyIn, moves ? 2 * static_cast<int64_t>(view.nbytes()) : 0);
   if (grad.is_alias_of(view)) {
     if (scale != 1.0) view.mul_(scale);
   } else if (scale == 1.0) {
@@ -117,6 +124,7 @@ void CommHook::scale_into_view(Bucket& bucket, size_t slot, const at::Tensor& gr
 
 void CommHook::check_grad(const Bucket& bucket, size_t slot, const at::Tensor& grad) {
   if (guard_ == nullptr) return;
+  cost::add(cost::kCheck, static_cast<int64_t>(grad.nbytes()));  // a pass of its own
   const size_t param = bucket.params[slot];
   if (grad.is_cpu() && grad.is_contiguous() &&
       (grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kDouble)) {
@@ -196,6 +204,7 @@ void copy_flat_to_grads(Bucket& bucket, const at::Tensor& flat, std::vector<at::
         in_place ? view
                  : result.as_strided(view.sizes(), view.strides(),
                                      result.storage_offset() + bucket.offsets[k]);
+    cost::add(cost::kWriteBack, static_cast<int64_t>(src.nbytes() + dst.nbytes()));
     if (src.scalar_type() == dst.scalar_type() && src.strides() == dst.strides() &&
         dst.is_non_overlapping_and_dense()) {
       srcs.push_back(src);

@@ -168,6 +168,7 @@ void Reducer::reset_iteration() {
   // Note [a bad step leaves no trace]: the hook's state as it is before this step.
   reduced_.clear();
   last_finite_ = at::Tensor();
+  cost_at_start_ = cost::totals();  // before the snapshot: its copy is this step's
   step_state_.snapshot(hook_->step_state());
   collectives_at_start_ = collective_count();
 }

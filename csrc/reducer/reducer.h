@@ -104,6 +104,7 @@
 #include "bucket.h"
 #include "comm_hook.h"
 #include "grad_slot.h"
+#include "step_cost.h"
 #include "step_state.h"
 
 namespace c10d {
@@ -177,6 +178,9 @@ struct CommStats {
   // to the end of its backward, counted by c10d itself (the group's sequence
   // number, not our own bookkeeping); -1 where the backend keeps no count.
   int64_t collectives = -1;
+  // Last step: what the reducer and its hook moved outside the collectives,
+  // counted (Note [counted cost], step_cost.h).
+  cost::Totals cost{};
 };
 
 class Reducer : public std::enable_shared_from_this<Reducer> {
@@ -410,6 +414,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Note [a bad step leaves no trace]: the hook's state before this step, and
   // the averaged gradients its write-backs produced.
   StepState step_state_;
+  cost::Totals cost_at_start_{};  // the process's totals when this step's backward was armed
   std::vector<at::Tensor> reduced_;
   bool track_finite_ = false;
   at::Tensor last_finite_;  // 0-dim bool, the last step's check (set_track_finite)

@@ -63,6 +63,8 @@ void Reducer::finalize_backward() {
   stats_.exposed_us = std::max(0.0, elapsed_us() - last_ready_us_);
   stats_.total_exposed_us += stats_.exposed_us;
   stats_.collectives = counts_collectives_ ? collective_count() - collectives_at_start_ : -1;
+  const cost::Totals now = cost::totals();
+  for (int k = 0; k < cost::kKinds; ++k) stats_.cost[k] = now[k] - cost_at_start_[k];
 }
 
 void Reducer::finish_bucket(size_t b) {

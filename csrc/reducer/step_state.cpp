@@ -1,5 +1,7 @@
 #include "step_state.h"
 
+#include "step_cost.h"
+
 #include <ATen/ATen.h>
 
 #include <limits>
@@ -22,6 +24,7 @@ void StepState::snapshot(const std::vector<at::Tensor>& tensors) {
       copy = at::empty_like(t, at::MemoryFormat::Preserve);
     }
     copy.copy_(t);
+    cost::add(cost::kStateCopy, 2 * static_cast<int64_t>(t.nbytes()));
     next.push_back({t, copy});
   }
   saved_ = std::move(next);
@@ -41,6 +44,7 @@ at::Tensor all_finite(const std::vector<at::Tensor>& tensors) {
     const auto where = tensors.empty() ? at::TensorOptions() : tensors.front().options();
     return at::ones({}, where.dtype(at::kBool));
   }
+  cost::add(cost::kCheck, cost::bytes(held));
   const std::vector<at::Tensor> maxima =
       at::_foreach_norm(held, std::numeric_limits<double>::infinity());
   return at::stack(maxima).isfinite().all();
@@ -75,6 +79,7 @@ void StepState::select(const std::vector<at::Tensor>& tensors, const at::Tensor&
   for (const at::Tensor& t : tensors) {
     if (!t.defined()) continue;
     const at::Tensor flag = keep.to(t.device());
+    cost::add(cost::kStateCopy, 3 * static_cast<int64_t>(t.nbytes()));  // reads both, writes one
     auto it = copies.find(t.unsafeGetTensorImpl());
     if (it != copies.end()) {
       at::Tensor out = t;  // the same tensor, written in place

@@ -76,13 +76,15 @@ TEST_CASE("the 16-bit compression reports non-finite values and writes what it w
       for (int bad_at : {-1, 0, 17, 36}) {
         std::vector<float> s = src;
         if (bad_at >= 0) s[static_cast<size_t>(bad_at)] = std::numeric_limits<float>::infinity();
-        std::vector<float> r1(n, 0.25f), r2(n, 0.25f);
+        const std::vector<float> r0(n, 0.25f);
+        std::vector<float> r1(n), r2(n);  // the new residuals: another buffer than the one read
         std::vector<uint16_t> plain(n), checked(n);
         int32_t flag = 0;
-        k::compress_cpu(kind, s.data(), 0.5f, feedback ? r1.data() : nullptr, plain.data(),
-                        static_cast<int64_t>(n));
-        k::compress_cpu(kind, s.data(), 0.5f, feedback ? r2.data() : nullptr, checked.data(),
-                        static_cast<int64_t>(n), &flag);
+        k::compress_cpu(kind, s.data(), 0.5f, feedback ? r0.data() : nullptr,
+                        feedback ? r1.data() : nullptr, plain.data(), static_cast<int64_t>(n));
+        k::compress_cpu(kind, s.data(), 0.5f, feedback ? r0.data() : nullptr,
+                        feedback ? r2.data() : nullptr, checked.data(), static_cast<int64_t>(n),
+                        &flag);
         INFO("kind=" << static_cast<int>(kind) << " feedback=" << feedback << " bad_at=" << bad_at);
         REQUIRE(flag == (bad_at >= 0 ? 1 : 0));
         REQUIRE(plain == checked);

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include "../../reducer/message.h"
+#include "../../reducer/step_cost.h"
 
 namespace fastddp {
 
@@ -28,12 +29,15 @@ void AllreduceHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad)
   at::Tensor& view = bucket.views[slot];
   if (!grad.defined()) {
     view.zero_();
+    cost::add(cost::kCopyIn, static_cast<int64_t>(view.nbytes()));
   } else if (grad.is_alias_of(view)) {
+    cost::add(cost::kCopyIn, 2 * static_cast<int64_t>(view.nbytes()));
     // gradient_as_bucket_view: autograd accumulated into the bucket already.
     view.div_(factor_);
     check_grad(bucket, slot, view);  // x / factor is finite exactly when x is
   } else if (!fused_scale_into_view(bucket, slot, grad, 1.0 / static_cast<double>(factor_))) {
     at::mul_out(view, grad, inverse_);  // torch's copy-in, for the layouts the loop does not take
+    cost::add(cost::kCopyIn, 2 * static_cast<int64_t>(view.nbytes()));
     check_grad(bucket, slot, view);
   }
 }

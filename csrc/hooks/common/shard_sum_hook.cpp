@@ -8,6 +8,7 @@
 #include "../../reducer/message.h"
 #include "collectives.h"
 #include "side_stream.h"
+#include "spare_state.h"
 
 namespace fastddp {
 
@@ -37,19 +38,37 @@ void ShardSumHook::set_divide_factor(int64_t factor) {
   scale_ = 1.0 / static_cast<double>(factor);
 }
 
-std::vector<at::Tensor> ShardSumHook::step_state() {
-  std::vector<at::Tensor> tensors;
-  for (const auto& [param, residual] : residuals_) tensors.push_back(residual);
-  return tensors;
+at::Tensor& ShardSumHook::residual_for(size_t param, const at::Tensor& like, int64_t numel) {
+  Residual& r = residuals_[param];
+  if (!r.live.defined() || r.live.numel() != numel || r.live.scalar_type() != like.scalar_type() ||
+      r.live.device() != like.device()) {
+    r.live = at::zeros({numel}, like.options());
+    r.spare = at::Tensor();
+  }
+  return r.live;
 }
 
-at::Tensor& ShardSumHook::residual_for(size_t param, const at::Tensor& like, int64_t numel) {
-  at::Tensor& r = residuals_[param];
-  if (!r.defined() || r.numel() != numel || r.scalar_type() != like.scalar_type() ||
-      r.device() != like.device()) {
-    r = at::zeros({numel}, like.options());
+at::Tensor& ShardSumHook::new_residual_for(size_t param) {
+  Residual& r = residuals_.at(param);
+  if (!r.spare.defined()) r.spare = at::empty_like(r.live);
+  r.written = true;
+  return r.spare;
+}
+
+at::Tensor ShardSumHook::settle_step(const at::Tensor& finite) {
+  std::vector<Spare> written;
+  std::vector<at::Tensor> read;
+  for (auto& [param, r] : residuals_) {
+    if (r.written) written.push_back({&r.live, &r.spare});
+    r.written = false;
+    read.push_back(r.live);
   }
-  return r;
+  if (written.empty()) return finite;
+  return settle_spares(written, finite, read, /*witness=*/{});
+}
+
+void ShardSumHook::discard_step() {
+  for (auto& [param, r] : residuals_) r.written = false;
 }
 
 at::Tensor ShardSumHook::dense_source(Bucket& bucket, size_t slot, const at::Tensor& grad) {

@@ -22,7 +22,12 @@
 // ...", "allgather of the summed 8-bit shards failed: ...".
 // The class also holds what the two families share around the exchange: the
 // group, the divide factor, the copy-in's checks of a gradient and the
-// error-feedback residuals (per parameter, the hook's step_state).
+// error-feedback residuals (per parameter), double-buffered (Note
+// [double-buffered step state]): a step reads each residual and writes the
+// new one into its spare, and settle_step() swaps them in when the step
+// stands. On a device no residual is read to settle: from zeros, a residual
+// turns non-finite only in a step whose wire value, and so whose averaged
+// gradient, is non-finite, and such a step is put back.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -45,7 +50,9 @@ class ShardSumHook : public PipelinedHook {
  public:
   // join(divide_by_initial_world_size=False): divide by the ranks still training.
   void set_divide_factor(int64_t factor) override;
-  std::vector<at::Tensor> step_state() override;  // the residuals
+  bool settles_own_state() const override { return has_residuals(); }
+  at::Tensor settle_step(const at::Tensor& finite) override;
+  void discard_step() override;
 
  protected:
   // One bucket's exchange buffers; a family's per-bucket state derives from it.
@@ -75,8 +82,13 @@ class ShardSumHook : public PipelinedHook {
   // slot's view after a copy. Raises, naming the hook, for a sparse gradient
   // or one of another size or device.
   at::Tensor dense_source(Bucket& bucket, size_t slot, const at::Tensor& grad);
-  // Parameter `param`'s error-feedback residual, zeros when new or resized.
+  // Parameter `param`'s error-feedback residual as the step reads it, zeros
+  // when new or resized; and where the step writes its new one (after
+  // residual_for: the same size).
   at::Tensor& residual_for(size_t param, const at::Tensor& like, int64_t numel);
+  at::Tensor& new_residual_for(size_t param);
+  // Whether the hook keeps residuals (error feedback).
+  virtual bool has_residuals() const = 0;
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   int world_size_ = 0;
@@ -89,7 +101,11 @@ class ShardSumHook : public PipelinedHook {
 
   std::string alltoall_what_;   // "alltoall of the <format> shards"
   std::string allgather_what_;  // "allgather of the summed <format> shards"
-  std::unordered_map<size_t, at::Tensor> residuals_;  // by parameter index
+  struct Residual {
+    at::Tensor live, spare;
+    bool written = false;  // this step wrote spare
+  };
+  std::unordered_map<size_t, Residual> residuals_;  // by parameter index
 };
 
 }  // namespace fastddp

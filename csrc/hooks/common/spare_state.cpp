@@ -12,6 +12,8 @@
 #endif
 
 #include "../../reducer/message.h"
+#include "../../reducer/step_cost.h"
+#include "../../reducer/step_state.h"
 
 namespace fastddp {
 namespace {
@@ -21,12 +23,38 @@ std::atomic<bool> device_path_for_tests{false};
 bool settle_as_on_device() { return device_path_for_tests.load(); }
 void set_settle_as_on_device(bool on) { device_path_for_tests.store(on); }
 
+at::Tensor settle_spares(const std::vector<Spare>& written, const at::Tensor& finite,
+                         const std::vector<at::Tensor>& read,
+                         const std::vector<at::Tensor>& witness) {
+  const c10::Device device = written.front().spare->device();
+  if (device.is_cpu() && !settle_as_on_device()) {
+    const bool keep = !finite.defined() || finite.item<bool>() || read.empty() ||
+                      !all_finite(read).item<bool>();
+    if (keep) {
+      for (const Spare& s : written) std::swap(*s.live, *s.spare);
+    }
+    return at::scalar_tensor(keep, at::kBool);
+  }
+  at::Tensor keep = finite.defined() ? finite.to(device)
+                                     : at::ones({}, at::TensorOptions(device).dtype(at::kBool));
+  if (!witness.empty()) keep = keep.logical_or(all_finite(witness).logical_not());
+  std::vector<std::pair<at::Tensor, at::Tensor>> back;
+  for (const Spare& s : written) {
+    const bool made = !s.live->defined();
+    std::swap(*s.live, *s.spare);
+    back.emplace_back(*s.live, made ? at::Tensor() : *s.spare);
+  }
+  put_back_unless(back, keep);
+  return keep;
+}
+
 void put_back_unless(const std::vector<std::pair<at::Tensor, at::Tensor>>& pairs,
                      const at::Tensor& keep) {
   if (pairs.empty()) return;
   if (keep.is_cpu()) {
     if (keep.item<bool>()) return;
     for (const auto& [dst, src] : pairs) {
+      cost::add(cost::kStateCopy, (src.defined() ? 2 : 1) * static_cast<int64_t>(dst.nbytes()));
       at::Tensor out = dst;
       if (src.defined()) {
         out.copy_(src);

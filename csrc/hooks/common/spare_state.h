@@ -16,6 +16,25 @@
 
 namespace fastddp {
 
+// A state tensor this step replaced: `live` (what the step read) and `spare`
+// (what it wrote). An undefined live: the step made it.
+struct Spare {
+  at::Tensor* live;
+  at::Tensor* spare;
+};
+
+// Settles a step: keeps its state (each live swapped with its spare) where
+// `finite` is undefined or true, or where `read` (every state tensor as the
+// step found it) was already not all finite (reducer/step_state.h); else the
+// state the step read stands (a tensor it made: zeros on a device). On the CPU
+// `read` is looked at only after a non-finite step. On a device the host
+// swaps always and put_back_unless() restores; `witness` (possibly empty:
+// nothing can have been non-finite) stands for `read` there, read every step.
+// Returns the choice, a 0-dim bool on the state's device.
+at::Tensor settle_spares(const std::vector<Spare>& written, const at::Tensor& finite,
+                         const std::vector<at::Tensor>& read,
+                         const std::vector<at::Tensor>& witness);
+
 // Where the 0-dim bool `keep` (on the tensors' device) is false: each pair's
 // first tensor takes the second's values (an undefined second: zeros). On the
 // CPU a branch; on CUDA one launch per pair, on the current stream, that

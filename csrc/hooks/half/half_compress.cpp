@@ -9,6 +9,7 @@
 
 #include "../../reducer/nonfinite_guard.h"
 #include "../../reducer/profile_range.h"
+#include "../../reducer/step_cost.h"
 #include "half_ops.h"
 #include "../common/registry.h"
 #include "../../reducer/message.h"
@@ -57,6 +58,7 @@ void HalfCompressHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& gr
   at::Tensor& wire = s.slots[slot];
   if (!grad.defined()) {
     wire.zero_();
+    cost::add(cost::kCopyIn, static_cast<int64_t>(wire.nbytes()));
     return;
   }
   const at::Tensor src = dense_source(bucket, slot, grad);
@@ -66,6 +68,11 @@ void HalfCompressHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& gr
   if (src.scalar_type() == at::kFloat) {
     at::Tensor* residual =
         options_.error_feedback ? &residual_for(bucket.params[slot], src, numel) : nullptr;
+    at::Tensor* new_residual =
+        residual != nullptr ? &new_residual_for(bucket.params[slot]) : nullptr;
+    // One pass: the gradient and the residual read, the wire and the new residual written.
+    cost::add(cost::kCopyIn, static_cast<int64_t>(src.nbytes() + wire.nbytes()) +
+                                 (residual != nullptr ? 2 * static_cast<int64_t>(src.nbytes()) : 0));
     bool bad = false;
     bool* host_bad = guard_ != nullptr && src.is_cpu() ? &bad : nullptr;
     int32_t* device_flag = guard_ != nullptr && !src.is_cpu()
@@ -74,7 +81,8 @@ void HalfCompressHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& gr
     if (torch_rounding) {
       half_cast_divide_into(options_.kind, src, divisor_, wire, host_bad, device_flag);
     } else {
-      half_compress_into(options_.kind, src, scale_, residual, wire, host_bad, device_flag);
+      half_compress_into(options_.kind, src, scale_, residual, new_residual, wire, host_bad,
+                         device_flag);
     }
     if (host_bad != nullptr) guard_->note(bucket.params[slot], bad);
     return;
@@ -91,10 +99,9 @@ void HalfCompressHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& gr
   }
   at::Tensor v = slice.mul(scale_);
   if (options_.error_feedback) {
-    at::Tensor& r = residual_for(bucket.params[slot], v, numel);
-    v.add_(r);
+    v.add_(residual_for(bucket.params[slot], v, numel));
     wire.copy_(v);
-    r.copy_(v - wire.to(v.scalar_type()));
+    at::sub_out(new_residual_for(bucket.params[slot]), v, wire.to(v.scalar_type()));
   } else {
     wire.copy_(v);
   }
@@ -165,6 +172,8 @@ void HalfCompressHook::write_back(Bucket& bucket, const c10::IValue& result,
     bucket.flat.narrow(0, bucket.offsets[k], bucket.numels[k]).copy_(src);
     if (!dst.is_same(view)) dst.copy_(view);
   }
+  // Each 16-bit value read, each float32 gradient written.
+  cost::add(cost::kWriteBack, cost::bytes(srcs) + cost::bytes(outs));
   half_decompress_many(options_.kind, srcs, outs);
 }
 

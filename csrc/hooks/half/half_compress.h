@@ -74,6 +74,7 @@ class HalfCompressHook : public ShardSumHook {
   int64_t wire_bytes(const Bucket& bucket) const override;
 
   const HalfCompressOptions& options() const { return options_; }
+  bool has_residuals() const override { return options_.error_feedback; }
 
  protected:
   // accumulate="half": the allreduce, no stage. accumulate="fp32": the

@@ -106,16 +106,24 @@ void run_to_half(const at::Tensor& src, bool* host_bad, const OnCuda& on_cuda,
 }  // namespace
 
 void half_compress_into(HalfKind kind, const at::Tensor& src, double scale,
-                        const at::Tensor* residual, const at::Tensor& dst, bool* host_bad,
-                        int32_t* device_flag) {
+                        const at::Tensor* residual, const at::Tensor* new_residual,
+                        const at::Tensor& dst, bool* host_bad, int32_t* device_flag) {
   FASTDDP_PROFILE_RANGE("fastddp compress");
   check_compress(kind, src, dst);
-  float* r = nullptr;
+  const float* r = nullptr;
+  float* nr = nullptr;
+  FASTDDP_CHECK((residual == nullptr) == (new_residual == nullptr),
+                "fastddp half_compress: residual and new_residual go together");
   if (residual != nullptr) {
-    check_float(*residual, "residual");
-    FASTDDP_CHECK(residual->numel() == src.numel() && residual->device() == src.device(),
-                  "fastddp half_compress: residual must match src in size and device");
-    r = residual->data_ptr<float>();
+    for (const at::Tensor* t : {residual, new_residual}) {
+      check_float(*t, "residual");
+      FASTDDP_CHECK(t->numel() == src.numel() && t->device() == src.device(),
+                    "fastddp half_compress: residual must match src in size and device");
+    }
+    FASTDDP_CHECK(!residual->is_alias_of(*new_residual),
+                  "fastddp half_compress: the new residual must not overlap the one read");
+    r = residual->const_data_ptr<float>();
+    nr = new_residual->data_ptr<float>();
   }
   const float* s = src.data_ptr<float>();
   uint16_t* d = half_ptr(dst);
@@ -123,10 +131,11 @@ void half_compress_into(HalfKind kind, const at::Tensor& src, double scale,
   run_to_half(
       src, host_bad,
       [&](void* stream) {
-        kernels::compress_cuda(kind, s, f_scale, r, d, src.numel(), stream, device_flag);
+        kernels::compress_cuda(kind, s, f_scale, r, nr, d, src.numel(), stream, device_flag);
       },
       [&](int64_t begin, int64_t end, int32_t* flag) {
-        kernels::compress_cpu(kind, s + begin, f_scale, r ? r + begin : nullptr, d + begin,
+        kernels::compress_cpu(kind, s + begin, f_scale, r ? r + begin : nullptr,
+                              nr ? nr + begin : nullptr, d + begin,
                               end - begin, flag);
       });
 }

@@ -22,9 +22,12 @@ HalfKind half_kind_of(c10::ScalarType type);
 // check_for_nan_in_grad, in the same pass: *host_bad (CPU) becomes whether src
 // holds a NaN or an infinity; *device_flag (CUDA, device memory) is set to 1
 // if it does. Either may be null.
+// residual / new_residual (error feedback, both or neither): the residual read
+// and where the new one goes, another float32 tensor of src's size.
 void half_compress_into(HalfKind kind, const at::Tensor& src, double scale,
-                        const at::Tensor* residual, const at::Tensor& dst,
-                        bool* host_bad = nullptr, int32_t* device_flag = nullptr);
+                        const at::Tensor* residual, const at::Tensor* new_residual,
+                        const at::Tensor& dst, bool* host_bad = nullptr,
+                        int32_t* device_flag = nullptr);
 
 // dst = half(src) divided by `divisor` in 16 bits, rounded as torch's
 // fp16_compress_hook / bf16_compress_hook round on src's device (Note [torch's half

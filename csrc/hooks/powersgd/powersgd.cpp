@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "../../reducer/profile_range.h"
+#include "../../reducer/step_cost.h"
 #include "../common/side_stream.h"
 #include "lowrank.h"
 #include "powersgd_options.h"
@@ -62,13 +63,17 @@ std::shared_ptr<PipelinedHook::Stage> PowerSGDHook::start(
     // is taken from, and then the new error itself (Note [double-buffered
     // step state]); the bucket receives P Q^T. state.error is only read.
     at::add_out(state.source, input, state.error);  // a kept buffer: no page faults per step
+    cost::add(cost::kHook, 3 * static_cast<int64_t>(input.nbytes()));
     stage->input_copy = state.source;
     source = stage->input_copy;
   }
   // The step's Q is the spare: last step's Q (the state) is read once here,
   // and orthogonalized, projected and replaced in the spare.
   // (None yet where a resumed checkpoint supplies every Q: qs_after_draw below.)
-  if (!randomize && state.q_memory.defined()) state.q_spare.copy_(state.q_memory);
+  if (!randomize && state.q_memory.defined()) {
+    state.q_spare.copy_(state.q_memory);
+    cost::add(cost::kStateCopy, 2 * static_cast<int64_t>(state.q_memory.nbytes()));
+  }
   state.pending = true;
   // Stacked after the error feedback: torch stacks views of the corrected buffer.
   at::Tensor p_memory = state.wire.narrow(0, plan.uncompressed_numel, plan.p_numel);
@@ -89,6 +94,9 @@ std::shared_ptr<PipelinedHook::Stage> PowerSGDHook::start(
   // Orthogonalization is per matrix: one call per same-shape group.
   for (at::Tensor& q : work.q_groups) powersgd_orthogonalize(q, options_.orthogonalization_epsilon);
   for (PowerSGDBatch& b : work.batches) lowrank_project(b.matrices, b.q, b.p);
+  // P = M Q reads every matrix once; the uncompressed slots are packed (read, written).
+  const int64_t packed = 2 * plan.uncompressed_numel * input.element_size();
+  cost::add(cost::kHook, static_cast<int64_t>(input.nbytes()) + packed);
   pack_uncompressed(work.uncompressed_source, state.wire.narrow(0, 0, plan.uncompressed_numel));
   stage->plan = std::move(plan);
   stage->wire = state.wire;
@@ -111,6 +119,9 @@ void PowerSGDHook::finish(Stage& base) {
                       work.uncompressed_dest);
   for (at::Tensor& p : work.p_groups) powersgd_orthogonalize(p, options_.orthogonalization_epsilon);
   for (PowerSGDBatch& b : work.batches) lowrank_back_project(b.matrices, b.p, b.q);
+  // The unpack (read, written) and Q = M^T P, which reads every matrix once more.
+  cost::add(cost::kHook, 2 * plan.uncompressed_numel * stage.input.element_size() +
+                             static_cast<int64_t>(stage.input.nbytes()));
   record_current_stream({stage.wire, stage.input, stage.input_copy, state.source,
                          state.q_spare});
   for (const PowerSGDBatch& b : work.batches) record_current_stream({b.matrices, b.out});
@@ -146,6 +157,9 @@ c10::IValue PowerSGDHook::decompress(BucketState& state, PowerSGDWork& work,
       b.unstack[i].copy_(b.out[static_cast<int64_t>(i)]);
     }
   }
+  // P Q^T written into the bucket; with error feedback M read and the error
+  // written in the same pass (or a sub over the bucket: the same bytes).
+  cost::add(cost::kHook, (error_feedback ? 3 : 1) * static_cast<int64_t>(input.nbytes()));
   if (fuse_error && !work.uncompressed_error.empty()) {
     // The uncompressed slots' error, M - the average, in place of M: one
     // multi-tensor op (one launch on CUDA, not one per slot).

@@ -5,7 +5,6 @@
 
 #include "powersgd.h"
 
-#include "../../reducer/step_state.h"
 #include "../common/spare_state.h"
 #include "../../reducer/message.h"
 
@@ -85,55 +84,25 @@ void PowerSGDHook::adopt_carried(BucketState& s, const PowerSGDPlan& plan, bool&
 
 at::Tensor PowerSGDHook::settle_step(const at::Tensor& finite) {
   std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<BucketState*> pending;
-  std::vector<at::Tensor> read;  // the state every bucket holds now, before this step's
+  std::vector<Spare> written;
+  std::vector<at::Tensor> read, witness;  // the state every bucket holds, before this step's
   for (auto& entry : states_) {
     BucketState& s = *entry.second;
-    if (s.pending) pending.push_back(&s);
+    if (s.pending) {
+      if (options_.use_error_feedback) written.push_back({&s.error, &s.source});
+      if (options_.warm_start) written.push_back({&s.q_memory, &s.q_spare});
+    }
     s.pending = false;
     if (options_.use_error_feedback) read.push_back(s.error);
     if (options_.warm_start && s.q_memory.defined()) read.push_back(s.q_memory);
-  }
-  if (pending.empty()) return finite;
-  const bool error_feedback = options_.use_error_feedback, warm_start = options_.warm_start;
-  auto swap_in = [&](BucketState& s) {
-    if (error_feedback) std::swap(s.error, s.source);
-    if (warm_start) std::swap(s.q_memory, s.q_spare);
-  };
-  if (pending.front()->q_spare.is_cpu() && !settle_as_on_device()) {
-    // The host knows: swap only a step that stands. The state read is looked
-    // at only after a non-finite step (Note [a bad step leaves no trace]).
-    const bool keep = !finite.defined() || finite.item<bool>() || read.empty() ||
-                      !all_finite(read).item<bool>();
-    if (keep) {
-      for (BucketState* s : pending) swap_in(*s);
-    }
-    return at::scalar_tensor(keep, at::kBool);
-  }
-  // A device: the host swaps always; the put-back runs where the flag is.
-  // Whether the state read was finite: with warm start its Qs stand for it
-  // (a non-finite error makes that step's P, and so its Q, non-finite), a
-  // read of r/n of the error's bytes; without, the errors themselves.
-  const c10::Device device = pending.front()->q_spare.device();
-  at::Tensor keep = finite.defined() ? finite.to(device)
-                                     : at::ones({}, at::TensorOptions(device).dtype(at::kBool));
-  std::vector<at::Tensor> witness;
-  for (const auto& entry : states_) {
-    const BucketState& s = *entry.second;
-    const at::Tensor& w = warm_start ? s.q_memory : s.error;
+    // On a device: with warm start the Qs stand for the state (a non-finite
+    // error makes that step's P, and so its Q, non-finite), r/n of the
+    // error's bytes; without, the errors themselves.
+    const at::Tensor& w = options_.warm_start ? s.q_memory : s.error;
     if (w.defined()) witness.push_back(w);
   }
-  if (!witness.empty()) keep = keep.logical_or(all_finite(witness).logical_not());
-  std::vector<std::pair<at::Tensor, at::Tensor>> back;
-  for (BucketState* s : pending) {
-    const bool fresh_q = warm_start && !s->q_memory.defined();
-    swap_in(*s);
-    if (error_feedback) back.emplace_back(s->error, s->source);
-    // A Q this step made: zeros if put back, as the reducer's snapshot did.
-    if (warm_start) back.emplace_back(s->q_memory, fresh_q ? at::Tensor() : s->q_spare);
-  }
-  put_back_unless(back, keep);
-  return keep;
+  if (written.empty()) return finite;
+  return settle_spares(written, finite, read, witness);
 }
 
 void PowerSGDHook::discard_step() {

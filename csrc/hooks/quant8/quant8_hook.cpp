@@ -9,6 +9,7 @@
 #include <string>
 
 #include "../../reducer/profile_range.h"
+#include "../../reducer/step_cost.h"
 #include "quant8_ops.h"
 #include "../common/registry.h"
 #include "../../reducer/message.h"
@@ -106,6 +107,7 @@ void Quant8Hook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) {
   at::Tensor staged = s.staging.narrow(0, offset, numel);
   if (!grad.defined()) {
     staged.zero_();
+    cost::add(cost::kCopyIn, static_cast<int64_t>(staged.nbytes()));
     s.has_grad[slot] = 0;
     return;
   }
@@ -118,6 +120,10 @@ void Quant8Hook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) {
   at::Tensor out = s.staging.as_strided(view.sizes(), view.strides(), offset);
   at::mul_out(out, src, at::scalar_to_tensor(at::Scalar(scale_)));
   if (options_.error_feedback) staged.add_(residual_for(bucket.params[slot], staged, numel));
+  // The scaled copy, then the residual added in place: a second pass over the slot.
+  cost::add(cost::kCopyIn, static_cast<int64_t>(src.nbytes() + staged.nbytes()) +
+                               (options_.error_feedback ? 3 * static_cast<int64_t>(staged.nbytes())
+                                                        : 0));
   s.has_grad[slot] = 1;
 }
 
@@ -138,13 +144,19 @@ std::shared_ptr<PipelinedHook::Stage> Quant8Hook::start(
     quantize8_into(options_.format, shard, kBlock, codes_of(s.wire, r, s), scales_of(s.wire, r, s),
                    options_.error_feedback ? &shard : nullptr);
   }
+  // Quantizing reads the staging once and writes the codes (one byte a value);
+  // with error feedback it writes each value's error back into the staging.
+  const auto staging_bytes = static_cast<int64_t>(s.staging.nbytes());
+  cost::add(cost::kHook, staging_bytes + s.staging.numel() +
+                             (options_.error_feedback ? staging_bytes : 0));
   if (options_.error_feedback) {
     // staging now holds the quantization error of every value.
     for (size_t k = 0; k < bucket.views.size(); ++k) {
       if (!s.has_grad[k]) continue;  // keeps its residual for a later step
       const int64_t numel = bucket.numels[k];
       const at::Tensor err = s.staging.narrow(0, bucket.offsets[k], numel);
-      residual_for(bucket.params[k], err, numel).copy_(err);
+      new_residual_for(bucket.params[k]).copy_(err);  // the read one stays (settle_step)
+      cost::add(cost::kHook, 2 * static_cast<int64_t>(err.nbytes()));
     }
   }
   return start_exchange(std::move(state));
@@ -172,6 +184,8 @@ void Quant8Hook::write_back(Bucket& bucket, const c10::IValue& result,
     dequantize8_into(options_.format, codes_of(gathered, r, s), scales_of(gathered, r, s), kBlock,
                      bucket.flat.narrow(0, r * s.shard, len));
   }
+  // The codes read (a byte a value), the bucket written; then the bucket into the grads.
+  cost::add(cost::kWriteBack, numel + static_cast<int64_t>(bucket.flat.nbytes()));
   copy_flat_to_grads(bucket, bucket.flat, dsts);
 }
 

@@ -80,6 +80,7 @@ class Quant8Hook : public ShardSumHook {
   int64_t wire_bytes(const Bucket& bucket) const override;
 
   const Quant8Options& options() const { return options_; }
+  bool has_residuals() const override { return options_.error_feedback; }
 
  protected:
   std::shared_ptr<Stage> start(Bucket& bucket, size_t index, bool is_last,

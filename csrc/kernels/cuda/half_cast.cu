@@ -29,12 +29,13 @@ __device__ __forceinline__ int nonfinite(float x) { return (x - x) != 0.0f; }
 template <HalfKind K, bool kFeedback>
 struct CompressOp {
   float scale;
-  float* residual;  // read element by element: it needs no alignment
+  const float* residual;  // read element by element: it needs no alignment
+  float* new_residual;    // another buffer (Note [double-buffered step state])
   __device__ __forceinline__ uint16_t operator()(float g, int64_t i) const {
     float v = mul_rn(g, scale);
     if constexpr (kFeedback) v = add_rn(v, residual[i]);
     const uint16_t h = half_bits_from_float<K>(v);
-    if constexpr (kFeedback) residual[i] = v - float_from_half_bits<K>(h);
+    if constexpr (kFeedback) new_residual[i] = v - float_from_half_bits<K>(h);
     return h;
   }
 };
@@ -97,13 +98,13 @@ void launch_to_half(const Op& op, const float* src, uint16_t* dst, int64_t n,
 }
 
 template <HalfKind K>
-void launch_compress(const float* src, float scale, float* residual, uint16_t* dst, int64_t n,
-                     cudaStream_t stream, int32_t* flag) {
+void launch_compress(const float* src, float scale, const float* residual, float* new_residual,
+                     uint16_t* dst, int64_t n, cudaStream_t stream, int32_t* flag) {
   if (residual != nullptr) {
-    launch_to_half(CompressOp<K, true>{scale, residual}, src, dst, n, stream, flag,
+    launch_to_half(CompressOp<K, true>{scale, residual, new_residual}, src, dst, n, stream, flag,
                    "compress_cuda launch");
   } else {
-    launch_to_half(CompressOp<K, false>{scale, nullptr}, src, dst, n, stream, flag,
+    launch_to_half(CompressOp<K, false>{scale, nullptr, nullptr}, src, dst, n, stream, flag,
                    "compress_cuda launch");
   }
 }
@@ -252,13 +253,16 @@ void launch_sum_shards(const uint16_t* shards, int64_t stride, int64_t count, ui
 
 }  // namespace
 
-void compress_cuda(HalfKind kind, const float* src, float scale, float* residual, uint16_t* dst,
-                   int64_t n, void* stream_ptr, int32_t* nonfinite) {
+void compress_cuda(HalfKind kind, const float* src, float scale, const float* residual,
+                   float* new_residual, uint16_t* dst, int64_t n, void* stream_ptr,
+                   int32_t* nonfinite) {
   if (n == 0) return;
   auto stream = static_cast<cudaStream_t>(stream_ptr);
+  const float* r = residual;
+  float* nr = new_residual;
   kind == HalfKind::kBFloat16
-      ? launch_compress<HalfKind::kBFloat16>(src, scale, residual, dst, n, stream, nonfinite)
-      : launch_compress<HalfKind::kFloat16>(src, scale, residual, dst, n, stream, nonfinite);
+      ? launch_compress<HalfKind::kBFloat16>(src, scale, r, nr, dst, n, stream, nonfinite)
+      : launch_compress<HalfKind::kFloat16>(src, scale, r, nr, dst, n, stream, nonfinite);
 }
 
 void cast_divide_cuda(HalfKind kind, const float* src, float divisor, uint16_t* dst, int64_t n,

@@ -1,0 +1,87 @@
+"""Cost is behaviour (issue 43 item 7): what one finite step moves outside the collectives,
+counted by the code that launches each pass (Note [counted cost]), never timed, against a
+budget written next to each figure with its reason. A change that adds a pass over the
+gradients, a copy of the hooks' state or a check fails here. G is the gradients' bytes
+(float32, every parameter used): 5904 for scenarios.mlp(). Budgets are exact where the
+passes are: a figure that drops below its budget is a saving to write down here."""
+
+import pytest
+
+import step_cost_scenarios as s
+
+G = 5904
+# PowerSGD at rank 2 on mlp(): two weights compressed, 32x8 and 32x32, their Qs 8x2 and 32x2
+# float32 (the 4x32 weight and the biases are sent as they are).
+POWERSGD_Q_BYTES = (8 * 2 + 32 * 2) * 4
+NONE = {"hook_bytes": 0, "check_bytes": 0, "state_copy_bytes": 0, "host_syncs": 0}
+BUDGETS = {
+    # One pass in (read the grad, write the bucket: torch's copy-in too), one pass back.
+    "none": {**NONE, "copy_in_bytes": 2 * G, "write_back_bytes": 2 * G},
+    "allreduce": {**NONE, "copy_in_bytes": 2 * G, "write_back_bytes": 2 * G},
+    # 16-bit wire: 4 B read and 2 B written per value, each way.
+    "bf16": {**NONE, "copy_in_bytes": 3 * G // 2, "write_back_bytes": 3 * G // 2},
+    "bf16_fp32": {**NONE, "copy_in_bytes": 3 * G // 2, "write_back_bytes": 3 * G // 2},
+    # Error feedback in the same pass: the residual read and the new one written (8 B a
+    # value); the averaged gradients checked once before the residuals are settled (Note [a
+    # bad step leaves no trace]); no copy of the residuals (double-buffered).
+    "bf16_ef": {**NONE, "copy_in_bytes": 7 * G // 2, "write_back_bytes": 3 * G // 2,
+                "check_bytes": G},
+    "fp16_ef": {**NONE, "copy_in_bytes": 7 * G // 2, "write_back_bytes": 3 * G // 2,
+                "check_bytes": G},
+    # 8-bit: the scaled copy into the staging (2G), the residual added in place (3G: a second
+    # pass a fused copy-in would save); quantizing (hook_bytes, by world size: quant8_hook)
+    # reads the padded staging, writes a byte a value and the error back; the new residual
+    # copied out (2G); write-back: the codes read and the bucket written (G/4 + G), then the
+    # bucket into the grads (2G).
+    "int8": {**NONE, "copy_in_bytes": 5 * G, "write_back_bytes": 3 * G + G // 4,
+             "check_bytes": G},
+    "fp8_e4m3": {**NONE, "copy_in_bytes": 5 * G, "write_back_bytes": 3 * G + G // 4,
+                 "check_bytes": G},
+    # PowerSGD: M = grad + error (3G), P = M Q and Q = M^T P read M (G each), P Q^T written
+    # with the new error in place of M (3G), the uncompressed slots packed and unpacked
+    # (read and written, 4 U, U their bytes below). The only state copied: the Qs into
+    # their spare, because the orthogonalization works in place (2 x 320 B).
+    "powersgd": {**NONE, "copy_in_bytes": 2 * G, "write_back_bytes": 2 * G, "check_bytes": G,
+                 "state_copy_bytes": 2 * POWERSGD_Q_BYTES},
+}
+# The uncompressed slots of PowerSGD on mlp(): the 4x32 weight and the three biases.
+POWERSGD_U = (4 * 32 + 32 + 32 + 4) * 4
+BUDGETS["powersgd"]["hook_bytes"] = 8 * G + 4 * POWERSGD_U
+BUDGETS["torch_powersgd"] = BUDGETS["powersgd"]  # torch's hook and state, run natively
+
+
+def quant8_hook_bytes(bucket_numels: list[int], world: int) -> int:
+    """The 8-bit hooks' staging holds each bucket padded to whole blocks of 256 values per
+    rank's shard; quantizing reads it (4 B), writes a code (1 B) and the error (4 B) per
+    value; then the new residuals are copied out of it (2G)."""
+    block = 256 * world
+    padded = sum(-(-n // block) * block for n in bucket_numels)
+    return 9 * padded + 2 * G
+
+
+@pytest.mark.parametrize("hook", list(BUDGETS))
+def test_a_finite_step_costs_its_budget(world, hook):
+    for out in world.check(s.step_cost, hook=hook):
+        assert out["grad_bytes"] == G, out
+        budget = dict(BUDGETS[hook])
+        if hook in ("int8", "fp8_e4m3"):
+            budget["hook_bytes"] = quant8_hook_bytes(out["bucket_numels"], world.size)
+        assert out["cost"] == budget, (hook, out)
+
+
+def test_gradient_as_bucket_view_writes_nothing_back(world):
+    # The division in place is the copy-in's one pass (2G); the grads are the buckets.
+    for out in world.check(s.step_cost, hook="none", gradient_as_bucket_view=True):
+        assert out["cost"] == {**NONE, "copy_in_bytes": 2 * G, "write_back_bytes": 0}, out
+
+
+@pytest.mark.parametrize("hook", ["batched_powersgd", "acpsgd"])
+def test_the_hooks_still_snapshotted_copy_their_state_once(world, hook):
+    # Not double-buffered yet: the reducer copies their state before every synchronized
+    # backward (StepState::snapshot: read and written, 2 x the state's bytes), and reads
+    # none of it back on a finite step. Their state: the error (batched: padded to a
+    # square per bucket) and P, Q; at most 1.5 G here.
+    for out in world.check(s.step_cost, hook=hook):
+        copied = out["cost"]["state_copy_bytes"]
+        assert 0 < copied <= 3 * G, out
+        assert out["cost"]["check_bytes"] == G and out["cost"]["host_syncs"] == 0, out
