@@ -40,7 +40,7 @@ at::Tensor settle_spares(const std::vector<Spare>& written, const at::Tensor& fi
   if (!witness.empty()) keep = keep.logical_or(all_finite(witness).logical_not());
   std::vector<std::pair<at::Tensor, at::Tensor>> back;
   for (const Spare& s : written) {
-    const bool made = !s.live->defined();
+    const bool made = s.made || !s.live->defined();
     std::swap(*s.live, *s.spare);
     back.emplace_back(*s.live, made ? at::Tensor() : *s.spare);
   }

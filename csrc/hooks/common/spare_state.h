@@ -17,10 +17,12 @@
 namespace fastddp {
 
 // A state tensor this step replaced: `live` (what the step read) and `spare`
-// (what it wrote). An undefined live: the step made it.
+// (what it wrote). `made` (or an undefined live): the step made it, nothing
+// was read.
 struct Spare {
   at::Tensor* live;
   at::Tensor* spare;
+  bool made = false;
 };
 
 // Settles a step: keeps its state (each live swapped with its spare) where

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "../../reducer/profile_range.h"
+#include "../../reducer/step_cost.h"
 #include "../common/side_stream.h"
 #include "powersgd_options.h"
 #include "lowrank.h"
@@ -80,19 +81,31 @@ std::shared_ptr<PipelinedHook::Stage> BatchedPowerSGDHook::start(
   }
 
   pack_slots(state.flat_offsets, state.numels, bucket.flat, state.padded);
+  // Counted in the square's bytes S: the pack (read, written: 2S), P = M Q (M read: S).
+  const auto square_bytes = static_cast<int64_t>(state.padded.nbytes());
+  cost::add(cost::kHook, 3 * square_bytes);
   state.padded.narrow(0, state.numel, state.side * state.side - state.numel).zero_();
   if (options_.use_error_feedback) {
     state.padded.add_(state.error);  // zeros on the first compressed step, as torch's
     state.copy.copy_(state.padded);  // a kept buffer: no page faults per step
     stage->input_copy = state.copy;
+    // M plus the error read (3S), and M's copy, which receives the new error (2S).
+    cost::add(cost::kHook, 5 * square_bytes);
   }
+  // The step's Q: with warm start the spare (Note [double-buffered step
+  // state]); last step's is read once, copied in, because the
+  // orthogonalization works in place.
+  at::Tensor& q = options_.warm_start ? state.q_spare : state.q;
   if (!options_.warm_start || !state.q_ready) {
-    draw_random_q({state.q});
-    state.q_ready = true;
+    draw_random_q({q});
+  } else {
+    q.copy_(state.q);
+    cost::add(cost::kStateCopy, 2 * static_cast<int64_t>(q.nbytes()));
   }
-  orthogonalize(state.q);
+  state.pending = true;
+  orthogonalize(q);
   at::Tensor p3 = state.p.unsqueeze(0);
-  lowrank_project(state.padded.view({1, state.side, state.side}), state.q.unsqueeze(0), p3);
+  lowrank_project(state.padded.view({1, state.side, state.side}), q.unsqueeze(0), p3);
   stage->p_reduced = allreduce(state.p);
   if (is_last) ++iter_;
   return stage;
@@ -107,36 +120,39 @@ void BatchedPowerSGDHook::finish(Stage& base) {
   BucketState& state = *stage.state;
   const at::Tensor matrix = state.padded.view({state.side, state.side});
   orthogonalize(state.p);
-  at::Tensor q3 = state.q.unsqueeze(0);
+  at::Tensor q = options_.warm_start ? state.q_spare : state.q;
+  at::Tensor q3 = q.unsqueeze(0);
   lowrank_back_project(matrix.unsqueeze(0), state.p.unsqueeze(0), q3);
-  record_current_stream({state.padded, state.p, state.q});
-  auto q_reduced = allreduce(state.q);
-  complete_after(q_reduced, stage.result, "allreduce of Q",
-                 [this, state = stage.state, flat = stage.flat,
+  // Q = M^T P reads M; then P Q^T written (with error feedback M's copy read and the
+  // error written in the same pass) and unpacked into the bucket (read, written).
+  cost::add(cost::kHook, (options_.use_error_feedback ? 6 : 4) *
+                             static_cast<int64_t>(state.padded.nbytes()));
+  record_current_stream({state.padded, state.p, q});
+  auto q_reduced = allreduce(q);
+  complete_on_side_stream(q_reduced, stage.result, "allreduce of Q",
+                 [this, state = stage.state, flat = stage.flat, q,
                   input_copy = stage.input_copy]() mutable {
                    FASTDDP_PROFILE_RANGE("fastddp decompress (powersgd_batched)");
-                   state->q.div_(world_size_);
+                   q.div_(world_size_);
                    const std::vector<int64_t> square{1, state->side, state->side};
                    at::Tensor m = state->padded.view(square);
-                   if (options_.use_error_feedback) {  // error = copy - P Q^T, same pass
-                     lowrank_expand(state->p.unsqueeze(0), state->q.unsqueeze(0), m,
-                                    input_copy.view(square), state->error.view(square));
+                   if (options_.use_error_feedback) {
+                     // error = M - P Q^T, same pass, into M's copy (settle_step
+                     // swaps it in): the kernels read each element before they write it.
+                     lowrank_expand(state->p.unsqueeze(0), q.unsqueeze(0), m,
+                                    input_copy.view(square), input_copy.view(square));
                    } else {
-                     lowrank_expand(state->p.unsqueeze(0), state->q.unsqueeze(0), m);
+                     lowrank_expand(state->p.unsqueeze(0), q.unsqueeze(0), m);
                    }
                    unpack_slots(state->flat_offsets, state->numels, state->padded, flat);
-                   // Run on the collective's stream (Note [hook streams]).
-                   record_current_stream({state->padded, state->p, state->q, state->error,
-                                          input_copy, flat});
+                   // Run on the side stream (complete_on_side_stream).
+                   record_current_stream({state->padded, state->p, q, input_copy, flat});
                    return c10::IValue(flat);
                  });
 }
 
 void BatchedPowerSGDHook::bucket_step_state(std::vector<at::Tensor>& into) const {
-  for (const auto& [index, state] : states_) {
-    if (options_.use_error_feedback) into.push_back(state->error);
-    if (options_.warm_start) into.push_back(state->q);
-  }
+  (void)into;  // double-buffered: nothing for the reducer to copy (settle_step)
 }
 
 namespace {

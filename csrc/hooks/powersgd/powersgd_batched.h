@@ -61,6 +61,11 @@ class BatchedPowerSGDHook : public PowerSGDBase {
                       NumpyRandomState rng);
 
   std::string name() const override { return "powersgd_batched"; }
+  // Double-buffered (Note [double-buffered step state]): the new error goes
+  // into M's copy, in the pass that computes it, the step's Q into a spare.
+  bool settles_own_state() const override { return true; }
+  at::Tensor settle_step(const at::Tensor& finite) override;
+  void discard_step() override;
   void on_new_buckets(const std::vector<Bucket>& buckets) override;
   // The bucket's bytes before compression starts; then P and Q (side x r each).
   int64_t wire_bytes(const Bucket& bucket) const override;
@@ -80,7 +85,9 @@ class BatchedPowerSGDHook : public PowerSGDBase {
     at::Tensor error;   // side * side, with use_error_feedback
     at::Tensor p, q;    // side x r
     bool q_ready = false;  // q holds last step's Q (warm start)
-    at::Tensor copy;    // M before compression, with use_error_feedback
+    at::Tensor q_spare;  // this step's Q, with warm start (q is then only read)
+    at::Tensor copy;    // M before compression, then the new error, with use_error_feedback
+    bool pending = false;  // this step wrote copy and q_spare: settle_step decides
   };
   struct BatchedStage;
 

@@ -6,6 +6,7 @@
 
 #include "powersgd_batched.h"
 #include "../../reducer/message.h"
+#include "../common/spare_state.h"
 
 namespace fastddp {
 
@@ -33,6 +34,7 @@ std::shared_ptr<BatchedPowerSGDHook::BucketState> BatchedPowerSGDHook::bucket_st
   }
   s.p = at::empty({s.side, options_.matrix_approximation_rank}, options);
   s.q = at::empty({s.side, options_.matrix_approximation_rank}, options);
+  if (options_.warm_start) s.q_spare = at::empty_like(s.q);
   adopt_carried(s);
   return slot;
 }
@@ -113,6 +115,41 @@ void BatchedPowerSGDHook::on_new_buckets(const std::vector<Bucket>& buckets) {
 
 void BatchedPowerSGDHook::carry_buckets(PowerSGDCheckpoint& into) const {
   for (const auto& entry : states_) carry(*entry.second, into);
+}
+
+at::Tensor BatchedPowerSGDHook::settle_step(const at::Tensor& finite) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<Spare> written;
+  std::vector<BucketState*> pending;
+  std::vector<at::Tensor> read, witness;  // the state as the step found it
+  for (auto& entry : states_) {
+    BucketState& s = *entry.second;
+    if (s.pending) {
+      pending.push_back(&s);
+      if (options_.use_error_feedback) written.push_back({&s.error, &s.copy});
+      if (options_.warm_start) written.push_back({&s.q, &s.q_spare, !s.q_ready});
+    }
+    s.pending = false;
+    if (options_.use_error_feedback) read.push_back(s.error);
+    if (options_.warm_start && s.q_ready) read.push_back(s.q);
+    // On a device, as PowerSGDHook::settle_step: Q stands for the state with warm start.
+    if (options_.warm_start ? s.q_ready : options_.use_error_feedback) {
+      witness.push_back(options_.warm_start ? s.q : s.error);
+    }
+  }
+  if (written.empty()) return finite;
+  const at::Tensor kept = settle_spares(written, finite, read, witness);
+  // On the CPU the choice is known: a Q made by a step put back is drawn again.
+  const bool keep = !kept.is_cpu() || settle_as_on_device() || kept.item<bool>();
+  if (keep && options_.warm_start) {
+    for (BucketState* s : pending) s->q_ready = true;
+  }
+  return kept;
+}
+
+void BatchedPowerSGDHook::discard_step() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& entry : states_) entry.second->pending = false;
 }
 
 void BatchedPowerSGDHook::check_checkpoint(const PowerSGDCheckpoint& ck) const {

@@ -5,6 +5,8 @@ gradients, a copy of the hooks' state or a check fails here. G is the gradients'
 (float32, every parameter used): 5904 for scenarios.mlp(). Budgets are exact where the
 passes are: a figure that drops below its budget is a saving to write down here."""
 
+import math
+
 import pytest
 
 import step_cost_scenarios as s
@@ -75,13 +77,23 @@ def test_gradient_as_bucket_view_writes_nothing_back(world):
         assert out["cost"] == {**NONE, "copy_in_bytes": 2 * G, "write_back_bytes": 0}, out
 
 
-@pytest.mark.parametrize("hook", ["batched_powersgd", "acpsgd"])
-def test_the_hooks_still_snapshotted_copy_their_state_once(world, hook):
-    # Not double-buffered yet: the reducer copies their state before every synchronized
+def test_batched_powersgd_costs_its_budget(world):
+    # Each bucket as one side x side square (side = ceil(sqrt(numel)), zero-padded), S its
+    # bytes: pack 2S, M + error 3S and M's copy 2S, P = M Q and Q = M^T P read M (2S),
+    # P Q^T with the new error in place of M's copy 3S, unpack 2S: 14S. The state copied:
+    # each bucket's Q (side x 2) into its spare, read and written.
+    for out in world.check(s.step_cost, hook="batched_powersgd"):
+        sides = [math.isqrt(n - 1) + 1 for n in out["bucket_numels"]]
+        assert out["cost"] == {**NONE, "copy_in_bytes": 2 * G, "write_back_bytes": 2 * G,
+                               "check_bytes": G, "hook_bytes": 14 * 4 * sum(n * n for n in sides),
+                               "state_copy_bytes": 2 * 4 * 2 * sum(sides)}, out
+
+
+def test_acpsgd_still_copies_its_state_once(world):
+    # Not double-buffered yet: the reducer copies its state before every synchronized
     # backward (StepState::snapshot: read and written, 2 x the state's bytes), and reads
-    # none of it back on a finite step. Their state: the error (batched: padded to a
-    # square per bucket) and P, Q; at most 1.5 G here.
-    for out in world.check(s.step_cost, hook=hook):
+    # none of it back on a finite step. Its state: the error, P and Q; at most 1.5 G here.
+    for out in world.check(s.step_cost, hook="acpsgd"):
         copied = out["cost"]["state_copy_bytes"]
         assert 0 < copied <= 3 * G, out
         assert out["cost"]["check_bytes"] == G and out["cost"]["host_syncs"] == 0, out
