@@ -2,6 +2,7 @@
 (``FASTDDP_WORLD1_REDUCER=1``), against the bare module and torch DDP, in one run.
 
     python benchmarks/reducer_cost.py [--device cuda|cpu] [--groups default,gbv,bf16,powersgd]
+        (also fp16, bf16_ef, int8, fp8, batched, acpsgd: fastddp's other hooks, for --count)
         [--width 1024] [--layers 12] [--heads 16] [--vocab 32000] [--batch 8] [--seq 512]
         [--rounds 7] [--block 6] [--profile] [--count]
 
@@ -52,6 +53,16 @@ import fastddp  # noqa: E402
 
 TorchDDP = nn.parallel.DistributedDataParallel
 GROUPS = ("default", "gbv", "bf16", "powersgd")
+# fastddp's other hooks, for --count (issue 43 item 7: every hook's ops counted): torch DDP
+# runs torch's twin where it has one (fp16) and its default reduction otherwise.
+FASTDDP_GROUPS = {
+    "fp16": lambda: fastddp.hooks.fp16(),
+    "bf16_ef": lambda: fastddp.hooks.bf16(error_feedback=True),
+    "int8": lambda: fastddp.hooks.int8(),
+    "fp8": lambda: fastddp.hooks.fp8("e4m3"),
+    "batched": lambda: fastddp.hooks.batched_powersgd(4, start_powerSGD_iter=2),
+    "acpsgd": lambda: fastddp.hooks.acpsgd(4, start_iter=2),
+}
 
 
 class GPT(nn.Module):
@@ -73,7 +84,12 @@ def ddp_kwargs(group: str) -> dict:
 
 
 def register_hook(model: nn.Module, group: str) -> None:
-    if group == "bf16":
+    if group in FASTDDP_GROUPS:
+        if isinstance(model, fastddp.DistributedDataParallel):
+            model.register_comm_hook(None, FASTDDP_GROUPS[group]())
+        elif group == "fp16":
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif group == "bf16":
         model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     elif group == "powersgd":
         state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=4,
@@ -213,9 +229,10 @@ def main() -> None:
         if getattr(args, name) is None:
             setattr(args, name, gpu if cuda else cpu)
     groups = [g for g in args.groups.split(",") if g]
-    unknown = set(groups) - set(GROUPS)
+    unknown = set(groups) - set(GROUPS) - set(FASTDDP_GROUPS)
     if unknown:
-        parser.error(f"unknown groups {sorted(unknown)}; known: {', '.join(GROUPS)}")
+        parser.error(f"unknown groups {sorted(unknown)}; known: "
+                     f"{', '.join([*GROUPS, *FASTDDP_GROUPS])}")
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

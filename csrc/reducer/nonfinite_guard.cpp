@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include "message.h"
+#include "step_cost.h"
 
 namespace fastddp {
 
@@ -65,6 +66,7 @@ std::vector<NonFiniteGuard::Finding> NonFiniteGuard::wait() {
   if (!work_) return found;
   work_->wait();
   work_.reset();
+  cost::host_sync(shared_);
   const at::Tensor host = shared_.cpu();  // the step's one host sync on CUDA
   const int64_t* values = host.data_ptr<int64_t>();
   for (int r = 0; r < world_size_; ++r) {

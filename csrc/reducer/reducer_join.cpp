@@ -5,6 +5,7 @@
 
 #include "nonfinite_guard.h"
 #include "reducer.h"
+#include "step_cost.h"
 #include "message.h"
 
 namespace fastddp {
@@ -39,6 +40,7 @@ void Reducer::shadow_backward() {
                             at::TensorOptions().dtype(at::kInt).device(params_[0].device()));
     std::vector<at::Tensor> tensors{skip_votes_};
     if (world_size_ > 1) group_->allreduce(tensors)->wait();
+    cost::host_sync(skip_votes_);
     const at::Tensor votes = skip_votes_.cpu();
     decide_skips(votes.data_ptr<int32_t>());
   }

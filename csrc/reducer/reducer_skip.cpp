@@ -11,6 +11,7 @@
 #include "message.h"
 #include "profile_range.h"
 #include "reducer.h"
+#include "step_cost.h"
 
 namespace fastddp {
 
@@ -94,6 +95,7 @@ void Reducer::read_skip_votes() {
   FASTDDP_PROFILE_RANGE("fastddp skip votes");
   // The host decides: on an accelerator a host sync, paid only here (Note
   // [skipping unused buckets]); a no-op on the CPU.
+  cost::host_sync(skip_votes_);
   const at::Tensor votes = skip_votes_.cpu();
   skip_work_.reset();
   skip_votes_ = at::Tensor();

@@ -44,3 +44,26 @@ def test_the_default_copy_in_dispatches_no_op_per_gradient():
         # multi-tensor copy).
         assert all(n < tensors for n in ours.values()), (group, ours)
         assert sum(ours.values()) < sum(theirs.values()), (group, ours, theirs)
+
+
+def test_every_other_hook_is_counted_and_dispatches_nothing_per_gradient():
+    # Issue 43 item 7: every hook's dispatched ops counted (torch DDP runs torch's fp16 hook
+    # for fp16, its default reduction for the hooks torch has no twin of).
+    groups = "fp16,bf16_ef,batched,acpsgd,int8,fp8"
+    tensors, rows = added_ops(groups)
+    assert set(rows) == {(g, v) for g in groups.split(",") for v in ("fastddp", "torch DDP")}
+    for group in ("fp16", "bf16_ef", "batched", "acpsgd"):
+        ours = rows[(group, "fastddp")]
+        # The copy-in is fastddp's own kernel per gradient (no dispatched op); the rest is
+        # per bucket or per step.
+        assert all(n < tensors for n in ours.values()), (group, ours)
+    for group in ("int8", "fp8"):
+        ours = rows[(group, "fastddp")]
+        # Budget, not yet the floor: the 8-bit copy-in is ATen ops per gradient (its slot's
+        # narrow and as_strided views, the scaled copy, the residual added, its copy out):
+        # at most these five per gradient, 7 per gradient in all. A fused copy-in kernel, as
+        # the 16-bit hooks have, would take them off.
+        per_gradient = {op for op, n in ours.items() if n >= tensors}
+        assert per_gradient <= {"aten::narrow", "aten::copy_", "aten::as_strided", "aten::mul",
+                                "aten::add_"}, (group, ours)
+        assert sum(ours.values()) <= 7 * tensors, (group, ours)
