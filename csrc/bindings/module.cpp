@@ -79,6 +79,7 @@ py::dict comm_stats_dict(const Reducer& reducer) {
   py::dict out;
   out["steps"] = stats.steps;
   out["clock"] = stats.device_clock ? "device" : "host";
+  out["timed_iteration"] = stats.timed_iteration;
   out["backward_start_ns"] = stats.backward_start_ns;
   out["hook"] = hook_name;
   out["bytes_reduced"] = reduced;
@@ -218,6 +219,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("comm_stats", &fastddp::comm_stats_dict)
       .def("last_error", &Reducer::last_error, nogil())
       .def("set_track_finite", &Reducer::set_track_finite, py::arg("on"), nogil())
+      .def("set_timing_sample_rate", &Reducer::set_timing_sample_rate, py::arg("rate"), nogil())
+      .def("set_time_every_step", &Reducer::set_time_every_step, py::arg("on"), nogil())
       .def("last_step_finite", &Reducer::last_step_finite, nogil())
       .def_property_readonly("hook_name",
                              [](const Reducer& r) {

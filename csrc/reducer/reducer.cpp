@@ -402,7 +402,10 @@ void Reducer::note_backward_start() {
   if (hooks_seen_) return;
   hooks_seen_ = true;
   backward_start_ = std::chrono::steady_clock::now();
-  timeline_->mark_start();
+  backward_iteration_ = num_iterations_;
+  timeline_->mark_start(num_iterations_, std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                             backward_start_.time_since_epoch())
+                                             .count());
 }
 
 double Reducer::elapsed_us() const {

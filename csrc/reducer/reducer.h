@@ -163,17 +163,23 @@ struct BucketTiming {
 
 struct CommStats {
   int64_t steps = 0;  // synchronized backward passes
-  // timings and exposed_us are device times (CUDA events, see
-  // device_timeline.h) rather than host times.
+  // On a device (a GPU), timings, exposed_us, backward_start_ns and the totals
+  // are those of the latest timed backward the device has finished, from CUDA
+  // events read without a wait (Note [device timeline]); on the host's clock
+  // those of the last synchronized backward.
   bool device_clock = false;
+  // The iteration (synchronized forwards counted, Reducer::num_iterations) of
+  // the backward the timings are from; 0: none yet (a device whose first
+  // timed backward has not finished).
+  int64_t timed_iteration = 0;
   std::vector<int64_t> bucket_bytes;
   std::vector<int64_t> wire_bytes;
   std::vector<BucketTiming> timings;
   std::vector<bool> skipped;  // last step: not reduced (Note [skipping unused buckets])
-  int64_t backward_start_ns = 0;  // last step's first gradient, steady clock (CLOCK_MONOTONIC)
-  double exposed_us = 0;        // last step: last gradient ready -> grads final
+  int64_t backward_start_ns = 0;  // its first gradient, steady clock (CLOCK_MONOTONIC)
+  double exposed_us = 0;        // its last gradient ready -> grads final
   double total_exposed_us = 0;  // over timed_steps steps
-  int64_t timed_steps = 0;      // host clock: every step; device: see DeviceTimeline
+  int64_t timed_steps = 0;      // host clock: every step; device: the timed ones read
   // Last step: the collectives issued on the group from the end of its forward
   // to the end of its backward, counted by c10d itself (the group's sequence
   // number, not our own bookkeeping); -1 where the backend keeps no count.
@@ -248,7 +254,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::string hook_name() const;
   std::vector<int64_t> last_ready_order() const;
   std::vector<int64_t> last_unused_parameters() const;
+  // Never waits for the device (Note [device timeline]).
   CommStats comm_stats() const;
+  // Which backwards record device timing events: torch's sampling at this
+  // rate (the DDP logger's), or every one while `on` (Note [device timeline]).
+  void set_timing_sample_rate(int64_t rate);
+  void set_time_every_step(bool on);
   // The message of the last error raised in a backward ("" if none), for
   // torch's logging-data keys has_error / error.
   std::string last_error() const;
@@ -420,6 +431,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   at::Tensor last_finite_;  // 0-dim bool, the last step's check (set_track_finite)
   std::string last_error_;
   std::chrono::steady_clock::time_point backward_start_;
+  int64_t backward_iteration_ = 0;  // num_iterations_ when the last backward started
   double last_ready_us_ = 0;
 };
 

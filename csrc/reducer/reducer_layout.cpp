@@ -155,15 +155,33 @@ CommStats Reducer::comm_stats() const {
     stats.bucket_bytes.push_back(bucket.bytes());
     stats.wire_bytes.push_back(hook_->wire_bytes(bucket));
   }
-  // On a GPU the device's clock (waits for the last step's end event: called
-  // between steps, never on the step path).
-  stats.device_clock = timeline_->read(stats.timings, stats.exposed_us);
+  stats.timed_iteration = stats.steps > 0 ? backward_iteration_ : 0;
   stats.timed_steps = stats.steps;
-  if (stats.device_clock) {  // read() waited for the last step, not harvested yet
-    stats.total_exposed_us = timeline_->total_exposed_us() + stats.exposed_us;
-    stats.timed_steps = timeline_->timed_steps() + 1;
-  }
+  if (!timeline_->active()) return stats;
+  // On a GPU the device's clock: the latest timed backward that has finished
+  // there, found with event queries (Note [device timeline]). The timeline is
+  // the reducer's own state, guarded by mutex_ like the rest: reading it is
+  // what advances it, hence the call through the pointer in a const method.
+  timeline_->harvest();
+  stats.device_clock = true;
+  const std::optional<DeviceTimeline::Figures>& latest = timeline_->latest();
+  stats.timed_iteration = latest ? latest->iteration : 0;
+  stats.timings = latest ? latest->timings : std::vector<BucketTiming>(buckets_.size());
+  stats.exposed_us = latest ? latest->exposed_us : 0.0;
+  stats.backward_start_ns = latest ? latest->backward_start_ns : 0;
+  stats.total_exposed_us = timeline_->total_exposed_us();
+  stats.timed_steps = timeline_->timed_steps();
   return stats;
+}
+
+void Reducer::set_timing_sample_rate(int64_t rate) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  timeline_->set_sample_rate(rate);
+}
+
+void Reducer::set_time_every_step(bool on) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  timeline_->set_time_every_step(on);
 }
 
 void Reducer::check_parameters_unchanged() const {

@@ -4,11 +4,16 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <c10/core/StreamGuard.h>
+
 #include <exception>
+#include <optional>
 #include <stdexcept>
 #include <utility>
 #include <vector>
+
 #include "../../reducer/message.h"
+#include "side_stream.h"
 
 namespace fastddp {
 
@@ -92,8 +97,8 @@ c10::intrusive_ptr<c10::ivalue::Future> make_result(const at::Tensor& like) {
 void PipelinedHook::complete_after(const c10::intrusive_ptr<c10::ivalue::Future>& collective,
                                    const c10::intrusive_ptr<c10::ivalue::Future>& result,
                                    std::string what, std::function<c10::IValue()> local_work) {
-  // The callback runs on the collective's streams (CUDA), so its work is
-  // ordered after the collective and `result` records events after it.
+  // torch runs the callback with a pool stream current that it made wait for
+  // the collective, so `result` records its events after the collective.
   collective->addCallback([result, what = std::move(what),
                            work = std::move(local_work)](c10::ivalue::Future& fut) {
     if (fut.hasError()) {
@@ -101,6 +106,37 @@ void PipelinedHook::complete_after(const c10::intrusive_ptr<c10::ivalue::Future>
       return;
     }
     try {
+      result->markCompleted(work());
+    } catch (...) {
+      result->setErrorIfNeeded(std::current_exception());
+    }
+  });
+}
+
+void PipelinedHook::complete_on_side_stream(
+    const c10::intrusive_ptr<c10::ivalue::Future>& collective,
+    const c10::intrusive_ptr<c10::ivalue::Future>& result, std::string what,
+    std::function<c10::IValue()> local_work) {
+  // make_result: one device for a bucket on one, none on the CPU.
+  const std::vector<c10::Device> devices = result->devices();
+  collective->addCallback([result, devices, what = std::move(what),
+                           work = std::move(local_work)](c10::ivalue::Future& fut) {
+    if (fut.hasError()) {
+      result->setErrorIfNeeded(collective_error(what, fut));
+      return;
+    }
+    try {
+      std::optional<c10::StreamGuard> side;
+      if (!devices.empty()) {
+        // Not the pool stream torch made current (Note [hook streams]): the
+        // side stream, made to wait for the collective's events (wait() on a
+        // completed future is that stream wait, and records the collective's
+        // outputs on the side stream with the caching allocator).
+        side.emplace(side_stream(devices.front()));
+        fut.wait();
+      }
+      // Inside the guard: markCompleted records `result`'s events on the side
+      // stream, after local_work's kernels.
       result->markCompleted(work());
     } catch (...) {
       result->setErrorIfNeeded(std::current_exception());

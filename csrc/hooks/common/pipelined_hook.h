@@ -18,7 +18,10 @@
 // when its second collective and the local work after it (a callback on the
 // second collective's future: local work only) are done.
 // On CUDA, waiting for a c10d future makes the current stream wait on the
-// collective's; the host does not block.
+// collective's; the host does not block. torch runs a future's callbacks with
+// a stream of c10's global pool current (one that any code in the process may
+// also be handed), so a callback that launches device work switches to
+// fastddp's side stream first (complete_on_side_stream, Note [hook streams]).
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -84,10 +87,19 @@ class PipelinedHook : public CommHook {
   // Completes `result` with local_work()'s value once `collective` is done
   // (with its error as collective_error(what, ...), or local_work's
   // exception, if any). local_work runs in the completion callback: it must
-  // not issue collectives.
+  // not issue collectives, and here must launch no device work either (it
+  // would run on the pool stream torch made current): a value to hand on.
   static void complete_after(const c10::intrusive_ptr<c10::ivalue::Future>& collective,
                              const c10::intrusive_ptr<c10::ivalue::Future>& result,
                              std::string what, std::function<c10::IValue()> local_work);
+  // The same for local work that launches device work (PowerSGD's
+  // decompression): on a device it runs on fastddp's side stream, after a
+  // stream wait on the collective (no host block), and `result` is completed
+  // there, so whoever waits on it waits for that work too.
+  static void complete_on_side_stream(const c10::intrusive_ptr<c10::ivalue::Future>& collective,
+                                      const c10::intrusive_ptr<c10::ivalue::Future>& result,
+                                      std::string what,
+                                      std::function<c10::IValue()> local_work);
 
  private:
   void finish_or_fail(Stage& stage);

@@ -9,13 +9,24 @@
 //                   orthogonalization and Q product, the fp32 shard sum);
 //                   issues the second collective, which ProcessGroupNCCL
 //                   orders after the side stream
-//   NCCL streams    both collectives; the completion callback (decompression,
-//                   local work only) runs on the collective's stream
+//   NCCL streams    both collectives
+//   side stream     the completion callback's local work (PowerSGD's
+//                   decompression): torch runs a future's callbacks with a
+//                   stream of c10's global pool current, which any code in
+//                   the process may be handed too, so the callback makes the
+//                   side stream current, waits there for the collective's
+//                   events (a stream wait), runs, and completes the bucket's
+//                   future on the side stream (complete_on_side_stream in
+//                   pipelined_hook.h)
 //   compute stream  waits only in the reducer's finalize, at the end of
 //                   backward, on the bucket's future.
-// So backward never queues behind communication. The side stream is one per
-// device, created by fastddp (not one of c10's pool, which other code draws
-// from too) and shared by all hooks of the process. Every tensor used
+// So backward never queues behind communication, and no hook kernel runs on
+// a pool stream. The side stream is one per device, created by fastddp (not
+// one of c10's pool, which other code draws from too) and shared by all
+// hooks of the process; being one in-order stream, bucket i's local work
+// queues behind bucket i-1's decompression, which waits for i-1's second
+// collective, while the NCCL stream goes on with the next first collective.
+// Every tensor used
 // on a stream other than the one it was allocated on is recorded there with
 // the caching allocator (recordStream), so its memory is not reused before
 // that stream's work ran; no tensor is kept alive by hand for that.

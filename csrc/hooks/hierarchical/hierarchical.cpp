@@ -18,8 +18,8 @@ namespace fastddp {
 namespace {
 
 // Completes `result` with `value` once `collective` is done (or with its error).
-// The callback runs on the collective's streams (CUDA), so `result` records
-// events after it.
+// No device work: torch runs the callback with a pool stream current that it
+// made wait for the collective, so `result` records its events after it.
 void complete_with(const c10::intrusive_ptr<c10::ivalue::Future>& collective,
                    const c10::intrusive_ptr<c10::ivalue::Future>& result, std::string what,
                    at::Tensor value) {

@@ -92,11 +92,11 @@ std::shared_ptr<PipelinedHook::Stage> AcpSgdHook::start(
   auto reduced = allreduce(wire);
   if (is_last) ++iter_;
   done = make_result(input);
-  complete_after(reduced, done, p_turn ? "allreduce of P" : "allreduce of Q",
-                 [this, state, work = std::move(work), input, wire,
-                  head = plan.uncompressed_numel]() mutable {
-                   return decompress(*state, work, input, wire, head);
-                 });
+  complete_on_side_stream(reduced, done, p_turn ? "allreduce of P" : "allreduce of Q",
+                          [this, state, work = std::move(work), input, wire,
+                           head = plan.uncompressed_numel]() mutable {
+                            return decompress(*state, work, input, wire, head);
+                          });
   return nullptr;
 }
 
@@ -127,7 +127,11 @@ void AcpSgdHook::settle_last_step() {
   if (!settle_pending_) return;
   settle_pending_ = false;
   if (!last_kept_.defined()) return;
-  if (kept_ready_) kept_ready_->synchronize();  // queued at the end of the last backward
+  // Copied at the end of the last backward: a forward and part of this
+  // backward were queued since, so the copy has normally landed, which a
+  // query says without waiting. Only a device still behind that copy makes
+  // the host wait here (Note [acpsgd]: the turn must be known on the host).
+  if (kept_ready_ && !kept_ready_->query()) kept_ready_->synchronize();
   if (last_kept_.item<bool>()) return;
   // Put back: as if the step had not been (its turn, and the buckets it created).
   iter_.store(last_iter_at_open_);
@@ -152,7 +156,7 @@ c10::IValue AcpSgdHook::decompress(BucketState& state, PowerSGDWork& work,
     lowrank_expand(b.p, b.q, b.out);
     b.out.div_(world_size_);
   }
-  // This callback's kernels run on the collective's stream (Note [hook streams]).
+  // This callback's kernels run on the side stream (complete_on_side_stream).
   record_current_stream({wire, input, state.source, state.error, state.wire_p, state.wire_q});
   return c10::IValue(input);
 }

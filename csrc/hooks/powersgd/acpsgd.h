@@ -36,7 +36,9 @@
 // The reducer says after each backward whether its state was kept
 // (after_step); the hook reads that at its next step's first bucket, from a
 // copy queued at the end of the last backward (on CUDA: into pinned memory,
-// with an event; by then long done, so the host does not wait in practice).
+// with an event, queried first: the host waits only if the device has not
+// reached that copy yet). The turn cannot be decided on the device: P and Q
+// differ in size, so the host must know which one the allreduce carries.
 // A bucket whose state that step created starts again (and draws a new Q). A
 // bucket with no state to go on from sends P whatever the turn.
 #pragma once

@@ -126,11 +126,11 @@ void PowerSGDHook::finish(Stage& base) {
                          state.q_spare});
   for (const PowerSGDBatch& b : work.batches) record_current_stream({b.matrices, b.out});
   auto q_reduced = allreduce(state.q_spare);
-  complete_after(q_reduced, stage.result, "allreduce of Q",
-                 [this, state = stage.state, work = std::move(work), input = stage.input,
-                  input_copy = stage.input_copy]() mutable {
-                   return decompress(*state, work, input, input_copy);
-                 });
+  complete_on_side_stream(q_reduced, stage.result, "allreduce of Q",
+                          [this, state = stage.state, work = std::move(work), input = stage.input,
+                           input_copy = stage.input_copy]() mutable {
+                            return decompress(*state, work, input, input_copy);
+                          });
 }
 
 c10::IValue PowerSGDHook::decompress(BucketState& state, PowerSGDWork& work,
@@ -168,7 +168,7 @@ c10::IValue PowerSGDHook::decompress(BucketState& state, PowerSGDWork& work,
     at::Tensor error = input_copy;  // M's buffer, state.source
     error.sub_(input);
   }
-  // This callback's kernels run on the collective's stream (Note [hook streams]).
+  // This callback's kernels run on the side stream (complete_on_side_stream).
   record_current_stream({state.q_spare, input, input_copy});
   for (const PowerSGDBatch& b : batches) record_current_stream({b.p, b.matrices, b.out});
   return c10::IValue(input);

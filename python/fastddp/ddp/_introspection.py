@@ -107,7 +107,8 @@ def comm_stats(ddp: DistributedDataParallel) -> dict[str, Any]:
     if reducer is None:
         return {"steps": 0, "world_size": 1, "hook": "none (world size 1)", "bytes_reduced": 0,
                 "bytes_sent": 0, "compression_ratio": 1.0, "exposed_comm_ms": 0.0,
-                "mean_exposed_comm_ms": 0.0, "collectives": 0, "buckets": []}
+                "mean_exposed_comm_ms": 0.0, "collectives": 0, "timed_iteration": 0,
+                "buckets": []}
     stats = reducer.comm_stats()
     stats["world_size"] = ddp.process_group.size()
     params = ddp._reducer_params

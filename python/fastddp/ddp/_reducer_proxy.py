@@ -101,6 +101,8 @@ class ReducerProxy:
         ddp = self._ddp()
         if ddp is not None:
             ddp.logger._set_ddp_runtime_logging_sample_rate(sample_rate)
+            if ddp._reducer is not None:  # its device timing follows (Note [device timeline])
+                ddp._reducer.set_timing_sample_rate(sample_rate)
 
     def __getattr__(self, name: str) -> Callable[..., NoReturn]:
         # Only reached for names not defined above.

@@ -224,6 +224,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             skip_all_reduce_unused_params=getattr(self, "skip_all_reduce_unused_params", False),
             **options,
         )
+        self._reducer.set_timing_sample_rate(self.logger.sample_rate)  # Note [device timeline]
         if not self._ddp_sink_clone:
             self._reducer.set_sink_clone(False)
         if self.static_graph:
@@ -443,5 +444,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     def comm_stats(self) -> dict:
         """Communication figures of the last synchronized step: bytes reduced
         and sent, compression ratio, per-bucket ready/launched/done times and
-        the exposed communication time (see docs/hooks.md, Introspection)."""
+        the exposed communication time (see docs/hooks.md, Introspection; on a
+        GPU, of the latest sampled step finished there, read without a wait)."""
         return comm_stats(self)

@@ -20,17 +20,20 @@ def format_comm_stats(stats: Mapping[str, Any]) -> str:
     Keys follow ``DistributedDataParallel.comm_stats()``: steps, world_size, hook,
     bytes_reduced, bytes_sent, compression_ratio, exposed_comm_ms, mean_exposed_comm_ms and
     ``buckets`` (per bucket: index, num_params, numel, dtype, bytes, wire_bytes, ready_ms,
-    launched_ms, done_ms, relative to the first gradient of the last step). A missing key
+    launched_ms, done_ms, relative to the first gradient of the last step; on a GPU, of the
+    sampled step ``timed_iteration``, the latest the device had finished). A missing key
     shows as ``-`` rather than failing, since a report runs at exit.
     """
     g = stats.get
+    timed = "last step" if g("clock") != "device" else f"step {_num(g('timed_iteration'))}"
     lines = [
         (f"[fastddp] communication report: {_num(g('steps'))} steps, world size "
          f"{_num(g('world_size'))}, hook {g('hook', '-')}"),
         (f"  per step: gradients {_mb(g('bytes_reduced'))} MB, sent {_mb(g('bytes_sent'))} MB "
          f"(compression {_fixed(g('compression_ratio'), 2)}x)"),
-        ("  exposed communication (backward end -> gradients final): last step "
-         f"{_fixed(g('exposed_comm_ms'), 3)} ms, mean {_fixed(g('mean_exposed_comm_ms'), 3)} ms"),
+        ("  exposed communication (backward end -> gradients final): "
+         f"{timed} {_fixed(g('exposed_comm_ms'), 3)} ms, "
+         f"mean {_fixed(g('mean_exposed_comm_ms'), 3)} ms"),
     ]
     buckets = g("buckets") or []
     if not buckets:

@@ -4,8 +4,10 @@ from this run's own measurements by the cost model (fastddp/tuning/cost_model.py
 The run itself is not changed: no hook is registered, no collective is issued, no number is
 touched. Rank 0 reads ``model.comm_stats()`` at the start of a few forwards (after
 ``WARMUP_STEPS`` steps, for at most ``MAX_SAMPLES`` steps; outside that window a forward
-costs one counter increment). On a GPU that read waits for the previous step's final CUDA
-event, i.e. one host sync in each sampled step. At exit rank 0 times the candidates'
+costs one counter increment). On a GPU the reducer records its timing events in every step
+while samples are taken, and that read never waits: it gives the latest step the device has
+finished (``timed_iteration``, Note [device timeline]), and a read that finds no newer one
+than the last sample's is no sample. At exit rank 0 times the candidates'
 kernels on a scratch tensor (no collective), feeds the median measured step (bucket ready
 times, backward end, the rest of the step) with the link to the cost model, and writes the
 table (``fastddp_advice.md`` / ``.json``).
@@ -80,13 +82,20 @@ class Advisor:
     def _sample(model: Any, state: dict[str, Any]) -> None:
         now = time.perf_counter()
         stats = model.comm_stats()
-        # A sample is one synchronized step between two forwards (no no_sync, no eval).
-        if state["steps"] is not None and stats["steps"] == state["steps"] + 1 and stats["buckets"]:
-            reducer, params = model._reducer, model._reducer_params
+        reducer = getattr(model, "_reducer", None)
+        # A sample is one synchronized step between two forwards (no no_sync, no eval), with
+        # figures of a step not sampled yet (on a GPU they trail the host).
+        timed = stats.get("timed_iteration", 0)
+        if (state["steps"] is not None and stats["steps"] == state["steps"] + 1
+                and stats["buckets"] and timed > state.get("timed", 0)):
+            params = model._reducer_params
             shapes = [[tuple(params[i].shape) for i in b] for b in reducer.bucket_plan()]
             state["samples"].append({"step_ms": (now - state["at"]) * 1e3, "stats": stats,
                                      "shapes": shapes})
+            state["timed"] = timed
         state["steps"], state["at"] = stats["steps"], now
+        if reducer is not None:  # every step timed on a GPU while sampling, then torch's rate
+            reducer.set_time_every_step(len(state["samples"]) < MAX_SAMPLES)
 
 
 def estimate_link(stats: dict[str, Any]) -> Link | None:

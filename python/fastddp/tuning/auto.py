@@ -39,8 +39,9 @@ All ranks run the same state machine on the same step counts; rank 0 alone measu
 decides, and its decisions reach the others as one small broadcast on the model's process
 group (the trial list, then the choice). No step is lost or doubled: a switch happens
 between two steps, each step is reduced by exactly one configuration. While tuning, reading
-``comm_stats()`` waits for the previous step's reduction (on a GPU, a host sync per step);
-once chosen, a forward costs one attribute check. While tuning, the reducer also checks each
+``comm_stats()`` never waits (on a GPU the reducer then times every step, and the figures
+are those of the latest step the device finished, Note [device timeline]); once chosen, a
+forward costs one attribute check. While tuning, the reducer also checks each
 step's averaged gradients for NaN/Inf (a max-norm per gradient): a step that overflowed
 (GradScaler skips it) gives no figure, as its hooks keep no trace of it (Note [a bad step
 leaves no trace]); the tuning then takes one step more.
@@ -157,6 +158,7 @@ class AutoTuner:
         if self._checked_reducer != reducer:  # a new reducer (a rebuild) checks too
             self._checked_reducer = reducer
             self.ddp._reducer.set_track_finite(True)
+            self.ddp._reducer.set_time_every_step(True)  # device figures of each step
         last, self._last = self._last, (reducer, stats["steps"], now)
         if last is None or last[:2] != (reducer, stats["steps"] - 1):
             return  # no synchronized step completed since the last forward seen
@@ -275,6 +277,7 @@ class AutoTuner:
         self.chosen_at_step = self.step
         self._switch(self.choice, fresh=True)
         self.ddp._reducer.set_track_finite(False)  # tuned: no check per step from here
+        self.ddp._reducer.set_time_every_step(False)  # and the logger's sampling again
         self._natives.clear()
         if self.rank0 and self.spec.verbose:
             print(self.log_line(), flush=True)

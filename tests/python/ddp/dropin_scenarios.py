@@ -320,9 +320,11 @@ def device_clock_stats() -> dict:
     for step in range(3):
         inputs, target = vector_batch(step, device="cuda")
         F.mse_loss(fast(inputs), target).backward()
-        torch.cuda.synchronize()  # so the next step harvests this one's device times
+        torch.cuda.synchronize()  # so that the reads find this step's events complete
     stats = fast.comm_stats()
     assert stats["clock"] == "device", stats
+    # Steps 1-3 are sampled (torch's logger samples 1 to 10): the figures are the last one's.
+    assert stats["timed_iteration"] == 3, stats
     for b in stats["buckets"]:
         assert 0 <= b["ready_ms"] <= b["launched_ms"] <= b["done_ms"], b
     # The device mean, over the 3 steps; a host mean would include launch latency. Under
