@@ -8,6 +8,7 @@
 
 #include "../../reducer/message.h"
 #include "../../reducer/profile_range.h"
+#include "../../reducer/step_cost.h"
 #include "../common/registry.h"
 #include "../common/side_stream.h"
 #include "lowrank.h"
@@ -131,7 +132,10 @@ void AcpSgdHook::settle_last_step() {
   // backward were queued since, so the copy has normally landed, which a
   // query says without waiting. Only a device still behind that copy makes
   // the host wait here (Note [acpsgd]: the turn must be known on the host).
-  if (kept_ready_ && !kept_ready_->query()) kept_ready_->synchronize();
+  if (kept_ready_ && !kept_ready_->query()) {
+    cost::add(cost::kHostSync, 1);  // counted only when it waits (Note [counted cost])
+    kept_ready_->synchronize();
+  }
   if (last_kept_.item<bool>()) return;
   // Put back: as if the step had not been (its turn, and the buckets it created).
   iter_.store(last_iter_at_open_);
