@@ -81,6 +81,10 @@ class HookRunner {
       hook_->write_back(bucket, bucket.future->value(), dsts);
       bucket.future.reset();
     }
+    // The step stands (nothing is checked here): a double-buffered hook takes
+    // its new state, as the reducer's end of backward has it do (Note
+    // [double-buffered step state]).
+    if (hook_->settles_own_state()) hook_->settle_step(at::Tensor());
     return out;
   }
 

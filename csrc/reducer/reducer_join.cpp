@@ -73,6 +73,10 @@ void Reducer::shadow_backward() {
   }
   if (nonfinite_) check_finite_gradients();
   if (dynamic_find_unused()) used_map_.zero_();
+  // The shadow step stands, as torch's joined rank's hook state moves on with
+  // its zero buckets: a double-buffered hook takes its new state (Note
+  // [double-buffered step state]).
+  if (hook_->settles_own_state()) hook_->settle_step(at::Tensor());
 }
 
 void Reducer::record_default_ready_order() {

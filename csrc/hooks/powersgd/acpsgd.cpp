@@ -57,6 +57,7 @@ std::shared_ptr<PipelinedHook::Stage> AcpSgdHook::start(
   std::shared_ptr<BucketState> state = bucket_state(bucket, index, plan, randomize);
   BucketState& s = *state;
   const bool p_turn = !s.has_factors || even_step();
+  s.fresh = !s.has_factors;
   s.has_factors = true;
   {
     const int64_t size = bucket.flat.element_size();
@@ -66,11 +67,25 @@ std::shared_ptr<PipelinedHook::Stage> AcpSgdHook::start(
                       is_last, iter_.load());
   }
   const at::Tensor input = bucket.flat;
-  at::add_out(s.source, input, s.error);  // M = gradient + error
-  at::Tensor p_memory = s.wire_p.narrow(0, plan.uncompressed_numel, plan.p_numel);
-  at::Tensor q_memory = s.wire_q.narrow(0, plan.uncompressed_numel, plan.q_numel);
+  at::add_out(s.source, input, s.error);  // M = gradient + error; the new error in its place
+  cost::add(cost::kHook, 3 * static_cast<int64_t>(input.nbytes()));
+  // The step's factors are the spares (Note [double-buffered step state]):
+  // the state's are read once, copied in, because the orthogonalization and
+  // the products work in place.
+  if (!s.p_spare.defined()) {
+    s.p_spare = at::empty_like(s.wire_p);
+    s.q_spare = at::empty_like(s.wire_q);
+  }
+  at::Tensor p_memory = s.p_spare.narrow(0, plan.uncompressed_numel, plan.p_numel);
+  at::Tensor q_memory = s.q_spare.narrow(0, plan.uncompressed_numel, plan.q_numel);
+  if (!s.fresh) {
+    p_memory.copy_(s.wire_p.narrow(0, plan.uncompressed_numel, plan.p_numel));
+    q_memory.copy_(s.wire_q.narrow(0, plan.uncompressed_numel, plan.q_numel));
+    cost::add(cost::kStateCopy, 2 * static_cast<int64_t>(p_memory.nbytes() + q_memory.nbytes()));
+  }
+  s.pending = true;
   PowerSGDWork work = s.views.get(plan, options_, bucket.offsets, bucket.numels, s.source, input,
-                                 p_memory, q_memory, s.error);
+                                 p_memory, q_memory, s.source);
   if (randomize) {
     std::vector<at::Tensor> qs;
     for (PowerSGDBatch& b : work.batches) qs.push_back(b.q);
@@ -84,11 +99,17 @@ std::shared_ptr<PipelinedHook::Stage> AcpSgdHook::start(
     for (at::Tensor& p : work.p_groups) powersgd_orthogonalize(p, eps);
     for (PowerSGDBatch& b : work.batches) lowrank_back_project(b.matrices, b.p, b.q);  // Q = M^T P
   }
-  // error = M - P Q^T with this rank's factor, in one pass; P Q^T lands in the
+  // error = M - P Q^T with this rank's factor, in one pass, in place of M (the
+  // kernels read each element before they write it); P Q^T lands in the
   // bucket, which the reduced factor overwrites in decompress().
   for (PowerSGDBatch& b : work.batches) lowrank_expand(b.p, b.q, b.out, b.matrices, b.error);
-  const at::Tensor wire = p_turn ? s.wire_p : s.wire_q;
+  const at::Tensor wire = p_turn ? s.p_spare : s.q_spare;
   pack_uncompressed(work.uncompressed_source, wire.narrow(0, 0, plan.uncompressed_numel));
+  // The uncompressed slots keep no error: their part of M, packed above, becomes zeros.
+  if (!work.uncompressed_error.empty()) at::_foreach_zero_(work.uncompressed_error);
+  // One product reads M; P Q^T written with the error (3 passes); the pack and the zeros.
+  cost::add(cost::kHook, 4 * static_cast<int64_t>(input.nbytes()) +
+                             3 * plan.uncompressed_numel * input.element_size());
   note_launch(index, p_turn ? "allreduce of ACP-SGD's P" : "allreduce of ACP-SGD's Q");
   auto reduced = allreduce(wire);
   if (is_last) ++iter_;
@@ -161,16 +182,12 @@ c10::IValue AcpSgdHook::decompress(BucketState& state, PowerSGDWork& work,
     b.out.div_(world_size_);
   }
   // This callback's kernels run on the side stream (complete_on_side_stream).
-  record_current_stream({wire, input, state.source, state.error, state.wire_p, state.wire_q});
+  record_current_stream({wire, input, state.source, state.error, state.p_spare, state.q_spare});
   return c10::IValue(input);
 }
 
 void AcpSgdHook::bucket_step_state(std::vector<at::Tensor>& into) const {
-  for (const auto& [index, state] : states_) {
-    into.push_back(state->error);
-    into.push_back(state->wire_p);
-    into.push_back(state->wire_q);
-  }
+  (void)into;  // double-buffered: nothing for the reducer to copy (settle_step)
 }
 
 namespace {

@@ -82,9 +82,15 @@ class AcpSgdHook : public PowerSGDBase {
     // Per slot, where its P (n x r) and Q (m x r) are in the wires (-1: not compressed).
     std::vector<int64_t> p_offsets, q_offsets, rows, cols, ranks;
     at::Tensor error;   // the bucket's numel; zero on uncompressed slots
-    at::Tensor source;  // M = gradient + error
+    at::Tensor source;  // M = gradient + error; then the new error (settle_step)
     at::Tensor wire_p;  // [uncompressed | P]
     at::Tensor wire_q;  // [uncompressed | Q]
+    // The step's wires: the factors are read from wire_p and wire_q once,
+    // copied in, and the step works on these (Note [double-buffered step state]).
+    at::Tensor p_spare, q_spare;
+    bool pending = false;  // this step wrote source and the spares: settle_step decides
+    bool fresh = false;    // this step made the factors (nothing was read)
+    int64_t head = 0;      // the wires' uncompressed part (scratch, not state)
     // Its factors came from a compressed step or a carried state: it can take
     // either turn (else it sends P, from a drawn Q).
     bool has_factors = false;
@@ -101,6 +107,9 @@ class AcpSgdHook : public PowerSGDBase {
   c10::IValue decompress(BucketState& state, PowerSGDWork& work, const at::Tensor& input,
                          const at::Tensor& wire, int64_t uncompressed_numel);
   bool ps_are_state() const override { return true; }
+  bool settles_own_state() const override { return true; }
+  at::Tensor settle_step(const at::Tensor& finite) override;
+  void discard_step() override;
   void loaded() override;
   void carry_buckets(PowerSGDCheckpoint& into) const override;
   void drop_buckets() override { states_.clear(); }

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include "../../reducer/message.h"
+#include "../common/spare_state.h"
 #include "acpsgd.h"
 
 namespace fastddp {
@@ -41,6 +42,7 @@ std::shared_ptr<AcpSgdHook::BucketState> AcpSgdHook::bucket_state(const Bucket& 
     s.source = at::empty({bucket.flat.numel()}, options);
     s.wire_p = at::empty({plan.uncompressed_numel + plan.p_numel}, options);
     s.wire_q = at::empty({plan.uncompressed_numel + plan.q_numel}, options);
+    s.head = plan.uncompressed_numel;
     randomize = true;
     adopt_carried(s, randomize);
     s.has_factors = !randomize;
@@ -88,6 +90,39 @@ void AcpSgdHook::on_new_buckets(const std::vector<Bucket>& buckets) {
   carry_buckets(carried_);
   carried_has_qs_ = !carried_.qs.empty();
   states_.clear();
+}
+
+at::Tensor AcpSgdHook::settle_step(const at::Tensor& finite) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<Spare> written;
+  std::vector<at::Tensor> read, witness;  // the state as the step found it
+  for (auto& entry : states_) {
+    BucketState& s = *entry.second;
+    const bool fresh = s.pending && s.fresh;
+    if (s.pending) {
+      written.push_back({&s.error, &s.source});
+      written.push_back({&s.wire_p, &s.p_spare, fresh});
+      written.push_back({&s.wire_q, &s.q_spare, fresh});
+    }
+    s.pending = false;
+    s.fresh = false;
+    read.push_back(s.error);
+    if (fresh) continue;  // its wires held nothing before the step
+    // The factors, past the wires' uncompressed part (scratch).
+    const at::Tensor p = s.wire_p.narrow(0, s.head, s.wire_p.numel() - s.head);
+    const at::Tensor q = s.wire_q.narrow(0, s.head, s.wire_q.numel() - s.head);
+    read.insert(read.end(), {p, q});
+    // On a device the factors stand for the state, as PowerSGD's Qs do: a
+    // non-finite error makes that step's factor non-finite.
+    witness.insert(witness.end(), {p, q});
+  }
+  if (written.empty()) return finite;
+  return settle_spares(written, finite, read, witness);
+}
+
+void AcpSgdHook::discard_step() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& entry : states_) entry.second->pending = false;
 }
 
 void AcpSgdHook::loaded() {

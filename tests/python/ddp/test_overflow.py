@@ -38,7 +38,8 @@ def test_one_overflow_leaves_no_trace(world, hook):
     both(world, hook)
 
 
-@pytest.mark.parametrize("hook", ["powersgd", "torch_powersgd", "batched_powersgd", "bf16_ef", "int8"])
+@pytest.mark.parametrize("hook", ["powersgd", "torch_powersgd", "batched_powersgd", "acpsgd",
+                                  "bf16_ef", "int8"])
 def test_device_settling_leaves_no_trace(world, hook):
     # The GPU's way of settling double-buffered state, run on CPU tensors.
     both(world, hook, scenario=s.scaler_run_settled_as_on_device)
