@@ -194,8 +194,10 @@ def dispatched_ops(step) -> collections.Counter:
 
 
 def count(group: str, runners: list[Runner], n_params: int) -> None:
-    for r in runners:  # warm-up: the bucket rebuild, PowerSGD's start
-        for _ in range(3):
+    # Warm-up: the bucket rebuild, PowerSGD's start (2), and two compressed steps, which
+    # make the two sets of views a double-buffered state alternates between.
+    for r in runners:
+        for _ in range(5):
             r.step()
     ops = {r.name: dispatched_ops(r.step) for r in runners}
     bare = ops["bare"]
