@@ -7,7 +7,7 @@ Spawns ``--nproc`` gloo ranks on 127.0.0.1 (one intra-op thread each). For each 
 each link (an EmulatedLinkGroup over WORLD, Note [emulated link timing]): one model tuned by
 ``fastddp.hooks.auto(policy)`` until it has chosen, then it and one model per fixed
 candidate of the policy (plain allreduce at bucket caps 1, 4 and 16 MB, bf16, bf16 summed in
-fp32, PowerSGD of rank 1, 2, 4, 8) are timed interleaved (benchmarks/auto_runs.py): median
+fp32, PowerSGD of rank 1, 2, 4, 8) are timed interleaved (benchmarks/common/auto_runs.py): median
 step (zero_grad, forward, backward, SGD step) on rank 0's clock. Reported: auto's choice,
 its median, the best and worst fixed configuration and their medians, auto over best (the
 target: at most 1.05), and the steps auto spent choosing. Models: ``vit``, one ViT-L/32
@@ -30,8 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import auto_runs  # benchmarks/auto_runs.py: scripts run from benchmarks/
-import machine
+from common import auto_runs, machine  # benchmarks/common/: scripts run from benchmarks/
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import fastddp
-import machine  # benchmarks/machine.py: scripts run from benchmarks/
+from common import machine  # benchmarks/common/: scripts run from benchmarks/
 import step_time
 
 MODES = ("outer", "inner")

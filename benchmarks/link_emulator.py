@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import machine
 from fastddp.link import EmulatedLinkGroup, parse_link
+
+from common import machine  # benchmarks/common/: scripts run from benchmarks/
 
 MB = 1_000_000
 # (kind, S bytes, link)

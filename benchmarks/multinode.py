@@ -5,7 +5,7 @@
 
 Spawns 4 gloo ranks on 127.0.0.1 (one intra-op thread each) as 2 nodes x 2 local ranks.
 For each inter-node link, five configurations, each its own model and optimizer, all
-timed interleaved (benchmarks/auto_runs.py: rotating rounds, median step on rank 0's clock,
+timed interleaved (benchmarks/common/auto_runs.py: rotating rounds, median step on rank 0's clock,
 zero_grad to SGD step), with the same model stepped without DDP as the compute floor:
 
   flat allreduce, flat bf16   the model's group is an EmulatedLinkGroup over WORLD with the
@@ -45,10 +45,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import auto_runs  # benchmarks/auto_runs.py: scripts run from benchmarks/
 import fastddp
-import machine
 from fastddp.link import EmulatedLinkGroup, Link, bus_factor, parse_link
+
+from common import auto_runs, machine  # benchmarks/common/: scripts run from benchmarks/
 
 LOCAL = 2
 WORLD = 4
@@ -182,7 +182,7 @@ def main() -> None:
     parser.add_argument("--dilate", type=float, default=1.0,
                         help="every emulated link this many times slower (see the docstring)")
     parser.add_argument("--model", default="wide", choices=("wide", "vit"),
-                        help="benchmarks/auto_runs.py's models (gradient-heavy, ~50 MB)")
+                        help="benchmarks/common/auto_runs.py's models (gradient-heavy, ~50 MB)")
     parser.add_argument("--cap-mb", type=float, default=auto_runs.CAP_MB)
     parser.add_argument("--rounds", type=int, default=8, help="interleaved timing rounds")
     parser.add_argument("--warmup", type=int, default=3)

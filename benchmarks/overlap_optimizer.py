@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fastddp
-import machine  # benchmarks/machine.py: scripts run from benchmarks/
+from common import machine  # benchmarks/common/: scripts run from benchmarks/
 import step_time
 
 OPTIMIZERS = {

@@ -5,13 +5,13 @@ sends, and how soon it gets there on a slow link. Side by side in one run.
         [--eval-every 25] [--links 1GB/s,10GB/s] [--configs NAME,...] [--quick]
         [--charts DIR] [--write-table PATH]
 
-Tasks (benchmarks/quality_tasks.py): scikit-learn's handwritten digits (a small CNN, held-out
-accuracy) and the source of Python's standard library (a character-level transformer,
-held-out bits per character). Every configuration trains the same model from the same seed
-on the same per-rank batches for --steps steps on --nproc gloo ranks, one intra-op thread
-each, and is scored on the held-out split every --eval-every steps. The learning rate
-decays along a cosine to FINAL_LR of its peak; the low-rank hooks compress from 10% of the
-steps on (START).
+Tasks (benchmarks/common/quality_tasks.py): scikit-learn's handwritten digits (a small CNN,
+held-out accuracy) and the source of Python's standard library (a character-level
+transformer, held-out bits per character). Every configuration trains the same model from
+the same seed on the same per-rank batches for --steps steps on --nproc gloo ranks, one
+intra-op thread each, and is scored on the held-out split every --eval-every steps. The
+learning rate decays along a cosine to FINAL_LR of its peak; the low-rank hooks compress
+from 10% of the steps on (START).
 
 Reported per task and configuration: the final score and its difference from fp32
 allreduce's and from torch's bf16 hook's (the 16-bit baseline "Beyond Throughput and
@@ -39,8 +39,9 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
 from fastddp.link import EmulatedLinkGroup
-import quality_chart
-from quality_tasks import task as make_task
+
+from common import quality_chart  # benchmarks/common/: scripts run from benchmarks/
+from common.quality_tasks import task as make_task
 
 # The low-rank hooks' plain allreduce steps (PowerSGD's start_powerSGD_iter): 10% of the
 # run, where torch's PowerSGDState docs say to start tuning it. Set from --steps in worker().

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fastddp
-import machine  # benchmarks/machine.py: scripts run from benchmarks/
+from common import machine  # benchmarks/common/: scripts run from benchmarks/
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MIB = 1024 * 1024

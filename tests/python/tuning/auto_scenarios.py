@@ -1,6 +1,6 @@
 """``fastddp.hooks.auto()`` scenarios, run on every rank of a harness world (see harness.py).
 
-The models are benchmarks/auto_runs.py's (``wide``, ``convnet``), and ``sleep``:
+The models are benchmarks/common/auto_runs.py's (``wide``, ``convnet``), and ``sleep``:
 sleep_model.SleepNet, whose compute is a sleep in backward, for the runs whose decision
 depends on time (over an emulated link, whose delays are sleeps too: no CPU load changes
 them). Auto's speed against the fixed configurations is the benchmark's
@@ -21,7 +21,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 
-import auto_runs  # noqa: E402  (benchmarks/auto_runs.py)
+from common import auto_runs  # noqa: E402  (benchmarks/common/auto_runs.py)
 import fastddp  # noqa: E402
 import sleep_model  # noqa: E402
 from fastddp.link import EmulatedLinkGroup  # noqa: E402
