@@ -4,15 +4,15 @@
                                       [--modes outer,inner] [--backend inductor] [--out FILE]
 
 Spawns gloo ranks on 127.0.0.1 (one intra-op thread each). For each model of step_time.py
-(except the 64-layer one, whose compile alone takes minutes here) and each mode, "outer"
-(torch.compile(DDP(model))) and "inner" (DDP(torch.compile(model))), both wrappers are
-compiled the same way with ``--backend``; after the warm-up (which compiles), ``--rounds``
-interleaved rounds each time one block of steps (zero_grad, forward, backward, SGD step)
-of each, in alternating order. Reported: median per-step time (block means, rank 0's
-clock), the ratio of the medians and the spread of the per-round ratios, and the number
-of graphs the backend compiled for each (dynamo's DDPOptimizer splits the forward at the
-buckets: the counts must be equal). Ranks run with step_time.py's fixed glibc malloc
-thresholds. This is a benchmark, not a test.
+(common/step_timing.py's SHAPES, except the 64-layer one, whose compile alone takes minutes
+here) and each mode, "outer" (torch.compile(DDP(model))) and "inner"
+(DDP(torch.compile(model))), both wrappers are compiled the same way with ``--backend``;
+after the warm-up (which compiles), ``--rounds`` interleaved rounds each time one block of
+steps (zero_grad, forward, backward, SGD step) of each, in alternating order. Reported:
+median per-step time (block means, rank 0's clock), the ratio of the medians and the spread
+of the per-round ratios, and the number of graphs the backend compiled for each (dynamo's
+DDPOptimizer splits the forward at the buckets: the counts must be equal). Ranks run with
+step_time.py's fixed glibc malloc thresholds. This is a benchmark, not a test.
 """
 
 import argparse
@@ -27,8 +27,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import fastddp
-from common import machine  # benchmarks/common/: scripts run from benchmarks/
-import step_time
+from common import machine, step_timing  # benchmarks/common/: scripts run from benchmarks/
 
 MODES = ("outer", "inner")
 
@@ -66,21 +65,21 @@ def _compiled(cls: type, body: nn.Module, mode: str, backend: str) -> tuple[nn.M
     return torch.compile(cls(module), backend=compile_fn), box
 
 
-def _compare(shape: step_time.Shape, x: torch.Tensor, args: argparse.Namespace) -> list[dict]:
+def _compare(shape: step_timing.Shape, x: torch.Tensor, args: argparse.Namespace) -> list[dict]:
     rows = []
     for mode in args.modes.split(","):
         torch._dynamo.reset()
         torch.manual_seed(0)
         body = shape.build()
         fast, fast_box = _compiled(fastddp.DistributedDataParallel, body, mode, args.backend)
-        ref, ref_box = _compiled(step_time.TorchDDP, body, mode, args.backend)
-        variants = {"fastddp": step_time._make_step(fast, x),
-                    "torch": step_time._make_step(ref, x)}
+        ref, ref_box = _compiled(step_timing.TorchDDP, body, mode, args.backend)
+        variants = {"fastddp": step_timing.make_step(fast, x),
+                    "torch": step_timing.make_step(ref, x)}
         dist.barrier()
-        ms = step_time._timed_blocks(variants, args.rounds, shape.block_steps, args.warmup)
+        ms = step_timing.timed_blocks(variants, args.rounds, shape.block_steps, args.warmup)
         rows.append({"model": shape.name, "mode": mode, "graphs": (fast_box["graphs"],
                                                                    ref_box["graphs"]),
-                     **step_time._summary(ms, "fastddp", "torch")})
+                     **step_timing.summary(ms, "fastddp", "torch")})
     return rows
 
 
@@ -90,7 +89,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
     dist.init_process_group("gloo", rank=rank, world_size=world)
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own input
     rows = []
-    for shape in step_time.SHAPES:
+    for shape in step_timing.SHAPES:
         if args.only in shape.name and not shape.name.startswith("tiny"):
             rows += _compare(shape, torch.randn(shape.input_shape, generator=gen), args)
     if rank == 0:

@@ -6,12 +6,13 @@ followed by ``opt.step()``: step time and peak memory.
                                            [--memory-steps 6] [--out FILE]
 
 Spawns gloo ranks on 127.0.0.1 (one intra-op thread each, step_time.py's allocator
-thresholds). For each model of step_time.py (all but the tiny one) and each optimizer,
-three training steps of the same model run in interleaved blocks (rotating order):
-``torch`` (torch DDP, backward, step), ``fastddp`` (fastddp, backward, step) and
-``overlap`` (fastddp with the optimizer overlapped: backward only; the fused SGD / AdamW
-step natively from C++, the others through their own step() per bucket). Reported: median
-per-step ms (block means, rank 0's clock) and the ratios of the medians to torch's.
+thresholds). For each model of step_time.py (common/step_timing.py's SHAPES, all but the
+tiny one) and each optimizer, three training steps of the same model run in interleaved
+blocks (rotating order): ``torch`` (torch DDP, backward, step), ``fastddp`` (fastddp,
+backward, step) and ``overlap`` (fastddp with the optimizer overlapped: backward only; the
+fused SGD / AdamW step natively from C++, the others through their own step() per bucket).
+Reported: median per-step ms (block means, rank 0's clock) and the ratios of the medians to
+torch's.
 
 Peak memory: each variant alone in fresh ranks (``--memory-steps`` steps), the growth of
 rank 0's peak resident set (``ru_maxrss``) over its resident set before the first step:
@@ -30,8 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fastddp
-from common import machine  # benchmarks/common/: scripts run from benchmarks/
-import step_time
+from common import machine, step_timing  # benchmarks/common/: scripts run from benchmarks/
 
 OPTIMIZERS = {
     # foreach=True: torch's default on GPUs (on the CPU it picks the per-tensor loop)
@@ -46,7 +46,7 @@ VARIANTS = ("torch", "fastddp", "overlap")
 
 def _variant(name: str, body: torch.nn.Module, optim: str, x: torch.Tensor):
     cls, kwargs = OPTIMIZERS[optim]
-    wrapper = step_time.TorchDDP if name == "torch" else fastddp.DistributedDataParallel
+    wrapper = step_timing.TorchDDP if name == "torch" else fastddp.DistributedDataParallel
     model = wrapper(copy.deepcopy(body))
     opt = cls(model.parameters(), **kwargs)
     if name == "overlap":
@@ -68,7 +68,7 @@ def _rss_kib() -> int:
 
 def _times(rank: int, args: argparse.Namespace, x_gen: torch.Generator) -> list[dict]:
     rows = []
-    for shape in step_time.SHAPES:
+    for shape in step_timing.SHAPES:
         if args.only not in shape.name or shape.name.startswith("tiny"):
             continue
         x = torch.randn(shape.input_shape, generator=x_gen)
@@ -77,10 +77,10 @@ def _times(rank: int, args: argparse.Namespace, x_gen: torch.Generator) -> list[
             body = shape.build()
             variants = {v: _variant(v, body, optim, x) for v in VARIANTS}
             dist.barrier()
-            ms = step_time._timed_blocks(variants, args.rounds, shape.block_steps, args.warmup)
+            ms = step_timing.timed_blocks(variants, args.rounds, shape.block_steps, args.warmup)
             rows.append({"model": shape.name, "optim": optim,
-                         "fastddp": step_time._summary(ms, "fastddp", "torch"),
-                         "overlap": step_time._summary(ms, "overlap", "torch")})
+                         "fastddp": step_timing.summary(ms, "fastddp", "torch"),
+                         "overlap": step_timing.summary(ms, "overlap", "torch")})
     return rows
 
 
@@ -94,7 +94,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue,
         result = _times(rank, args, gen)
     else:  # one variant alone: (shape index, optimizer, variant)
         shape_index, optim, name = memory_of
-        shape = step_time.SHAPES[shape_index]
+        shape = step_timing.SHAPES[shape_index]
         torch.manual_seed(0)
         step = _variant(name, shape.build(), optim, torch.randn(shape.input_shape, generator=gen))
         gc.collect()
@@ -147,7 +147,7 @@ def main() -> None:
     bench = machine.Run()
     rows = _spawn(args)
     peaks = {}
-    for i, shape in enumerate(step_time.SHAPES):
+    for i, shape in enumerate(step_timing.SHAPES):
         for r in rows:
             if r["model"] == shape.name:
                 for v in VARIANTS:

@@ -33,8 +33,6 @@ import gc
 import os
 import statistics
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -43,100 +41,8 @@ from torch import nn
 
 import fastddp
 from common import machine  # benchmarks/common/: scripts run from benchmarks/
-
-TorchDDP = nn.parallel.DistributedDataParallel
-
-
-@dataclass(frozen=True)
-class Shape:
-    """One benchmarked model: how to build it, its per-rank input, steps per block."""
-
-    name: str
-    build: Callable[[], nn.Module]
-    input_shape: tuple[int, ...]
-    block_steps: int
-
-
-def _mlp(width_in: int, width: int, depth: int, width_out: int) -> nn.Module:
-    layers: list[nn.Module] = [nn.Linear(width_in, width), nn.ReLU()]
-    for _ in range(depth - 1):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(width, width_out))
-
-
-def _convnet() -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(128 * 4 * 4, 256), nn.ReLU(), nn.Linear(256, 10),
-    )
-
-
-SHAPES = [
-    # Many tiny tensors: per-step and per-parameter overhead dominates.
-    Shape("tiny 64 Linear(16,16), 17k", lambda: _mlp(16, 16, 63, 16), (4, 16), 16),
-    Shape("MLP 0.8M (7 Linear, w384)", lambda: _mlp(256, 384, 6, 10), (32, 256), 8),
-    Shape("MLP 10.5M (4 Linear, w2048)", lambda: _mlp(1024, 2048, 3, 10), (16, 1024), 2),
-    Shape("convnet 0.6M (3 conv)", _convnet, (8, 3, 32, 32), 4),
-]
-
-
-def _n_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-
-
-def _timed_blocks(
-    variants: dict[str, Callable[[], None]], rounds: int, steps: int, warmup: int
-) -> dict[str, list[float]]:
-    """Per-step ms (block means) of each variant, blocks interleaved in rotating order."""
-    for step in variants.values():
-        for _ in range(warmup):
-            step()
-    names = list(variants)
-    ms: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        order = names[r % len(names):] + names[: r % len(names)]
-        if len(names) == 2 and r % 2:
-            order = names[::-1]
-        for name in order:
-            step = variants[name]
-            start = time.perf_counter()
-            for _ in range(steps):
-                step()
-            ms[name].append((time.perf_counter() - start) * 1e3 / steps)
-    return ms
-
-
-def _make_step(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
-    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
-
-    def step() -> None:
-        opt.zero_grad()
-        model(x).float().square().mean().backward()
-        opt.step()
-
-    return step
-
-
-def _replicas(shape: Shape, n: int) -> list[nn.Module]:
-    torch.manual_seed(0)
-    models = [shape.build() for _ in range(n)]
-    for m in models[1:]:
-        m.load_state_dict(models[0].state_dict())
-    return models
-
-
-def _summary(ms: dict[str, list[float]], a: str, b: str) -> dict[str, float]:
-    # Blocks of the same round ran back to back: their ratio cancels slow drifts
-    # in machine load, so the paired ratios show the spread.
-    paired = sorted(x / y for x, y in zip(ms[a], ms[b]))
-    q = len(paired) // 4
-    return {
-        "a_ms": statistics.median(ms[a]), "b_ms": statistics.median(ms[b]),
-        "ratio": statistics.median(ms[a]) / statistics.median(ms[b]),
-        "paired": statistics.median(paired), "q1": paired[q], "q3": paired[-1 - q],
-    }
+from common.step_timing import (SHAPES, Shape, TorchDDP, grad_bytes, make_step, replicas, summary,
+                                timed_blocks)
 
 
 def _allreduce_ms(n_bytes: int, reps: int = 10) -> float:
@@ -166,20 +72,20 @@ def _compare_ranks(shape: Shape, x: torch.Tensor, args: argparse.Namespace) -> l
     rows = []
     for config in args.configs.split(","):
         kwargs = CONFIGS[config]
-        fast_m, torch_m = _replicas(shape, 2)
-        variants = {"fastddp": _make_step(fastddp.DistributedDataParallel(fast_m, **kwargs), x)}
+        fast_m, torch_m = replicas(shape, 2)
+        variants = {"fastddp": make_step(fastddp.DistributedDataParallel(fast_m, **kwargs), x)}
         if config == "nancheck":
-            variants["torch"] = _make_step(fastddp.DistributedDataParallel(torch_m), x)
+            variants["torch"] = make_step(fastddp.DistributedDataParallel(torch_m), x)
             b = "fastddp unchecked"
         else:
-            variants["torch"] = _make_step(TorchDDP(torch_m, **kwargs), x)
+            variants["torch"] = make_step(TorchDDP(torch_m, **kwargs), x)
             b = "torch DDP"
         dist.barrier()
-        ms = _timed_blocks(variants, args.rounds, shape.block_steps, args.warmup)
-        n_bytes = _n_bytes(fast_m)
+        ms = timed_blocks(variants, args.rounds, shape.block_steps, args.warmup)
+        n_bytes = grad_bytes(fast_m)
         rows.append({"world": dist.get_world_size(), "model": shape.name, "config": config,
                      "bytes": n_bytes, "a": "fastddp", "b": b,
-                     **_summary(ms, "fastddp", "torch"), "raw_ms": _allreduce_ms(n_bytes)})
+                     **summary(ms, "fastddp", "torch"), "raw_ms": _allreduce_ms(n_bytes)})
     return rows
 
 
@@ -191,34 +97,34 @@ def _wrapper_us(rounds: int, warmup: int) -> dict[str, float]:
     x = torch.randn(2, 4)
     calls = {"bare": bare, "fastddp": fastddp.DistributedDataParallel(bare),
              "torch": TorchDDP(nn.Linear(4, 4))}
-    us = _timed_blocks({k: (lambda m=m: m(x)) for k, m in calls.items()}, rounds, 200, warmup)
+    us = timed_blocks({k: (lambda m=m: m(x)) for k, m in calls.items()}, rounds, 200, warmup)
     return {k: statistics.median((a - b) * 1e3 for a, b in zip(us[k], us["bare"]))
             for k in ("fastddp", "torch")}
 
 
 def _compare_alone(shape: Shape, x: torch.Tensor, args: argparse.Namespace) -> list[dict]:
     """(b): at world size 1, fastddp and torch DDP each vs the bare module."""
-    bare_m, torch_m = _replicas(shape, 2)
+    bare_m, torch_m = replicas(shape, 2)
     # fastddp wraps the very module "bare" steps: at world size 1 it has no reducer
     # (bucket_plan() is empty) and installs nothing on the module, so the two differ
     # only by the wrapper, and replica effects cancel out.
     fast = fastddp.DistributedDataParallel(bare_m)
     assert fast.bucket_plan() == []
     variants = {
-        "bare": _make_step(bare_m, x),
-        "fastddp": _make_step(fast, x),
-        "torch": _make_step(TorchDDP(torch_m), x),
+        "bare": make_step(bare_m, x),
+        "fastddp": make_step(fast, x),
+        "torch": make_step(TorchDDP(torch_m), x),
     }
     # Cheap enough for twice the rounds, which the ~1% question needs.
-    ms = _timed_blocks(variants, 2 * args.rounds, shape.block_steps, args.warmup)
+    ms = timed_blocks(variants, 2 * args.rounds, shape.block_steps, args.warmup)
     extra_us = _wrapper_us(2 * args.rounds, args.warmup)
     # At world size 1 torch DDP still copies into buckets and allreduces them over its
     # one-rank group; fastddp has no reducer there.
     return [{"world": 1, "model": shape.name, "config": "plain", "bytes": n_bytes, "a": label,
-             "b": "bare module", **_summary(ms, name, "bare"),
+             "b": "bare module", **summary(ms, name, "bare"),
              "wrapper_us": extra_us[name]}
             for name, label, n_bytes in (("fastddp", "fastddp", 0),
-                                         ("torch", "torch DDP", _n_bytes(torch_m)))]
+                                         ("torch", "torch DDP", grad_bytes(torch_m)))]
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
