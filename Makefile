@@ -6,7 +6,7 @@
 #   make gpu-check [OUT=dir] [DRY_RUN=1] [ARGS=...]
 #               on a machine with one GPU: builds _C if needed, runs the GPU tests, NCCL at
 #               world size 1 with every hook, compute-sanitizer and the benchmarks, and
-#               writes one report (gpu_check.md/.json/.log) to OUT (benchmarks/gpu_check.py)
+#               writes one report (gpu_check.md/.json/.log) to OUT (benchmarks/ci/gpu_check.py)
 # Both start with `make install`, which installs only what is missing and
 # rebuilds fastddp._C only when a source changed.
 
@@ -143,7 +143,7 @@ bench: install
 # the environment. DRY_RUN=1 lists the steps and writes the report without running any.
 OUT ?= build/gpu-check
 gpu-check:
-	$(PYTHON) benchmarks/gpu_check.py --out $(OUT) $(if $(filter 1 yes true,$(DRY_RUN)),--dry-run) $(ARGS)
+	$(PYTHON) benchmarks/ci/gpu_check.py --out $(OUT) $(if $(filter 1 yes true,$(DRY_RUN)),--dry-run) $(ARGS)
 
 clean:
 	rm -rf build python/fastddp/_C*.so python/*.egg-info

@@ -37,7 +37,8 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 from fastddp import _C
-from gpu_check_steps import nominal_hbm_gbps  # one table of nominal bandwidths, by name
+
+from common.nominal_hbm import nominal_hbm_gbps  # benchmarks/common/: one table, by name
 
 
 def timed(fn, device: str, reps: int) -> float:

@@ -2,7 +2,7 @@
 # Issue 25, item 6: CI (`bash .ci/run`, which is the README's `make test`, then the torch 2.15
 # build) on a fresh clone, as a new user would run it, with or without load beside it.
 #
-# usage: benchmarks/fresh_clone.sh COMMIT quiet|loaded NAME
+# usage: benchmarks/ci/fresh_clone.sh COMMIT quiet|loaded NAME
 #
 # A clean clone of this checkout at COMMIT with a copy of ../shared beside it, in a venv of
 # its own (--system-site-packages: the installed torch; fastddp goes into the venv), timed.
@@ -13,7 +13,7 @@
 # time, every summary line) is appended to $PROOF/summary.txt. PROOF defaults to /tmp/fastddp-proof.
 set -u
 commit=$1; mode=$2; name=$3
-here=$(cd "$(dirname "$0")/.." && pwd)
+here=$(cd "$(dirname "$0")/../.." && pwd)
 proof=${PROOF:-/tmp/fastddp-proof}
 root=$proof/$name
 rm -rf "$root"; mkdir -p "$root" "$proof/logs"

@@ -1,9 +1,9 @@
 """`make gpu-check`: everything that proves fastddp on a machine with one GPU, in one command.
 
-    python benchmarks/gpu_check.py [--out DIR] [--budget 480] [--steps a,b] [--skip a,b]
-                                   [--dry-run] [--verbose]
+    python benchmarks/ci/gpu_check.py [--out DIR] [--budget 480] [--steps a,b] [--skip a,b]
+                                      [--dry-run] [--verbose]
 
-Runs named steps (benchmarks/gpu_check_steps.py: environment, build if needed, the GPU
+Runs named steps (benchmarks/ci/gpu_check_steps.py: environment, build if needed, the GPU
 tests, NCCL at world size 1 with every hook, compute-sanitizer, kernel, PowerSGD and
 article benchmarks), each a subprocess with its own timeout, and writes one report to DIR:
 gpu_check.md (a table: step, command, status, wall time, key figures), gpu_check.json (the

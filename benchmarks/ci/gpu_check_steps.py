@@ -1,8 +1,8 @@
-"""The steps of `make gpu-check` (benchmarks/gpu_check.py), what each one's output means,
+"""The steps of `make gpu-check` (benchmarks/ci/gpu_check.py), what each one's output means,
 and two probes that steps run:
 
-    python benchmarks/gpu_check_steps.py env     # GPU, driver, torch, fastddp build, tools
-    python benchmarks/gpu_check_steps.py build   # pip install -e . only if _C needs it
+    python benchmarks/ci/gpu_check_steps.py env     # GPU, driver, torch, fastddp build, tools
+    python benchmarks/ci/gpu_check_steps.py build   # pip install -e . only if _C needs it
 
 Importing this module touches neither torch nor CUDA: the dry run must work anywhere.
 A probe prints `gpu-check figures: {json}` (merged into the report) and, when it decided
@@ -20,19 +20,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))  # benchmarks/common/, as the scripts see it
+
+from common.nominal_hbm import nominal_hbm_gbps  # noqa: E402
+
 FIGURES_PREFIX = "gpu-check figures: "
 SKIP_PREFIX = "gpu-check skip: "
 # ViT-L/32's gradient (torchvision vit_l_32: 306.5M parameters) and the 25 and 100 MiB
 # buckets the article sweeps, in float32 elements.
 VIT_L32_SIZES = "6553600,26214400,306535400"
-# Nominal HBM bandwidth in GB/s by device-name substring, first match wins (so the more
-# specific names come first). From the vendors' data sheets: not measured.
-NOMINAL_HBM_GBPS = [
-    ("GH200", 4000.0), ("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100 NVL", 3900.0),
-    ("H100", 3350.0), ("A100-SXM4-80GB", 2039.0), ("A100 80GB PCIe", 1935.0),
-    ("A100", 1555.0), ("L40S", 864.0), ("B200", 8000.0),
-]
 
 
 @dataclass
@@ -50,10 +47,6 @@ class Step:
     figures: Callable[[str], dict] | None = None
     verdict: Callable[[str, dict], str | None] | None = None
     skip_reason: Callable[[], str | None] | None = None
-
-
-def nominal_hbm_gbps(device_name: str) -> float | None:
-    return next((gbps for key, gbps in NOMINAL_HBM_GBPS if key in device_name), None)
 
 
 def find_sanitizer() -> str | None:
@@ -269,7 +262,7 @@ def article_figures(output: str) -> dict:
 
 def default_steps(out_dir: Path, python: str = sys.executable) -> list[Step]:
     """Cheapest and most basic first: the budget cuts the benchmarks, not the proofs."""
-    here = "benchmarks/gpu_check_steps.py"
+    here = "benchmarks/ci/gpu_check_steps.py"
     world1 = "tests/python/hooks/world1_hook_scenarios.py"
     sanitizer = find_sanitizer()
 

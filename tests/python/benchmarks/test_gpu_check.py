@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py (`make gpu-check`) without a GPU: the dry run, and the
+"""benchmarks/ci/gpu_check.py (`make gpu-check`) without a GPU: the dry run, and the
 orchestrator on made-up steps (a failure does not stop the others, timeouts kill the
 step's whole process group, the budget leaves late steps "not run: out of time": decided on a
 fake clock, not timed), and the readers of the benchmarks' outputs."""
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "ci"))
 
 import gpu_check  # noqa: E402
 import gpu_check_steps as steps  # noqa: E402
@@ -33,7 +33,7 @@ def py(code: str) -> list[str]:
 
 def test_dry_run_lists_every_step_and_imports_no_torch(tmp_path):
     # In a fresh interpreter: the dry run must not import torch (so it cannot touch CUDA).
-    code = ("import sys; sys.path.insert(0, 'benchmarks'); import gpu_check; "
+    code = ("import sys; sys.path.insert(0, 'benchmarks/ci'); import gpu_check; "
             f"rc = gpu_check.main(['--dry-run', '--out', {str(tmp_path)!r}]); "
             "assert 'torch' not in sys.modules, 'the dry run imported torch'; sys.exit(rc)")
     done = subprocess.run(py(code), cwd=ROOT, capture_output=True, text=True, timeout=60)
