@@ -263,7 +263,7 @@ def article_figures(output: str) -> dict:
 def default_steps(out_dir: Path, python: str = sys.executable) -> list[Step]:
     """Cheapest and most basic first: the budget cuts the benchmarks, not the proofs."""
     here = "benchmarks/ci/gpu_check_steps.py"
-    world1 = "tests/python/hooks/world1_hook_scenarios.py"
+    world1 = "tests/python/hooks/world1_hooks_scenarios.py"
     sanitizer = find_sanitizer()
 
     def sanitized(tool: str) -> Step:

@@ -3,25 +3,17 @@
 A world costs a few seconds to start (every rank imports torch), so the training and
 error scenarios of all test modules share one world per size.
 
-The test folders mirror fastddp's subpackages (ddp/, hooks/, tuning/, ...) and import each
-other's scenario modules by plain name (``import hook_scenarios``), here and in the ranks,
-which import a scenario by its module's name (harness.World.run): every folder is on
-sys.path, which spawned and forkserver ranks inherit. Test module names are unique across
-the folders (pytest's default import mode needs that).
+The test folders mirror fastddp's subpackages (ddp/, hooks/, tuning/, ...). tests/ is a
+package: pytest imports every test module by its qualified name (tests.python.ddp.test_x),
+with the repository's root on sys.path, and tests import their scenario modules by those
+names (``from tests.python.hooks import hooks_scenarios``). The ranks of a world, spawned
+or forked from a fork server, inherit that sys.path and import a scenario by its module's
+qualified name (harness.World.run).
 """
-
-import sys
-from pathlib import Path
 
 import pytest
 
-_HERE = Path(__file__).resolve().parent
-for _folder in sorted(_HERE.iterdir(), reverse=True):
-    if _folder.is_dir() and _folder.name not in ("scripts", "__pycache__") and (
-            str(_folder) not in sys.path):
-        sys.path.insert(0, str(_folder))
-
-from harness import World  # noqa: E402
+from tests.python.harness import World
 
 
 def _started(size: int):

@@ -38,7 +38,8 @@ _STOP = None
 # The error_type of a rank that died (see World.run's allow_deaths).
 DIED = "Died"
 # torch._dynamo: the first optimizer a process builds imports it (2 s and more).
-_FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "fastddp", "harness"]
+_FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "fastddp",
+                       "tests.python.harness"]
 _live_worlds: "set[World]" = set()
 
 

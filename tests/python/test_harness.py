@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-import harness
-from harness import World
+from tests.python import harness
+from tests.python.harness import World
 
 
 def reaped(pids: list[int]) -> bool:
@@ -23,7 +23,7 @@ def spare_world():
 
 def test_results_come_back_per_rank(spare_world):
     assert spare_world.check(harness.ping) == [0, 1]
-    assert spare_world.check("harness.ping") == [0, 1]
+    assert spare_world.check("tests.python.harness.ping") == [0, 1]
 
 
 def test_failure_on_every_rank_keeps_world(spare_world):

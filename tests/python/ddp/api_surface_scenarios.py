@@ -19,8 +19,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
-import powersgd_scenarios
-from scenarios import agree, mlp, vector_batch, with_batchnorm
+from tests.python.hooks import powersgd_scenarios
+from tests.python.scenarios import agree, mlp, vector_batch, with_batchnorm
 
 WRAPPERS = (TorchDDP, fastddp.DistributedDataParallel)
 # The smallest normal float16; below it fp16 rounds to a fixed spacing of 2^-24.

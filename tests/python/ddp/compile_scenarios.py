@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 
 import fastddp  # noqa: E402
 from compile_step import counting_backend  # noqa: E402  (benchmarks/compile_step.py)
-from hook_scenarios import make_hook  # noqa: E402
-from scenarios import agree, assert_close_ulps, rounding_ulps, unwrap  # noqa: E402
+from tests.python.hooks.hooks_scenarios import make_hook  # noqa: E402
+from tests.python.scenarios import agree, assert_close_ulps, rounding_ulps, unwrap  # noqa: E402
 
 MODES = ("outer", "inner")
 # A 512x512 float32 weight is 1 MiB: with bucket_cap_mb=1 each big layer is a bucket.
@@ -53,7 +53,7 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _make_hook(spec: str) -> tuple[object, object]:
-    """hook_scenarios.make_hook's specs, and "powersgd": fastddp's, compressing from step 2."""
+    """hooks_scenarios.make_hook's specs, and "powersgd": fastddp's, compressing from step 2."""
     if spec == "powersgd":
         return None, fastddp.hooks.powersgd(matrix_approximation_rank=2, start_powerSGD_iter=2)
     return make_hook(spec)

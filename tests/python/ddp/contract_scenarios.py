@@ -13,11 +13,9 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.checkpoint import checkpoint
 
 import fastddp
-from error_scenarios import TwoHeads
-from scenarios import (
-    Tied, agree, compare_grads, compare_state, mlp, side_by_side, train,
-    vector_batch,
-)
+from tests.python.ddp.errors_scenarios import TwoHeads
+from tests.python.scenarios import (Tied, agree, compare_grads, compare_state, mlp, side_by_side,
+                                    train, vector_batch)
 
 
 class Checkpointed(nn.Module):

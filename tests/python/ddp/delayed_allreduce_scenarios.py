@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
-from scenarios import agree, compare_grads, compare_state, mlp, unwrap, vector_batch
+from tests.python.scenarios import agree, compare_grads, compare_state, mlp, unwrap, vector_batch
 
 # mlp(): Linear 0, 2, 4. The middle layer is delayed; the hook sits on the first layer's
 # weight, whose gradient backward computes last (after layer 2's have been accumulated).

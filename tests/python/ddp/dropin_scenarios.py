@@ -16,9 +16,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
-from error_scenarios import TwoHeads
-from scenarios import ConvNet, agree, compare_grads, image_batch, mlp, side_by_side, train
-from scenarios import vector_batch
+from tests.python.ddp.errors_scenarios import TwoHeads
+from tests.python.scenarios import (ConvNet, agree, compare_grads, image_batch, mlp, side_by_side,
+                                    train, vector_batch)
 
 
 def clone_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

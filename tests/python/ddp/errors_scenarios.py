@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
-from scenarios import mlp, vector_batch
+from tests.python.scenarios import mlp, vector_batch
 
 
 class SplitAcrossDevices(nn.Module):
@@ -81,7 +81,7 @@ def static_graph_changed(implementation: str) -> None:
 
 
 def marked_ready_twice(implementation: str) -> None:
-    from contract_scenarios import Checkpointed
+    from tests.python.ddp.contract_scenarios import Checkpointed
 
     torch.manual_seed(0)
     # A group of its own: the backward stops with collectives in flight, which must not

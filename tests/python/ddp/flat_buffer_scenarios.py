@@ -20,11 +20,11 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
 from fastddp.ddp._options import BUCKET_ALIGN_ENV
-from hook_scenarios import EXACT, compare_grads
-from quant8_scenarios import quantization_bound
-from scenarios import compare_grads as compare_grads_ulps
-from scenarios import unwrap
-from world1_hook_scenarios import CASES, PSGD_START, _hook
+from tests.python.hooks.hooks_scenarios import EXACT, compare_grads
+from tests.python.hooks.quant8_hooks_scenarios import quantization_bound
+from tests.python.hooks.world1_hooks_scenarios import CASES, PSGD_START, _hook
+from tests.python.scenarios import compare_grads as compare_grads_ulps
+from tests.python.scenarios import unwrap
 
 
 class OddMLP(nn.Module):
@@ -102,7 +102,7 @@ def layout(align: int, steps: int = 3) -> dict:
 
 # The 8-bit hooks quantize blocks of 256 elements, which padding regroups: their padded
 # and packed results are two quantizations of one mean, each within what the format's two
-# quantizations can cost (quant8_scenarios.quantization_bound; the first step, before
+# quantizations can cost (quant8_hooks_scenarios.quantization_bound; the first step, before
 # error feedback).
 QUANT8 = ("int8", "fp8(e4m3)", "fp8(e5m2)")
 
@@ -119,7 +119,7 @@ def _local_grads(step: int = 0) -> torch.Tensor:
 def _train(spec: str, align: int | None, steps: int, double: bool = True,
            **ddp_kwargs) -> tuple[nn.Module, list]:
     """Grads after each of `steps` backward passes, fastddp with hook `spec` (a
-    world1_hook_scenarios spec) at FASTDDP_BUCKET_ALIGN=align (None: torch DDP)."""
+    world1_hooks_scenarios spec) at FASTDDP_BUCKET_ALIGN=align (None: torch DDP)."""
     torch.manual_seed(0)
     base = OddMLP(double)
     if align is None:
@@ -142,7 +142,7 @@ def _train(spec: str, align: int | None, steps: int, double: bool = True,
 
 
 def hook_case(case: str, align: int = 64, steps: int = PSGD_START + 3) -> str:
-    """One world1_hook_scenarios case over padded slots: equal to fastddp's packed layout bit
+    """One world1_hooks_scenarios case over padded slots: equal to fastddp's packed layout bit
     for bit, and to torch DDP with the case's reference hook bit for bit (2 ranks add in
     the one order there is; the half hooks round as torch's). Both runs' parameters follow
     their own grads, so the PowerSGD cases, whose compressed steps round differently from

@@ -15,10 +15,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
-import nonfinite_scenarios
 from fastddp.ddp._options import WORLD1_REDUCER_ENV
-from scenarios import (ConvNet, agree, compare_grads, compare_state, image_batch, mlp, train,
-                       vector_batch)
+from tests.python.ddp import nonfinite_scenarios
+from tests.python.scenarios import (ConvNet, agree, compare_grads, compare_state, image_batch, mlp,
+                                    train, vector_batch)
 
 # Cycles of torch.cuda._sleep per delayed collective: about 20 ms at the 1.7-2 GHz of an
 # H100/H200, a hundred times a backward of mlp() there.

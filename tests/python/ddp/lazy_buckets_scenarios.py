@@ -21,10 +21,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
-from contract_scenarios import Branchy
-from mixed_precision_scenarios import DTYPES, config
-from scenarios import (agree, compare_grads, compare_state, mlp, rounding_ulps, train, unwrap,
-                       vector_batch, with_batchnorm)
+from tests.python.ddp.contract_scenarios import Branchy
+from tests.python.ddp.mixed_precision_scenarios import DTYPES, config
+from tests.python.scenarios import (agree, compare_grads, compare_state, mlp, rounding_ulps, train,
+                                    unwrap, vector_batch, with_batchnorm)
 
 CAP_MB = 0.001  # about 1 KiB: mlp() gets several buckets after the rebuild
 

@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
-from scenarios import agree, assert_close_ulps
+from tests.python.scenarios import agree, assert_close_ulps
 
 
 def _model() -> nn.Module:

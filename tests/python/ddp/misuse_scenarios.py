@@ -19,11 +19,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
-from hook_scenarios import EXACT, custom_hook
-from hook_scenarios import compare_grads as compare_grads_exact
-from powersgd_scenarios import serialized_powerSGD_hook
-from scenarios import (agree, assert_close_ulps, compare_grads, mlp, rounding_ulps, side_by_side,
-                       step_grads, torch_rebuilt_plan, train, unwrap, vector_batch)
+from tests.python.hooks.hooks_scenarios import EXACT, custom_hook
+from tests.python.hooks.hooks_scenarios import compare_grads as compare_grads_exact
+from tests.python.hooks.powersgd_scenarios import serialized_powerSGD_hook
+from tests.python.scenarios import (agree, assert_close_ulps, compare_grads, mlp, rounding_ulps,
+                                    side_by_side, step_grads, torch_rebuilt_plan, train, unwrap,
+                                    vector_batch)
 
 
 def _outcome(action: Callable[[], object]) -> str:

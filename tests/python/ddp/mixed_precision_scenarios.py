@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.nn.parallel.distributed import _cast_buffers, _MixedPrecision
 
 import fastddp
-from scenarios import agree, mlp, vector_batch, with_batchnorm
+from tests.python.scenarios import agree, mlp, vector_batch, with_batchnorm
 
 LR, MOMENTUM = 0.05, 0.9
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}

@@ -30,11 +30,11 @@ from torch import nn
 
 import fastddp
 from fastddp.ddp._options import WORLD1_REDUCER_ENV
-from scenarios import mlp, vector_batch
+from tests.python.scenarios import mlp, vector_batch
 
 WARMUP = 3
 STEPS = 50
-# About a bucket per parameter of mlp() after the rebuild (world1_hook_scenarios.py's
+# About a bucket per parameter of mlp() after the rebuild (world1_hooks_scenarios.py's
 # "plain"): the pipelined hooks then have a bucket i-1 to finish while bucket i starts.
 CAP_MB = 0.0001
 PSGD = {"matrix_approximation_rank": 2, "min_compression_rate": 1}

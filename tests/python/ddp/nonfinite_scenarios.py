@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
-from scenarios import agree, compare_grads, compare_state, mlp, vector_batch
+from tests.python.scenarios import agree, compare_grads, compare_state, mlp, vector_batch
 
 HOOKS = {
     "allreduce": None,

@@ -15,7 +15,7 @@ from torch.distributed.optim import _apply_optimizer_in_backward
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
-from scenarios import mlp, vector_batch
+from tests.python.scenarios import mlp, vector_batch
 
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.05}),

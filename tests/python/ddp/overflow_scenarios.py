@@ -21,7 +21,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 import fastddp
 from fastddp import _C
-from scenarios import vector_batch
+from tests.python.scenarios import vector_batch
 
 BAD_STEP = 4  # after PowerSGD's start (2): its memories exist and are used
 INIT_SCALE = 2.0 ** 12

@@ -17,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.nn.parallel.distributed import _MixedPrecision
 
 import fastddp
-from scenarios import assert_close_ulps, mlp, rounding_ulps, vector_batch
-from sleep_model import BUCKET_CAP_MB, WIDTH, SleepInBackward, batch
+from tests.python.scenarios import assert_close_ulps, mlp, rounding_ulps, vector_batch
+from tests.python.sleep_model import BUCKET_CAP_MB, WIDTH, SleepInBackward, batch
 
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.05}),

@@ -33,9 +33,10 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import fastddp
 from fastddp import _group_ops
 from fastddp.hooks import _hierarchical
-from scenarios import agree, compare_grads, compare_state, mlp, unwrap, vector_batch
-from skip_unused_scenarios import CAP_MB, Branches
-from skip_unused_scenarios import _batch as branches_batch  # Branches: 8 in, 32 out
+from tests.python.ddp.skip_unused_scenarios import CAP_MB, Branches
+# Branches: 8 in, 32 out
+from tests.python.ddp.skip_unused_scenarios import _batch as branches_batch
+from tests.python.scenarios import agree, compare_grads, compare_state, mlp, unwrap, vector_batch
 
 WRAPPERS = {"torch": TorchDDP, "fastddp": fastddp.DistributedDataParallel}
 _BACKEND = "fastddp_test_python"  # the backend name registered() registers, once a process

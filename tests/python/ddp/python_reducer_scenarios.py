@@ -12,8 +12,8 @@ from torch._dynamo import compiled_autograd
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
-from compile_scenarios import Net, _compare, batch
-from scenarios import agree
+from tests.python.ddp.compile_scenarios import Net, _compare, batch
+from tests.python.scenarios import agree
 
 
 def summing_hook(group, bucket):  # noqa: ANN001 (torch checks any annotation against GradBucket)
@@ -81,7 +81,7 @@ def builtin_hook_refused(how: str) -> str:
 def other_mode_trains_as_torch(mode: str, **kwargs: Any) -> dict:
     """optimize_ddp="python_reducer_without_compiled_forward" (torch DDP keeps its C++
     reducer there), a compiled model and an eager backward: as torch."""
-    from compile_scenarios import same_as_torch
+    from tests.python.ddp.compile_scenarios import same_as_torch
 
     with torch._dynamo.config.patch(optimize_ddp=mode):
         return same_as_torch("outer", "aot_eager", **kwargs)

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import fastddp
-from scenarios import (OutOfOrder, agree, assert_close_ulps, compare_grads, compare_state,
-                       rounding_ulps, side_by_side, torch_rebuilt_plan, train, vector_batch,
-                       with_batchnorm)
+from tests.python.scenarios import (OutOfOrder, agree, assert_close_ulps, compare_grads,
+                                    compare_state, rounding_ulps, side_by_side, torch_rebuilt_plan,
+                                    train, vector_batch, with_batchnorm)
 
 STEPS = 4
 

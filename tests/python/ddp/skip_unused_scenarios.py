@@ -20,8 +20,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
-from pypg_scenarios import WrappedGroup
-from scenarios import agree, compare_grads, compare_state, mlp, rounding_ulps, unwrap, vector_batch
+from tests.python.ddp.python_process_group_scenarios import WrappedGroup
+from tests.python.scenarios import (agree, compare_grads, compare_state, mlp, rounding_ulps, unwrap,
+                                    vector_batch)
 
 # 0.0001 MiB = 104 bytes: every parameter of Branches (none under 32 floats) fills a bucket
 # of its own, so the unused layers are buckets of their own (torch's layout, never rebuilt
@@ -329,8 +330,8 @@ def powersgd_as_torch(unused_last: bool, steps: int = 5) -> list[int]:
     waits per bucket, see serialized_powerSGD_hook). It counts iterations on the last bucket
     only (GradBucket.is_last()): with that bucket skipped torch never leaves the warm-up's
     plain allreduce, and neither does fastddp. Returns both states' iteration counts."""
-    from powersgd_scenarios import serialized_powerSGD_hook
-    from powersgd_torch_state_scenarios import STATE, TOL
+    from tests.python.hooks.powersgd_scenarios import serialized_powerSGD_hook
+    from tests.python.hooks.powersgd_torch_state_scenarios import STATE, TOL
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
     torch.manual_seed(0)

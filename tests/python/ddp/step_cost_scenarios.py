@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 import fastddp
-from overflow_scenarios import make_hook
-from scenarios import mlp, vector_batch
+from tests.python.ddp.overflow_scenarios import make_hook
+from tests.python.scenarios import mlp, vector_batch
 
 STEPS = 4  # PowerSGD and ACP-SGD (start 2) compress the last two
 

@@ -1,5 +1,5 @@
 """Public torch DDP API items that fastddp takes over, each against torch DDP doing the
-same on the same 2 gloo ranks (api_scenarios.py): init_sync, _register_builtin_comm_hook,
+same on the same 2 gloo ranks (api_surface_scenarios.py): init_sync, _register_builtin_comm_hook,
 fastddp.hooks.native_torch_hooks(), SyncBatchNorm, join(throw_on_early_termination=True),
 Join with another Joinable, _ddp_params_and_buffers_to_ignore, _set_ddp_sink_clone.
 
@@ -9,8 +9,8 @@ numbers (halving is exact), so the comparisons are bit for bit.
 
 import pytest
 
-import api_scenarios
 import fastddp
+from tests.python.ddp import api_surface_scenarios
 
 two_ranks = pytest.mark.parametrize("world", [2], indirect=True, ids=["world2"])
 
@@ -21,7 +21,7 @@ def test_init_sync(world, init_sync):
     """init_sync=False: no rank takes rank 0's parameters and buffers at construction (torch
     DDP's behaviour, and the numbers equal its own bit for bit in the scenario); True: every
     rank does."""
-    results = world.check(api_scenarios.init_sync, init_sync=init_sync)
+    results = world.check(api_surface_scenarios.init_sync, init_sync=init_sync)
     for rank, result in enumerate(results):
         # [torch DDP, fastddp]: the ranks started from different seeds.
         assert result["kept_own"] == [not init_sync or rank == 0] * 2, (rank, result)
@@ -34,7 +34,7 @@ def test_register_builtin_comm_hook(world, kind):
     """dist.BuiltinCommHookType on both: grads and parameters bit for bit over 3 steps (for
     FP16_COMPRESS that needs the fp16 wire: plain allreduce would differ), fastddp runs its
     native equivalent, and a second registration is refused with torch's message."""
-    results = world.check(api_scenarios.builtin_hook, kind=kind)
+    results = world.check(api_surface_scenarios.builtin_hook, kind=kind)
     once = "register_comm_hook or register_builtin_comm_hook can only be called once."
     for result in results:
         assert result["hook"] == {"ALLREDUCE": "allreduce", "FP16_COMPRESS": "fp16"}[kind]
@@ -75,8 +75,8 @@ def test_native_torch_hook_runs_natively(world, key):
     """Each listed torch hook, registered on fastddp, is replaced by its native built-in
     (the reducer names it; torch's Python function would be named by its qualname) and
     trains as torch DDP running torch's function: bit for bit, PowerSGD within float32
-    rounding (api_scenarios._close_to_powersgd)."""
-    names = world.check(api_scenarios.native_torch_hook, key=key)
+    rounding (api_surface_scenarios._close_to_powersgd)."""
+    names = world.check(api_surface_scenarios.native_torch_hook, key=key)
     assert names == [NATIVE[key]] * 2, names
 
 
@@ -86,7 +86,7 @@ def test_sync_batchnorm_on_cpu_is_refused_as_torch_does(world):
     input tensor to be on GPU" in it), and torch DDP refuses a CPU module that holds one at
     construction. On this CPU-only machine that refusal is what can be compared; on a GPU
     torch DDP adds nothing to SyncBatchNorm (it syncs through its own process group)."""
-    results = world.check(api_scenarios.sync_batchnorm)
+    results = world.check(api_surface_scenarios.sync_batchnorm)
     for torch_outcome, fast_outcome in results:
         assert torch_outcome == ("ValueError", "SyncBatchNorm layers only work with GPU modules")
         assert fast_outcome == torch_outcome
@@ -98,7 +98,7 @@ def test_join_throw_on_early_termination(world):
     and the rank still training raise what torch DDP raises on each, the steps before agree
     bit for bit, and the group stays usable (a barrier after; the harness's deadline
     catches a hang)."""
-    results = world.check(api_scenarios.join_throw)
+    results = world.check(api_surface_scenarios.join_throw)
     assert results[0] == ["Rank 0 exhausted all inputs."] * 2, results
     assert results[1] == [
         "Detected at least one rank that exhausted inputs. Throwing across all ranks."] * 2, (
@@ -109,7 +109,7 @@ def test_join_throw_on_early_termination(world):
 def test_join_with_zero_redundancy_optimizer(world):
     """Join([ddp, ZeroRedundancyOptimizer]) (both Joinable) with rank 1 running twice the
     batches of rank 0: the parameters equal torch DDP's under the same Join, bit for bit."""
-    assert world.check(api_scenarios.join_with_zero) == [2, 4]
+    assert world.check(api_surface_scenarios.join_with_zero) == [2, 4]
 
 
 @two_ranks
@@ -117,9 +117,9 @@ def test_params_and_buffers_to_ignore(world):
     """Ignored entries, different on each rank, are not broadcast at construction and
     ignored parameters' gradients are not averaged, as in torch DDP (bit for bit over 3
     steps in the scenario); every other entry is rank 0's, every other gradient the mean."""
-    for result in world.check(api_scenarios.ignored_params):
+    for result in world.check(api_surface_scenarios.ignored_params):
         differ = {name for name, same in result["constructed"].items() if not same}
-        assert differ == set(api_scenarios.IGNORED), result
+        assert differ == set(api_surface_scenarios.IGNORED), result
         assert {name for name, same in result["grads"].items() if not same} == {"0.bias"}, (
             result)
 
@@ -132,7 +132,7 @@ def test_set_ddp_sink_clone(world, clone, mode):
     find_unused_parameters, the first of a static graph), True hands out copies and False
     the module's outputs, which then cannot be modified in place (autograd's view error);
     the same as torch DDP, whose grads match bit for bit in the scenario."""
-    results = world.check(api_scenarios.sink_clone, clone=clone, mode=mode)
+    results = world.check(api_surface_scenarios.sink_clone, clone=clone, mode=mode)
     sink_steps = [True, True] if mode == "find_unused" else [True, False]
     want = [{"shares": not clone or not sink, "in_place": True if sink and not clone else None}
             for sink in sink_steps]

@@ -3,17 +3,16 @@
 Gradients and parameters after several SGD steps (bit for bit), and the number of graphs
 dynamo's DDPOptimizer splits the model into, equal torch DDP's (inductor on CPU); comm
 hooks work under compile (bit for bit against the same hook uncompiled); static_graph and
-find_unused_parameters behave as under torch; compiled autograd trains to torch's numbers
-on a model built under optimize_ddp="python_reducer" (as torch DDP needs), and otherwise,
-since fastddp's C++ reducer hooks cannot be traced, raises NotImplementedError at the first
-backward instead of skipping the allreduce.
+find_unused_parameters behave as under torch; compiled autograd, since fastddp's C++
+reducer hooks cannot be traced, raises NotImplementedError at the first backward instead of
+skipping the allreduce (on a model built under optimize_ddp="python_reducer" it trains:
+test_python_reducer.py).
 """
 
 import pytest
 
-import compile_scenarios as s
-import python_reducer_scenarios as pr
-from harness import World
+from tests.python.ddp import compile_scenarios as s
+from tests.python.harness import World
 
 pytestmark = pytest.mark.compile  # the slow ones: compiles on every test (see pyproject.toml)
 
@@ -109,26 +108,6 @@ def test_compiled_autograd_flag_with_eager_backward(world2):
     the backward, and fastddp trains as torch DDP does."""
     counts = world2.check(s.compiled_forward_under_config)[0]
     assert counts["fastddp"] == counts["torch"], counts
-
-
-@pytest.mark.parametrize("hook", [False, True], ids=["default", "python_hook"])
-@pytest.mark.parametrize("backward", ["compiled", "eager"])
-def test_python_reducer_mode_trains_as_torch(world2, backward, hook):
-    """Built under optimize_ddp="python_reducer": torch DDP's gradients and parameters,
-    under compiled autograd too (which must really have captured the backward)."""
-    captures = world2.check(pr.trains_as_torch, backward=backward, hook=hook)[0]
-    if backward == "compiled":
-        assert captures["fastddp"] > 0 and captures["torch"] > 0, captures
-
-
-@pytest.mark.parametrize("how", ["register", "builtin_type"])
-def test_python_reducer_mode_refuses_builtin_hooks(world2, how):
-    message = world2.check(pr.builtin_hook_refused, how=how)[0]
-    assert "python_reducer" in message, message
-
-
-def test_python_reducer_without_compiled_forward_trains_as_torch(world2):
-    world2.check(pr.other_mode_trains_as_torch, mode="python_reducer_without_compiled_forward")
 
 
 def test_patched_script_splits_as_torch(world2):

@@ -3,7 +3,7 @@ data: fastddp against torch DDP on the same data, on 2 and 3 gloo ranks."""
 
 import pytest
 
-import contract_scenarios as cs
+from tests.python.ddp import contract_scenarios as cs
 
 
 @pytest.mark.parametrize("model", ["mlp", "tied", "checkpointed"])

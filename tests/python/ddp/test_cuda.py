@@ -7,8 +7,8 @@ visible or fastddp was built without CUDA. Nothing here touches CUDA at import.
 import pytest
 import torch
 
-import scenarios
-from harness import World
+from tests.python import scenarios
+from tests.python.harness import World
 
 pytestmark = pytest.mark.gpu
 
@@ -40,7 +40,7 @@ def test_two_ranks_on_one_gpu_match_torch():
     ("powersgd", 1, True), ("powersgd", 4, True), ("powersgd", 2, False),
     ("batched_powersgd", 2, True)])
 def test_powersgd_cuda_matches_cpu(hook, rank, warm_start):
-    import hook_runner_scenarios
+    from tests.python.hooks import hook_runner_scenarios
 
     world = World(2, backend="gloo")  # gloo reduces CUDA tensors through host memory
     try:
@@ -51,7 +51,7 @@ def test_powersgd_cuda_matches_cpu(hook, rank, warm_start):
 
 
 def test_flat_buffer_is_16_byte_aligned_on_cuda():
-    import flat_buffer_scenarios
+    from tests.python.ddp import flat_buffer_scenarios
 
     world = World(1, backend="nccl")
     try:

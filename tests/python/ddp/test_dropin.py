@@ -3,7 +3,7 @@ same data (dropin_scenarios.py), on 2 and 3 gloo ranks unless it is about world 
 
 import pytest
 
-import dropin_scenarios as s
+from tests.python.ddp import dropin_scenarios as s
 
 
 def test_hook_result_read_through_strides(world):

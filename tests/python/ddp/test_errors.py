@@ -4,8 +4,8 @@ import pytest
 import torch.distributed as dist
 from torch import nn
 
-import error_scenarios
 import fastddp
+from tests.python.ddp import errors_scenarios
 
 PRIOR_REDUCTION = "Expected to have finished reduction in the prior iteration"
 
@@ -18,29 +18,29 @@ def test_no_process_group():
 
 
 def test_parameters_on_several_devices(world):
-    for message in world.expect_error(error_scenarios.several_devices, ValueError):
+    for message in world.expect_error(errors_scenarios.several_devices, ValueError):
         assert "'local.weight' on cpu" in message and "'remote' on meta" in message, message
 
 
 def test_shapes_differ_across_ranks(world):
-    for message in world.expect_error(error_scenarios.shapes_differ, ValueError):
+    for message in world.expect_error(errors_scenarios.shapes_differ, ValueError):
         assert "0.weight" in message and "rank 0" in message and "rank 1" in message, message
 
 
 def test_second_backward_through_one_forward(world):
-    world.expect_error(error_scenarios.second_backward, RuntimeError, match="already reduced")
+    world.expect_error(errors_scenarios.second_backward, RuntimeError, match="already reduced")
 
 
 def test_sparse_gradients_with_a_dense_only_hook(world):
-    for message in world.expect_error(error_scenarios.sparse_embedding_with_bf16,
+    for message in world.expect_error(errors_scenarios.sparse_embedding_with_bf16,
                                       NotImplementedError, match="sparse"):
         assert "'bf16'" in message and "'0.weight'" in message, message
 
 
 def test_forward_after_partial_backward(world):
-    ours = world.expect_error(error_scenarios.forward_after_partial_backward, RuntimeError,
+    ours = world.expect_error(errors_scenarios.forward_after_partial_backward, RuntimeError,
                               match=PRIOR_REDUCTION, implementation="fastddp")
-    theirs = world.expect_error(error_scenarios.forward_after_partial_backward, RuntimeError,
+    theirs = world.expect_error(errors_scenarios.forward_after_partial_backward, RuntimeError,
                                 match=PRIOR_REDUCTION, implementation="torch")
     for rank, (mine, torchs) in enumerate(zip(ours, theirs)):
         assert mine.startswith(PRIOR_REDUCTION), mine
@@ -55,7 +55,7 @@ def test_forward_after_partial_backward(world):
 @pytest.mark.parametrize("implementation", ["torch", "fastddp"])
 def test_static_graph_changed(world, implementation):
     """A parameter used in the first iterations then left out: torch's static-graph text."""
-    world.expect_error(error_scenarios.static_graph_changed, RuntimeError,
+    world.expect_error(errors_scenarios.static_graph_changed, RuntimeError,
                        match="not compatible with static_graph set to True",
                        implementation=implementation)
 
@@ -63,7 +63,7 @@ def test_static_graph_changed(world, implementation):
 @pytest.mark.parametrize("implementation", ["torch", "fastddp"])
 def test_marked_ready_twice(world, implementation):
     """Reentrant checkpointing of one block twice, without static_graph."""
-    messages = world.expect_error(error_scenarios.marked_ready_twice, RuntimeError,
+    messages = world.expect_error(errors_scenarios.marked_ready_twice, RuntimeError,
                                   match="Expected to mark a variable ready only once",
                                   implementation=implementation)
     if implementation == "fastddp":
@@ -72,18 +72,18 @@ def test_marked_ready_twice(world, implementation):
 
 
 def test_set_static_graph_too_late(world):
-    world.expect_error(error_scenarios.static_graph_too_late, RuntimeError,
+    world.expect_error(errors_scenarios.static_graph_too_late, RuntimeError,
                        match="should be called before training loop starts")
 
 
 def test_failed_peer_surfaces_as_error():
     """A rank that stops before its backward: the others' backward raises (the collective
     times out) instead of hanging, and names the bucket and the hook."""
-    from harness import World
+    from tests.python.harness import World
 
     world = World(2, timeout_s=60)
     try:
-        results = world.run(error_scenarios.peer_fails_before_backward)
+        results = world.run(errors_scenarios.peer_fails_before_backward)
     finally:
         world.close()
     assert results[1].error_type == "ValueError", results[1]

@@ -24,9 +24,9 @@ import re
 
 import pytest
 
-import fault_scenarios
-from fault_scenarios import GROUP_TIMEOUT_S
-from harness import DIED, World
+from tests.python.ddp import faults_scenarios
+from tests.python.ddp.faults_scenarios import GROUP_TIMEOUT_S
+from tests.python.harness import DIED, World
 
 # Detection is immediate on a closed socket (under 0.2 s measured) and at the gloo timeout
 # when a survivor waits on a live survivor: at most GROUP_TIMEOUT_S expected. The bound
@@ -50,13 +50,13 @@ def reaped(pids: list[int]) -> bool:
 
 def run_case(tmp_path, size: int, victim: int, kill: str, kill_step: int, hook: str,
              buffers: bool = False) -> tuple[list, float]:
-    """Runs fault_scenarios.train_until_killed; the survivors' results and the kill time."""
+    """Runs faults_scenarios.train_until_killed; the survivors' results and the kill time."""
     stamp = tmp_path / "killed_at"
     world = World(size, timeout_s=RUN_TIMEOUT_S, start_method="forkserver")
     world.start()
     pids = world.pids
     try:
-        results = world.run(fault_scenarios.train_until_killed, allow_deaths=True, hook=hook,
+        results = world.run(faults_scenarios.train_until_killed, allow_deaths=True, hook=hook,
                             victim=victim, kill=kill, kill_step=kill_step,
                             stamp_path=str(stamp), buffers=buffers)
     finally:

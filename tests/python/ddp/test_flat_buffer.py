@@ -3,9 +3,9 @@ FASTDDP_BUCKET_ALIGN forcing CUDA's padded layout onto the CPU."""
 
 import pytest
 
-import flat_buffer_scenarios as s
-from harness import World
-from world1_hook_scenarios import CASES
+from tests.python.ddp import flat_buffer_scenarios as s
+from tests.python.harness import World
+from tests.python.hooks.world1_hooks_scenarios import CASES
 
 
 @pytest.fixture(scope="module")

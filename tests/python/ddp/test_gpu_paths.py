@@ -1,5 +1,5 @@
 """The paths only a GPU takes (issue 32, items 5 and 6), against torch DDP on one GPU over
-NCCL with fastddp's reducer forced (gpu_path_scenarios.py), and the two-collective hooks
+NCCL with fastddp's reducer forced (gpu_paths_scenarios.py), and the two-collective hooks
 under torch's CUDA sanitizer. GPU-marked: run by `make gpu-check`."""
 
 import os
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-import gpu_path_scenarios as scenarios
-from harness import World
+from tests.python.ddp import gpu_paths_scenarios as scenarios
+from tests.python.harness import World
 
 pytestmark = pytest.mark.gpu
 
@@ -61,7 +61,7 @@ def test_two_collective_hooks_under_the_cuda_sanitizer():
     # (fp32-accumulating bf16, int8, fp8) alltoall and allgather, with the sum between
     # them on fastddp's side stream (Note [shard-sum hooks]).
     cases = "powersgd_r1,powersgd_r4,batched_powersgd,bf16_fp32acc,int8,fp8_e5m2"
-    script = os.path.join(HERE, "..", "hooks", "world1_hook_scenarios.py")
+    script = os.path.join(HERE, "..", "hooks", "world1_hooks_scenarios.py")
     done = subprocess.run([sys.executable, script, "--device", "cuda", "--backend", "nccl",
                            "--cases", cases, "--configs", "plain", "--steps", "4"],
                           capture_output=True, text=True, timeout=600,

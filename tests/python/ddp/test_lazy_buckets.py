@@ -1,4 +1,4 @@
-"""torch 2.15's lazy_bucket_allocation=True against torch DDP (lazy_bucket_scenarios.py):
+"""torch 2.15's lazy_bucket_allocation=True against torch DDP (lazy_buckets_scenarios.py):
 the same grads and parameters on 2 and 3 gloo ranks, for both gradient_as_bucket_view
 values, both zero_grad modes, with and without a comm hook, under no_sync, unused
 parameters, static_graph, join() and mixed_precision; no bucket storage held by the reducer (or kept alive
@@ -6,8 +6,8 @@ by anything else) between backward passes; the full layout held without it."""
 
 import pytest
 
-import lazy_bucket_scenarios as s
-from harness import World
+from tests.python.ddp import lazy_buckets_scenarios as s
+from tests.python.harness import World
 
 
 @pytest.mark.parametrize("hook", ["none", "bf16"])

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-import misuse_scenarios as s
+from tests.python.ddp import misuse_scenarios as s
 
 
 

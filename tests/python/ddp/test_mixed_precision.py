@@ -4,8 +4,8 @@ on 2 and 3 gloo ranks, bit for bit against torch's computation written out with 
 
 import pytest
 
-import mixed_precision_scenarios as s
-from harness import World
+from tests.python.ddp import mixed_precision_scenarios as s
+from tests.python.harness import World
 
 # (model, param_dtype, reduce_dtype, buffer_dtype): both 16-bit types for the parameters,
 # reduction in fp32, in param_dtype (reduce_dtype None, torch's default) and in the other

@@ -7,8 +7,8 @@ reducer forced. GPU-marked: run by `make gpu-check`."""
 
 import pytest
 
-import no_host_sync_scenarios as s
-from harness import World
+from tests.python.ddp import no_host_sync_scenarios as s
+from tests.python.harness import World
 
 pytestmark = pytest.mark.gpu
 

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-import nonfinite_scenarios
 import fastddp
+from tests.python.ddp import nonfinite_scenarios
 
 STATELESS = ["allreduce", "bf16", "python"]
 

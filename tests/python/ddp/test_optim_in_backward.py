@@ -4,7 +4,7 @@ the same optimizers after backward, on 2 and 3 gloo ranks."""
 
 import pytest
 
-import optim_in_backward_scenarios as s
+from tests.python.ddp import optim_in_backward_scenarios as s
 
 
 def _check(results, steps_grads=None):

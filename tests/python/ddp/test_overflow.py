@@ -4,8 +4,8 @@ iteration, and every later step is taken."""
 
 import pytest
 
-import overflow_scenarios as s
-from harness import World
+from tests.python.ddp import overflow_scenarios as s
+from tests.python.harness import World
 
 STATEFUL = ["bf16_ef", "fp16_ef", "bf16_fp32_ef", "int8", "fp8_e4m3", "fp8_e5m2", "powersgd",
             "batched_powersgd", "torch_powersgd", "acpsgd"]

@@ -4,8 +4,8 @@ torch DDP's own _register_fused_optim."""
 
 import pytest
 
-import overlap_optimizer_scenarios as s
-from harness import World
+from tests.python.ddp import overlap_optimizer_scenarios as s
+from tests.python.harness import World
 
 
 def _check(results, native=False):

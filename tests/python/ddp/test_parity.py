@@ -6,7 +6,7 @@ rank, the step and the tensor.
 
 import pytest
 
-import scenarios
+from tests.python import scenarios
 
 
 @pytest.mark.parametrize("ddp_kwargs", [{}, {"broadcast_buffers": False}],

@@ -4,7 +4,7 @@ torch DDP (scenarios in reducer_proxy_scenarios.py)."""
 
 import pytest
 
-import reducer_proxy_scenarios as scenarios
+from tests.python.ddp import reducer_proxy_scenarios as scenarios
 
 
 @pytest.mark.parametrize("find_unused_parameters", [False, True], ids=["all_used", "find_unused"])

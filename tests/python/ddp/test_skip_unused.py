@@ -8,7 +8,7 @@ pipelined hook drained when the last bucket is skipped (hierarchical, 4 ranks)."
 
 import pytest
 
-import skip_unused_scenarios as s
+from tests.python.ddp import skip_unused_scenarios as s
 
 # Branches with CAP_MB: one bucket per parameter, 8 in all (trunk, sometimes, never, head:
 # weight and bias each). never's two are skipped every step, sometimes' two on even steps.

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-import step_cost_scenarios as s
+from tests.python.ddp import step_cost_scenarios as s
 
 G = 5904
 # PowerSGD at rank 2 on mlp(): two weights compressed, 32x8 and 32x32, their Qs 8x2 and 32x2

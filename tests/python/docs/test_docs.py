@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-import docs_blocks
-from docs_blocks import ROOT, Block
+from tests.python.docs import docs_blocks
+from tests.python.docs.docs_blocks import ROOT, Block
 
 # A block trains a few steps of a small model; on 2 ranks under torchrun it takes about 10 s
 # on 2 busy cores (start-up and imports). The limit only proves that nothing hangs.

@@ -21,9 +21,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.profiler import ProfilerActivity, profile
 
 import fastddp
-from hook_scenarios import compare_grads
-from powersgd_scenarios import TOL, Mixed, batch
-from scenarios import agree
+from tests.python.hooks.hooks_scenarios import compare_grads
+from tests.python.hooks.powersgd_scenarios import TOL, Mixed, batch
+from tests.python.scenarios import agree
 
 # Why TOL (powersgd_scenarios.py) bounds ACP-SGD too: the same roundings. fastddp's fused
 # products and orthogonalization against torch's BLAS and Householder QR, amplified by
@@ -168,7 +168,7 @@ def resume(cut: int = 5, steps: int = 9, load_hook_state: bool = True) -> dict:
     uninterrupted run, and the state's keys."""
     import io
 
-    from powersgd_state_scenarios import _train as train
+    from tests.python.hooks.powersgd_state_scenarios import _train as train
 
     def make(module):
         ddp = fastddp.DistributedDataParallel(module, bucket_cap_mb=0.002)

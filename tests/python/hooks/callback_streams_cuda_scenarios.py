@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 import fastddp
 from fastddp import _C
 from fastddp.ddp._options import WORLD1_REDUCER_ENV
-from scenarios import mlp, vector_batch
+from tests.python.scenarios import mlp, vector_batch
 
 # Device work with a stream in the chrome trace: kernels, and memsets and copies.
 DEVICE_CATEGORIES = ("kernel", "gpu_memset", "gpu_memcpy")

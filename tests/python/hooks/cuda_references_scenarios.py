@@ -12,10 +12,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
-from flat_buffer_scenarios import bucket_align
-from hook_scenarios import EXACT, compare_grads, hooked_training, make_hook
-from nonfinite_scenarios import _poison, train_around_a_poisoned_step
-from scenarios import mlp, unwrap, vector_batch
+from tests.python.ddp.flat_buffer_scenarios import bucket_align
+from tests.python.ddp.nonfinite_scenarios import _poison, train_around_a_poisoned_step
+from tests.python.hooks.hooks_scenarios import EXACT, compare_grads, hooked_training, make_hook
+from tests.python.scenarios import mlp, unwrap, vector_batch
 
 # fastddp's hook and torch DDP's reference for the check_for_nan_in_grad scenarios.
 NAN_HOOKS = {"allreduce": ("none", "none"),
@@ -25,7 +25,7 @@ NAN_HOOKS = {"allreduce": ("none", "none"),
 
 def half_hooks(fast_hook: str, ref_hook: str, packed: bool, device: str = "cuda",
                **kwargs) -> str | None:
-    """hook_scenarios.hooked_training, bit for bit. packed: fastddp's buckets in torch's
+    """hooks_scenarios.hooked_training, bit for bit. packed: fastddp's buckets in torch's
     layout (FASTDDP_BUCKET_ALIGN=0): on CUDA each slot otherwise starts 16-byte aligned,
     and on 3+ ranks the backend then splits the buffer into other chunks than torch's, so
     it sums some elements in another order."""

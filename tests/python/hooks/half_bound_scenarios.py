@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fastddp
-from hook_scenarios import make_hook
-from scenarios import agree, mlp, vector_batch
+from tests.python.hooks.hooks_scenarios import make_hook
+from tests.python.scenarios import agree, mlp, vector_batch
 
 U32 = 2.0 ** -24  # float32's unit roundoff
 # Unit roundoff of the 16-bit format (half an ulp, relative: 2^-p for p significand bits)
@@ -50,7 +50,7 @@ def error_bound(grads: torch.Tensor, residual: torch.Tensor, got: torch.Tensor, 
 
 
 def within_bound_of_mean(spec: str, steps: int = 4) -> dict:
-    """fastddp with `spec` (a hook_scenarios.make_hook spec of the half hooks) trains; at
+    """fastddp with `spec` (a hooks_scenarios.make_hook spec of the half hooks) trains; at
     every step each gradient is checked against the exact mean of the ranks' local
     gradients (torch's, float64) within error_bound. Returns the largest share of the
     bound used and whether the wire format left a trace (some element off the float32

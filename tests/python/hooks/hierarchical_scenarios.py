@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fastddp
-from scenarios import ULPS, agree, assert_close_ulps, vector_batch
+from tests.python.scenarios import ULPS, agree, assert_close_ulps, vector_batch
 
 LOCAL = 2
 EXACT = {"rtol": 0.0, "atol": 0.0}

@@ -8,8 +8,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 import fastddp
 from fastddp import _C
-from powersgd_scenarios import DIFFERS
-from scenarios import rounding_ulps
+from tests.python.hooks.powersgd_scenarios import DIFFERS
+from tests.python.scenarios import rounding_ulps
 
 # Matrices worth compressing (two of one shape), one that is not (2 x 40), a 4-D one
 # (viewed as 8 x 27) and vectors; 64 bytes of cap per bucket splits them into several.

@@ -16,7 +16,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
-from scenarios import agree, mlp, unwrap, vector_batch
+from tests.python.scenarios import agree, mlp, unwrap, vector_batch
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
 

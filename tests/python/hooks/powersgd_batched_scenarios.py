@@ -10,9 +10,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
-from hook_scenarios import compare_grads
-from powersgd_scenarios import BATCHED_TOL, Mixed, batch, serialized_batched_powerSGD_hook
-from scenarios import agree, unwrap
+from tests.python.hooks.hooks_scenarios import compare_grads
+from tests.python.hooks.powersgd_scenarios import (BATCHED_TOL, Mixed, batch,
+                                                   serialized_batched_powerSGD_hook)
+from tests.python.scenarios import agree, unwrap
 
 # Relative to each parameter's largest gradient element (compare_grads), as
 # powersgd_scenarios.TOL explains: BATCHED_TOL (measured here at most 1.1e-5, 3.8e-6 beyond

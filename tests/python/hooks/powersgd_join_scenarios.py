@@ -12,8 +12,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
-from powersgd_scenarios import TOL
-from scenarios import mlp, vector_batch
+from tests.python.hooks.powersgd_scenarios import TOL
+from tests.python.scenarios import mlp, vector_batch
 
 
 def uneven_join(steps: int = 7, short_by: int = 3) -> dict:

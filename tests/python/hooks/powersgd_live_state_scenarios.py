@@ -16,9 +16,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
-from powersgd_scenarios import TOL, Mixed, batch, serialized_batched_powerSGD_hook
-from powersgd_state_scenarios import _ulps
-from scenarios import agree, step_grads, unwrap
+from tests.python.hooks.powersgd_scenarios import (TOL, Mixed, batch,
+                                                   serialized_batched_powerSGD_hook)
+from tests.python.hooks.powersgd_state_scenarios import _ulps
+from tests.python.scenarios import agree, step_grads, unwrap
 
 ARGS = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2,
         "compression_stats_logging_frequency": 3}

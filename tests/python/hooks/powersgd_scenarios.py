@@ -17,8 +17,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
-from hook_scenarios import compare_grads
-from scenarios import agree, unwrap
+from tests.python.hooks.hooks_scenarios import compare_grads
+from tests.python.scenarios import agree, unwrap
 
 
 # Short names for PowerSGDState arguments in the test case tables.
@@ -38,7 +38,7 @@ SHARED_CASES = {
 # PowerSGD's output is the rank-r product P Q^T: an element's float32 error follows the
 # matrix's norm, not the element's own size (a small element is a difference of large
 # products), so the bound is absolute, relative to the parameter's largest gradient element
-# (hook_scenarios.compare_grads). torch's BLAS and fastddp's fused kernels (dot products in
+# (hooks_scenarios.compare_grads). torch's BLAS and fastddp's fused kernels (dot products in
 # double or in 16 float lanes) round each product differently: ~1e-6 of that scale at the
 # first compressed step (measured). Orthogonalizing M Q amplifies it by that matrix's
 # condition number (nearly parallel columns at rank 2, torch's float32 Householder QR

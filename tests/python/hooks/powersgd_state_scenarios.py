@@ -13,8 +13,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
-from powersgd_scenarios import Mixed, batch, serialized_powerSGD_hook
-from scenarios import agree, unwrap
+from tests.python.hooks.powersgd_scenarios import Mixed, batch, serialized_powerSGD_hook
+from tests.python.scenarios import agree, unwrap
 
 PSGD = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2}
 

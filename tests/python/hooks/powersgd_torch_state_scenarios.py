@@ -15,9 +15,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
-from powersgd_scenarios import (_differs_from_plain_mean, serialized_batched_powerSGD_hook,
-                                serialized_powerSGD_hook)
-from scenarios import mlp, vector_batch
+from tests.python.hooks.powersgd_scenarios import (_differs_from_plain_mean,
+                                                   serialized_batched_powerSGD_hook,
+                                                   serialized_powerSGD_hook)
+from tests.python.scenarios import mlp, vector_batch
 
 # fastddp fuses the orthogonalization and the low-rank products, which round differently
 # in float32 from torch's separate ops; the bound is absolute, relative to the parameter's

@@ -16,8 +16,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
 from fastddp import _C
-from powersgd_scenarios import TOL, serialized_powerSGD_hook
-from scenarios import agree, unwrap
+from tests.python.hooks.powersgd_scenarios import TOL, serialized_powerSGD_hook
+from tests.python.scenarios import agree, unwrap
 
 
 class Heads(nn.Module):

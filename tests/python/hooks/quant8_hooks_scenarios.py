@@ -15,9 +15,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
-import quant8_reference as ref
-from hook_scenarios import EXACT, compare_grads
-from scenarios import agree, mlp, unwrap, vector_batch
+from tests.python.hooks import quant8_reference as ref
+from tests.python.hooks.hooks_scenarios import EXACT, compare_grads
+from tests.python.scenarios import agree, mlp, unwrap, vector_batch
 
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 

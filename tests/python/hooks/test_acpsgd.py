@@ -3,8 +3,8 @@
 
 import pytest
 
-import acpsgd_scenarios
-from harness import World
+from tests.python.harness import World
+from tests.python.hooks import acpsgd_scenarios
 
 
 @pytest.mark.parametrize("rank", [1, 2, 4])

@@ -2,12 +2,12 @@
 PowerSGD-family hook, no device work other than NCCL's runs on a stream other than the
 compute stream and fastddp's side stream; the decompression, launched from a future's
 callback (where torch makes a pool stream current), is on the side stream
-(callback_stream_scenarios.py). GPU-marked: run by `make gpu-check`."""
+(callback_streams_cuda_scenarios.py). GPU-marked: run by `make gpu-check`."""
 
 import pytest
 
-import callback_stream_scenarios as s
-from harness import World
+from tests.python.harness import World
+from tests.python.hooks import callback_streams_cuda_scenarios as s
 
 pytestmark = pytest.mark.gpu
 

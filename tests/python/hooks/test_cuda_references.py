@@ -1,4 +1,4 @@
-"""fastddp's CUDA paths against torch's own references on CUDA (cuda_reference_scenarios.py):
+"""fastddp's CUDA paths against torch's own references on CUDA (cuda_references_scenarios.py):
 the bf16/fp16 hooks against torch's bf16/fp16_compress_hook under torch DDP, bit for bit;
 torch's powerSGD_hook run natively against torch DDP running it; check_for_nan_in_grad's
 CUDA kernels (csrc/kernels/cuda/nonfinite.cu and half_cast.cu's flag).
@@ -10,8 +10,8 @@ The same scenarios run on the CPU in make test (the tests without the marker).
 
 import pytest
 
-import cuda_reference_scenarios as s
-from harness import World
+from tests.python.harness import World
+from tests.python.hooks import cuda_references_scenarios as s
 
 NAN_MESSAGE = "non-finite gradient (NaN or Inf) in parameter '2.weight' on rank 1 at step 2"
 
@@ -66,7 +66,7 @@ def test_powersgd_on_a_tall_matrix_matches_torch_on_cuda(gloo_worlds, rank):
     """An 8200 x 16 weight on 2 ranks' CUDA tensors: from rank 3 fastddp orthogonalizes its
     P on the tall path (CholeskyQR2, Note [tall orthogonalization]), torch with linalg.qr;
     at rank 2 both run Gram-Schmidt. Grads within powersgd_scenarios.TOL every step."""
-    import powersgd_scenarios
+    from tests.python.hooks import powersgd_scenarios
 
     out = gloo_worlds(2).check(powersgd_scenarios.powersgd_training, model="tall",
                                device="cuda", matrix_approximation_rank=rank,
@@ -82,7 +82,7 @@ def test_torch_powersgd_hook_on_cuda_gloo(gloo_worlds, batched):
     """torch's powerSGD_hook with a PowerSGDState on 2 ranks' CUDA tensors: fastddp runs it
     natively, torch DDP runs torch's (powersgd_torch_state_scenarios.TOL); 3 of the 5
     steps compressed."""
-    import powersgd_torch_state_scenarios
+    from tests.python.hooks import powersgd_torch_state_scenarios
 
     world = gloo_worlds(2)
     assert world.check(powersgd_torch_state_scenarios.torch_hook_with_state, device="cuda",
@@ -114,7 +114,7 @@ def test_packed_half_scenario_on_cpu(world):
 def test_tall_powersgd_scenario_on_cpu(world):
     # The tall-matrix scenario above on CPU tensors: the same grads as torch's hook, and no
     # tall path (the CPU keeps Gram-Schmidt, test_orthogonalize.py).
-    import powersgd_scenarios
+    from tests.python.hooks import powersgd_scenarios
 
     out = world.check(powersgd_scenarios.powersgd_training, model="tall",
                       matrix_approximation_rank=4, start_powerSGD_iter=2)[0]

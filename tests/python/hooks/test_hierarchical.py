@@ -1,5 +1,5 @@
 """fastddp.hooks.hierarchical on 4 real gloo ranks as 2 nodes x 2 local ranks: against the
-exact mean and against a plain-torch reference of the same algorithm (hier_scenarios.py),
+exact mean and against a plain-torch reference of the same algorithm (hierarchical_scenarios.py),
 wrong meshes and local sizes, and the launcher's --hook hier:INNER."""
 
 import json
@@ -12,12 +12,12 @@ import time
 import pytest
 
 import fastddp
-import hier_scenarios
-import hook_scenarios
 from fastddp.launch.patch import HookSpec, parse_hook_spec
-from harness import _free_port
-from test_elastic import _descendants
-from test_launcher import PACKAGE_DIR, SCRIPT, TIMEOUT_S
+from tests.python.harness import _free_port
+from tests.python.hooks import hierarchical_scenarios
+from tests.python.hooks import hooks_scenarios
+from tests.python.launch.test_elastic import _descendants
+from tests.python.launch.test_launcher import PACKAGE_DIR, SCRIPT, TIMEOUT_S
 
 
 @pytest.mark.parametrize(("inner", "source", "as_view"), [
@@ -28,7 +28,7 @@ from test_launcher import PACKAGE_DIR, SCRIPT, TIMEOUT_S
     ("bf16_fp32", "mesh", False),
 ])
 def test_hierarchical_matches_reference(world4, inner, source, as_view):
-    names = world4.check(hier_scenarios.hier_training, inner=inner, source=source,
+    names = world4.check(hierarchical_scenarios.hier_training, inner=inner, source=source,
                          gradient_as_bucket_view=as_view)
     assert names[0].startswith("hierarchical("), names
 
@@ -37,18 +37,18 @@ def test_hierarchical_int8(world4):
     """Any registered hook works between nodes: int8 (issue 16 item 2) where it is built."""
     if "int8" not in fastddp._C.comm_hook_names():
         pytest.skip("no 'int8' comm hook is registered in this build")
-    world4.check(hier_scenarios.hier_training, inner="int8")
+    world4.check(hierarchical_scenarios.hier_training, inner="int8")
 
 
 @pytest.mark.parametrize("spec", ["fastddp.hier_bf16_fp32", "fastddp.hier_allreduce"])
 def test_failed_step_is_dropped(world4, spec):
     """A backward that fails half-way: the next steps are bit for bit those of a run without
     it (the half-done step's later collectives are never issued, on any rank)."""
-    world4.check(hook_scenarios.abandoned_step, spec=spec)
+    world4.check(hooks_scenarios.abandoned_step, spec=spec)
 
 
 def test_wrong_configurations_raise(world4):
-    per_rank = world4.check(hier_scenarios.bad_configurations)
+    per_rank = world4.check(hierarchical_scenarios.bad_configurations)
     # The same error on every rank (the tiling message names each rank's own group).
     for case in per_rank[0]:
         kinds = {(r[case] or "").split(":")[0] for r in per_rank}
@@ -121,7 +121,7 @@ def _outputs_or_stacks(agents: list[subprocess.Popen]) -> list[str]:
 def test_launcher_two_nodes(tmp_path, hook):
     """docs/multinode.md's command line, as two torchrun agents (2 "nodes" x 2 ranks) on
     this machine meeting at one rendezvous endpoint: --hook hier:bf16 trains the tiny script
-    (the hook's numbers are hier_scenarios' business; starting 6 processes costs ~20 s).
+    (the hook's numbers are hierarchical_scenarios' business; starting 6 processes costs ~20 s).
     auto:bf16 makes its hierarchical groups from torchrun's LOCAL_WORLD_SIZE, probes them
     after its 7 baseline steps, runs its trials and decides within 60 steps."""
     out = tmp_path / "hier.json"

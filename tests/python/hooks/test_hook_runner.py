@@ -4,7 +4,7 @@ reducer does and run torch's Python hooks on a real GradBucket."""
 
 import pytest
 
-import hook_runner_scenarios as scenarios
+from tests.python.hooks import hook_runner_scenarios as scenarios
 
 
 def test_allreduce_gives_the_mean_in_reverse_buckets(world):

@@ -4,15 +4,14 @@ Native built-ins against torch DDP running torch's own hook where torch has one 
 bit: fastddp's bf16/fp16 round as torch's bf16/fp16_compress_hook, Note [torch's half
 rounding]); the modes torch has no hook for against the same algorithm in torch ops run by
 torch DDP (bit for bit) and against the exact mean of the ranks' gradients
-(half_bound_scenarios.py); torch's own hook functions, run natively by fastddp, against
+(test_half_bound.py); torch's own hook functions, run natively by fastddp, against
 torch DDP running them; Python hooks through the GradBucket path against torch DDP running
 the same hook (bit for bit).
 """
 
 import pytest
 
-import half_bound_scenarios
-import hook_scenarios
+from tests.python.hooks import hooks_scenarios
 
 # (fastddp hook, torch DDP reference hook): bit for bit. "none": torch DDP's own reduction.
 EXACT_PAIRS = {
@@ -31,7 +30,7 @@ EXACT_PAIRS = {
 @pytest.mark.parametrize("pair", list(EXACT_PAIRS))
 def test_hook_matches_reference(world, pair):
     fast, ref = EXACT_PAIRS[pair]
-    world.check(hook_scenarios.hooked_training, fast_hook=fast, ref_hook=ref, exact=True,
+    world.check(hooks_scenarios.hooked_training, fast_hook=fast, ref_hook=ref, exact=True,
                 bucket_cap_mb=0.001)
 
 
@@ -40,7 +39,7 @@ def test_small_gradients_round_as_torch(world, pair):
     """Gradients scaled by 1e-4: many fall into float16's subnormal range, where rounding
     before or after the division differs even on 2 ranks."""
     fast, ref = EXACT_PAIRS[pair]
-    world.check(hook_scenarios.hooked_training, fast_hook=fast, ref_hook=ref, exact=True,
+    world.check(hooks_scenarios.hooked_training, fast_hook=fast, ref_hook=ref, exact=True,
                 bucket_cap_mb=0.001, loss_scale=1e-4)
 
 
@@ -49,7 +48,7 @@ def test_float64_model_rounds_as_torch(world, pair):
     """A float64 model: the half hooks compress through ATen ops (not the float32 kernels),
     still as torch's hooks do."""
     fast, ref = EXACT_PAIRS[pair]
-    world.check(hook_scenarios.hooked_training, fast_hook=fast, ref_hook=ref, exact=True,
+    world.check(hooks_scenarios.hooked_training, fast_hook=fast, ref_hook=ref, exact=True,
                 bucket_cap_mb=0.001, dtype="float64")
 
 
@@ -57,21 +56,21 @@ def test_float64_model_rounds_as_torch(world, pair):
 def test_hook_at_world_size_one(world1, pair):
     """A registered hook runs at world size 1 (as in torch), bit for bit as its reference."""
     fast, ref = EXACT_PAIRS[pair]
-    name = world1.check(hook_scenarios.hooked_training, fast_hook=fast, ref_hook=ref, exact=True,
+    name = world1.check(hooks_scenarios.hooked_training, fast_hook=fast, ref_hook=ref, exact=True,
                         bucket_cap_mb=0.001)[0]
     assert name is not None, "no reducer ran the hook"
 
 
 @pytest.mark.parametrize("spec", ["fastddp.bf16_fp32", "fastddp.bf16", "fastddp.allreduce"])
 def test_failed_step_is_dropped(world, spec):
-    world.check(hook_scenarios.abandoned_step, spec=spec)
+    world.check(hooks_scenarios.abandoned_step, spec=spec)
 
 
 @pytest.mark.parametrize(("hook", "ref"), [("fastddp.bf16_fp32_ef", "fastddp.bf16_fp32_ef"),
                                          ("fastddp.bf16", "torch.bf16_compress_hook"),
                                          ("fastddp.fp16", "torch.fp16_compress_hook")])
 def test_hook_gradient_as_bucket_view(world, hook, ref):
-    world.check(hook_scenarios.hooked_training, fast_hook=hook, ref_hook=ref, exact=True,
+    world.check(hooks_scenarios.hooked_training, fast_hook=hook, ref_hook=ref, exact=True,
                 gradient_as_bucket_view=True)
 
 
@@ -91,25 +90,16 @@ TORCH_HOOKS = [
 def test_torch_hooks_run_natively(world, torch_hook, native, ref, exact):
     # fastddp runs allreduce_hook as torch DDP's own reduction (grad * (1/w)); torch's
     # hook divides (grad / w): the same on 2 ranks (a power of two), within a few float32
-    # roundings of the terms on 3 (hook_scenarios.division_bound).
+    # roundings of the terms on 3 (hooks_scenarios.division_bound).
     if exact is None:
         exact = world.size == 2
-    names = world.check(hook_scenarios.hooked_training, fast_hook=torch_hook, ref_hook=ref,
+    names = world.check(hooks_scenarios.hooked_training, fast_hook=torch_hook, ref_hook=ref,
                         exact=exact)
     assert names[0] == native, names  # the C++ built-in ran, not the Python function
 
 
-@pytest.mark.parametrize("spec", ["fastddp.bf16_fp32", "fastddp.fp16_fp32", "fastddp.bf16_ef",
-                                  "fastddp.bf16_fp32_ef", "fastddp.fp16_fp32_ef"])
-def test_modes_without_torch_hook_within_bound_of_mean(world, spec):
-    """accumulate="fp32" and error feedback against torch's exact mean of the gathered
-    gradients, within the wire format's stated error bound."""
-    out = world.check(half_bound_scenarios.within_bound_of_mean, spec=spec)[0]
-    assert out["used"] < 1.0 and out["traced"], out
-
-
 def test_registration_rules(world):
-    messages = world.check(hook_scenarios.registration_errors)[0]
+    messages = world.check(hooks_scenarios.registration_errors)[0]
     assert messages[0] == "Communication hook must be callable."
     assert messages[1] == "Communication hook: bucket annotation should be dist.GradBucket."
     assert messages[2] == ("Communication hook: return annotation should be "
@@ -120,5 +110,5 @@ def test_registration_rules(world):
 
 
 def test_fp32_accumulation_is_closer(world4):
-    errors = world4.check(hook_scenarios.accumulation_error)[0]
+    errors = world4.check(hooks_scenarios.accumulation_error)[0]
     assert errors["bf16_fp32"] < 0.8 * errors["bf16"], errors

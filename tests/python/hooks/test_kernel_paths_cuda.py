@@ -101,7 +101,7 @@ def test_the_side_stream_is_fastddps_own():
 def test_tall_orthogonalization_path_runs_on_cuda():
     # From 8192 rows and rank 3 the CUDA kernels take CholeskyQR2 over row blocks (Note
     # [tall orthogonalization]); test_orthogonalize.py checks its numbers against torch's QR.
-    from test_orthogonalize import ran_tall_path, random_batch
+    from tests.python.hooks.test_orthogonalize import ran_tall_path, random_batch
 
     assert ran_tall_path(random_batch(2, 70_000, 4, torch.float32, 0).cuda())
     assert not ran_tall_path(random_batch(2, 8191, 4, torch.float32, 0).cuda())

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-import powersgd_scenarios
-from powersgd_scenarios import RANK, SHARED_CASES, START
 from fastddp import _C
+from tests.python.hooks import powersgd_scenarios
+from tests.python.hooks.powersgd_scenarios import RANK, SHARED_CASES, START
 
 CASES = {
     **SHARED_CASES,

@@ -8,10 +8,10 @@ import math
 
 import pytest
 
-import powersgd_batched_scenarios
-import powersgd_scenarios
-from powersgd_scenarios import RANK, SHARED_CASES, START
 from fastddp import _C
+from tests.python.hooks import powersgd_batched_scenarios
+from tests.python.hooks import powersgd_scenarios
+from tests.python.hooks.powersgd_scenarios import RANK, SHARED_CASES, START
 
 CASES = {
     **SHARED_CASES,

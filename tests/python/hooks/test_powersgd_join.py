@@ -2,7 +2,7 @@
 joined rank's hook state moves on with its zero buckets, as torch's does (issue 43: the
 double-buffered state is settled after the joined rank's shadow step too)."""
 
-import powersgd_join_scenarios as scen
+from tests.python.hooks import powersgd_join_scenarios as scen
 
 
 def test_uneven_inputs_match_torch(world):

@@ -3,8 +3,8 @@ against torch's own hook, torch's checkpoint recipe, and the state's lifetime.""
 
 import pytest
 
-import powersgd_live_state_scenarios as scen
-from powersgd_state_scenarios import ROUNDING_ULPS
+from tests.python.hooks import powersgd_live_state_scenarios as scen
+from tests.python.hooks.powersgd_state_scenarios import ROUNDING_ULPS
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["powerSGD_hook", "batched"])

@@ -3,8 +3,8 @@ comm_hook_state_dict / load_comm_hook_state_dict / compression_stats), on real g
 
 import pytest
 
-import powersgd_state_scenarios as scen
-from powersgd_scenarios import TOL
+from tests.python.hooks import powersgd_state_scenarios as scen
+from tests.python.hooks.powersgd_scenarios import TOL
 
 # The resumed run against torch DDP with torch's powerSGD_hook, uninterrupted: fastddp's
 # PowerSGD and torch's round differently in float32, and orthogonalization amplifies it

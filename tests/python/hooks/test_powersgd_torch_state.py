@@ -4,8 +4,8 @@ and on CUDA over NCCL (the first GPU machine crashed on exactly this registratio
 
 import pytest
 
-import powersgd_torch_state_scenarios as s
-from harness import World
+from tests.python.harness import World
+from tests.python.hooks import powersgd_torch_state_scenarios as s
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ the trunk's, on 2 and 3 gloo ranks; grads within powersgd_scenarios.TOL every st
 
 import pytest
 
-import powersgd_unused_scenarios as scen
+from tests.python.hooks import powersgd_unused_scenarios as scen
 
 
 @pytest.mark.parametrize("as_on_device", [False, True], ids=["cpu_settle", "device_settle"])

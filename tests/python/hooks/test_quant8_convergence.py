@@ -6,13 +6,14 @@ to stall or derail training (the loss checks)."""
 
 import pytest
 
-import quant8_scenarios
-from test_powersgd_convergence import STEPS, train_student
+from tests.python.hooks import quant8_hooks_scenarios
+from tests.python.hooks.test_powersgd_convergence import STEPS, train_student
 
 
 def train(hook: str, steps: int = STEPS) -> dict:
     """Trains the student with `hook` ("none", "int8", "e4m3"); losses and comm figures."""
-    return train_student(None if hook == "none" else quant8_scenarios.native_hook(hook), steps)
+    native = None if hook == "none" else quant8_hooks_scenarios.native_hook(hook)
+    return train_student(native, steps)
 
 
 @pytest.mark.parametrize("world", [2], indirect=True, ids=["world2"])

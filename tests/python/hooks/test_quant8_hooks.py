@@ -1,5 +1,5 @@
 """The "int8" / "fp8" comm hooks on real gloo ranks (2 and 3, and 4): bit for bit against
-the same algorithm in torch ops run by torch DDP (quant8_scenarios.ReferenceHook), within
+the same algorithm in torch ops run by torch DDP (quant8_hooks_scenarios.ReferenceHook), within
 the quantization bound of torch DDP's exact float32 mean, the error-feedback invariant, and
 the bytes comm_stats() counts."""
 
@@ -7,14 +7,14 @@ import pytest
 import torch
 
 import fastddp
-import quant8_scenarios
+from tests.python.hooks import quant8_hooks_scenarios
 
 FORMATS = ["int8", "e4m3", "e5m2"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_matches_torch_reference(world, fmt):
-    results = world.check(quant8_scenarios.matches_reference, fmt=fmt, bucket_cap_mb=0.001)
+    results = world.check(quant8_hooks_scenarios.matches_reference, fmt=fmt, bucket_cap_mb=0.001)
     assert results[0]["hook"] == ("int8" if fmt == "int8" else f"fp8({fmt})"), results[0]
     # Error feedback: what was sent plus what is owed is what came in, up to float32
     # rounding: each step rounds the residual's two float ops (v = scaled + residual,
@@ -25,23 +25,23 @@ def test_matches_torch_reference(world, fmt):
 
 @pytest.mark.parametrize("fmt", ["int8", "e4m3"])
 def test_matches_torch_reference_world4(world4, fmt):
-    world4.check(quant8_scenarios.matches_reference, fmt=fmt, steps=3)
+    world4.check(quant8_hooks_scenarios.matches_reference, fmt=fmt, steps=3)
 
 
 def test_without_error_feedback(world):
-    result = world.check(quant8_scenarios.matches_reference, fmt="int8", error_feedback=False,
+    result = world.check(quant8_hooks_scenarios.matches_reference, fmt="int8", error_feedback=False,
                          steps=3)[0]
     assert result["hook"] == "int8(error_feedback=False)"
 
 
 def test_gradient_as_bucket_view(world):
-    world.check(quant8_scenarios.matches_reference, fmt="e4m3", steps=3,
+    world.check(quant8_hooks_scenarios.matches_reference, fmt="e4m3", steps=3,
                 gradient_as_bucket_view=True)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_close_to_exact_mean(world4, fmt):
-    ratios = world4.check(quant8_scenarios.error_against_exact_mean, fmt=fmt)
+    ratios = world4.check(quant8_hooks_scenarios.error_against_exact_mean, fmt=fmt)
     assert max(ratios) < 1.0, ratios
     # Not a bound so loose that anything passes: the error is a visible part of it.
     assert max(ratios) > 0.02, ratios
@@ -49,7 +49,7 @@ def test_close_to_exact_mean(world4, fmt):
 
 @pytest.mark.parametrize("fmt", ["int8", "e5m2"])
 def test_wire_bytes_in_comm_stats(world, fmt):
-    stats = world.check(quant8_scenarios.wire_bytes, fmt=fmt)[0]
+    stats = world.check(quant8_hooks_scenarios.wire_bytes, fmt=fmt)[0]
     plain, quant = stats["allreduce"], stats[fmt]
     assert plain["sent"] == plain["reduced"] == quant["reduced"], stats
     # 1 byte per value + 4 bytes per 256 values, over 4 bytes per value (+ padding).
@@ -57,7 +57,7 @@ def test_wire_bytes_in_comm_stats(world, fmt):
 
 
 def test_float64_model_is_refused(world):
-    message = world.check(quant8_scenarios.float64_model_is_refused, fmt="int8")[0]
+    message = world.check(quant8_hooks_scenarios.float64_model_is_refused, fmt="int8")[0]
     assert "float32" in message, message
 
 

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-import quant8_reference as ref
 from fastddp import _C
+from tests.python.hooks import quant8_reference as ref
 
 FORMATS = ["int8", "e4m3", "e5m2"]
 

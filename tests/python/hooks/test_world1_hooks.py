@@ -1,11 +1,11 @@
 """World size 1 with FASTDDP_WORLD1_REDUCER=1, every comm hook against torch DDP
-(world1_hook_scenarios.py): on a 1-rank gloo world here, over NCCL where there is a GPU
+(world1_hooks_scenarios.py): on a 1-rank gloo world here, over NCCL where there is a GPU
 (`make gpu-check` also runs the scenarios as a script, and under compute-sanitizer)."""
 
 import pytest
 
-import world1_hook_scenarios as s
-from harness import World
+from tests.python.harness import World
+from tests.python.hooks import world1_hooks_scenarios as s
 
 # "plain" uses single-parameter buckets: a bucket holding only a bias has nothing for
 # PowerSGD to compress, and torch's hook still draws a seed for it (a native hook that did
@@ -37,7 +37,7 @@ def test_world1_hooks_nccl(nccl_world1, case, config):
 
 @pytest.mark.gpu
 def test_comm_stats_on_the_device_clock(nccl_world1):
-    import dropin_scenarios
+    from tests.python.ddp import dropin_scenarios
 
     (stats,) = nccl_world1.check(dropin_scenarios.device_clock_stats)
     assert len(stats["buckets"]) > 1, stats

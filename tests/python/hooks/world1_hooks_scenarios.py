@@ -9,7 +9,7 @@ grads after every backward.
 As scenarios: run_case() on a 1-rank harness world (test_world1_hooks.py). As a script, in
 one process, what `make gpu-check` and its compute-sanitizer steps run:
 
-    python tests/python/hooks/world1_hook_scenarios.py [--device cuda] [--backend nccl]
+    python tests/python/hooks/world1_hooks_scenarios.py [--device cuda] [--backend nccl]
         [--cases none,bf16,...] [--configs plain,bucket_view] [--steps 5]
 
 It prints one row per case and config, then a `gpu-check figures: {json}` line, and exits
@@ -35,12 +35,14 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import fastddp
 from fastddp.ddp._options import WORLD1_REDUCER_ENV
 
-# Run as a script (make gpu-check), the shared scenarios module is one folder up.
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hook_scenarios import EXACT, compare_grads, make_hook  # noqa: E402
-from powersgd_scenarios import (BATCHED_TOL, TOL, _differs_from_plain_mean,  # noqa: E402
-                                serialized_batched_powerSGD_hook, serialized_powerSGD_hook)
-from scenarios import mlp, unwrap, vector_batch  # noqa: E402
+# Run as a script (make gpu-check), the scenario modules are imported from the repository's
+# root, as the tests import them.
+sys.path.insert(1, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")))
+from tests.python.hooks.hooks_scenarios import EXACT, compare_grads, make_hook  # noqa: E402
+from tests.python.hooks.powersgd_scenarios import (  # noqa: E402
+    BATCHED_TOL, TOL, _differs_from_plain_mean, serialized_batched_powerSGD_hook,
+    serialized_powerSGD_hook)
+from tests.python.scenarios import mlp, unwrap, vector_batch  # noqa: E402
 
 # fastddp's fused PowerSGD against torch's hook: powersgd_scenarios.py derives both bounds.
 PSGD_TOL, PSGD_BATCHED_TOL = TOL, BATCHED_TOL
@@ -65,7 +67,7 @@ CASES = {
     "batched_powersgd": ("fastddp.batched_powersgd:2", "torch.batched_powerSGD_hook:2",
                          PSGD_BATCHED_TOL, "powersgd_batched"),
     "python_hook": ("custom", "custom", EXACT, None),
-    # The 8-bit hooks against the same algorithm in torch ops (quant8_scenarios.py).
+    # The 8-bit hooks against the same algorithm in torch ops (quant8_hooks_scenarios.py).
     "int8": ("fastddp.int8", "quant8_reference:int8", EXACT, "int8"),
     "fp8_e5m2": ("fastddp.fp8:e5m2", "quant8_reference:e5m2", EXACT, "fp8(e5m2)"),
 }
@@ -85,9 +87,9 @@ def _hook(spec: str) -> tuple[object, object] | None:
     if name == "fastddp.fp8":
         return None, fastddp.hooks.fp8(format=rank)
     if name == "quant8_reference":
-        import quant8_scenarios
+        from tests.python.hooks import quant8_hooks_scenarios
 
-        return None, quant8_scenarios.ReferenceHook(rank, error_feedback=True)
+        return None, quant8_hooks_scenarios.ReferenceHook(rank, error_feedback=True)
     if name in ("fastddp.powersgd", "fastddp.batched_powersgd"):
         make = getattr(fastddp.hooks, name.removeprefix("fastddp."))
         return None, make(matrix_approximation_rank=int(rank), start_powerSGD_iter=PSGD_START)

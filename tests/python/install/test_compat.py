@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import fastddp
-from build_env import ccache_env, run_in_own_group
 from fastddp import _C, _compat
+from tests.python.install.build_env import ccache_env, run_in_own_group
 
 PACKAGE = os.path.dirname(os.path.abspath(fastddp.__file__))
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from build_env import run_in_own_group
+from tests.python.install.build_env import run_in_own_group
 
 
 def _site_packages_of_torch() -> str:

@@ -14,7 +14,7 @@ import zipfile
 import pytest
 import torch
 
-from build_env import ccache_env, run_in_own_group
+from tests.python.install.build_env import ccache_env, run_in_own_group
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 # Under the checkout, so that ccache's base folder covers both source trees alike.

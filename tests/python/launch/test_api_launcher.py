@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch_script import run_launcher
+from tests.python.launch.launch_script import run_launcher
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_api.py"
 TIMEOUT_S = 180  # a no-hang deadline only: a run takes about 15 s on 2 loaded cores

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import api_scenarios
 import fastddp
 from fastddp.launch import demo
+from tests.python.ddp import api_surface_scenarios
 
 PACKAGE_DIR = Path(fastddp.__file__).resolve().parents[1]
 TIMEOUT_S = 180  # a no-hang deadline only: the run takes about 15 s on 2 loaded cores
@@ -66,7 +66,7 @@ def test_demo_trains_as_torch_ddp(demo_output, world):
     """The demo's runs, repeated in a harness world with the same arguments, end bit for
     bit equal (2 ranks: halving is exact, so the same float ops), and the losses the demo
     printed are the ones they compute."""
-    losses = world.check(api_scenarios.demo_training, **ARGS)[0]
+    losses = world.check(api_surface_scenarios.demo_training, **ARGS)[0]
     assert losses["fastddp"] == losses["torch"]
     assert _row(demo_output, "first loss") == [f"{losses['torch'][0]:.5f}"] * 2
     assert _row(demo_output, "final loss") == [f"{losses['torch'][-1]:.5f}"] * 2

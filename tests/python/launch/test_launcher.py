@@ -17,7 +17,7 @@ import fastddp
 from fastddp.launch.launcher import split_command_line
 from fastddp.launch.patch import HookSpec, HookUnavailableError, parse_hook_spec
 from fastddp.launch.report import format_comm_stats
-from launch_script import PACKAGE_DIR, run_launcher
+from tests.python.launch.launch_script import PACKAGE_DIR, run_launcher
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_tiny.py"
 TIMEOUT_S = 120

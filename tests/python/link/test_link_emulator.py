@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
-import link_emulator_scenarios as scenarios
 from fastddp.link import EmulatedLinkGroup, Link, bus_factor, parse_link
-from harness import World
-from link_emulator_scenarios import FakeClock, launch_all, step_through
+from tests.python.harness import World
+from tests.python.link import link_emulator_scenarios as scenarios
+from tests.python.link.link_emulator_scenarios import FakeClock, launch_all, step_through
 
 MB = 1_000_000
 

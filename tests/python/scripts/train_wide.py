@@ -28,8 +28,8 @@ torch.manual_seed(0)
 if args.backward_sleep_ms is None:
     model = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512))
 else:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from sleep_model import BUCKET_CAP_MB, SleepNet
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository's root
+    from tests.python.sleep_model import BUCKET_CAP_MB, SleepNet
 
     assert BUCKET_CAP_MB == 1  # the cap below, which puts its gate in a bucket of its own
     model = SleepNet(args.backward_sleep_ms)

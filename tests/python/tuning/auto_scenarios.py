@@ -21,12 +21,12 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 
-from common import auto_runs  # noqa: E402  (benchmarks/common/auto_runs.py)
 import fastddp  # noqa: E402
-import sleep_model  # noqa: E402
+from common import auto_runs  # noqa: E402  (benchmarks/common/auto_runs.py)
 from fastddp.link import EmulatedLinkGroup  # noqa: E402
 from fastddp.tuning import advise  # noqa: E402
 from fastddp.tuning import auto as auto_module  # noqa: E402
+from tests.python import sleep_model  # noqa: E402
 
 
 def _cap_mb(kind: str) -> float:

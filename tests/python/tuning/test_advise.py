@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 import fastddp
-from fastddp.tuning import advise
 from fastddp.launch.launcher import _advised_command, split_command_line
 from fastddp.launch.launcher import main as launcher_main
 from fastddp.link import Link
-from sleep_model import GRAD_BYTES
+from fastddp.tuning import advise
+from tests.python.sleep_model import GRAD_BYTES
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_wide.py"
 PACKAGE_DIR = Path(fastddp.__file__).resolve().parents[1]

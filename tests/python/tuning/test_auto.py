@@ -19,12 +19,14 @@ from pathlib import Path
 import pytest
 
 import fastddp
-from fastddp.tuning import auto
 from fastddp.launch.patch import HookSpec, HookUnavailableError, parse_hook_spec, patch, torch_hook
-from harness import World
+from fastddp.tuning import auto
+from tests.python.harness import World
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_wide.py"
 PACKAGE_DIR = Path(fastddp.__file__).resolve().parents[1]
+# The ranks import the scenarios by this name (harness.World.run); this process does not.
+SCENARIOS = "tests.python.tuning.auto_scenarios"
 
 
 def _started(size: int):
@@ -56,7 +58,7 @@ def test_slow_link_gradient_bound_picks_compression(world) -> None:
     ranks) or 157 ms (4 ranks) on the link against a 20 ms backward; bf16 halves that,
     8-bit and PowerSGD cut it 4x and more, far past the 5% lossy margin. The run replays by
     hand bit for bit: no step lost or doubled, PowerSGD's state as auto's Note describes."""
-    (result, *_) = world.check("auto_scenarios.auto_and_replay", kind="sleep", link="20MB/s",
+    (result, *_) = world.check(f"{SCENARIOS}.auto_and_replay", kind="sleep", link="20MB/s",
                                policy="any", sleep_ms=20.0, steps=80, after_choice=3)
     summary = result["auto"]
     assert summary["choice"] is not None and auto.lossy(summary["choice"]), summary
@@ -69,7 +71,7 @@ def test_fast_link_compute_bound_keeps_plain_allreduce(world) -> None:
     """The same 2 MB at 100 GB/s (the real loopback, a few ms even on a busy machine)
     behind a 200 ms backward: every collective ends inside the sleep, so no compression
     can shorten the step and none is predicted to."""
-    (result, *_) = world.check("auto_scenarios.auto_and_replay", kind="sleep",
+    (result, *_) = world.check(f"{SCENARIOS}.auto_and_replay", kind="sleep",
                                link="100GB/s", policy="any", sleep_ms=200.0, steps=80,
                                after_choice=0, replay=False)
     summary = result["auto"]
@@ -77,7 +79,7 @@ def test_fast_link_compute_bound_keeps_plain_allreduce(world) -> None:
 
 
 def test_lossless_never_lossy_and_trains_as_torch_ddp(world2) -> None:
-    (result, *_) = world2.check("auto_scenarios.auto_and_replay", kind="wide", link="1GB/s",
+    (result, *_) = world2.check(f"{SCENARIOS}.auto_and_replay", kind="wide", link="1GB/s",
                                 policy="lossless")
     summary = result["auto"]
     assert summary["choice"] is not None and not auto.lossy(summary["choice"]), summary
@@ -89,7 +91,7 @@ def test_lossless_never_lossy_and_trains_as_torch_ddp(world2) -> None:
 def test_bucket_cap_switches_rebuild_the_reducer_cleanly(world2) -> None:
     """Three reducers replaced between steps: were an old one still hooked on the
     gradients, its collectives would hang or double the sums."""
-    assert world2.check("auto_scenarios.bucket_switches_vs_torch", kind="wide") == [0.0, 0.0]
+    assert world2.check(f"{SCENARIOS}.bucket_switches_vs_torch", kind="wide") == [0.0, 0.0]
 
 
 def test_launcher_hook_auto_logs_one_line(tmp_path: Path) -> None:
@@ -117,7 +119,7 @@ def test_two_nodes_offer_and_try_hierarchical_reduction(world4) -> None:
     model gives each collective its link, so hierarchical bf16 is predicted faster than
     flat bf16 (a quarter of the inter-node bytes); its family is tried for real; the run
     replays by hand bit for bit."""
-    (result, *_) = world4.check("auto_scenarios.auto_hierarchical", kind="sleep",
+    (result, *_) = world4.check(f"{SCENARIOS}.auto_hierarchical", kind="sleep",
                                 inter_link="10MB/s", sleep_ms=20.0, steps=100, after_choice=3)
     summary, names = result["auto"], result["names"]
     assert [n for n in names if n.startswith("hier_")] == [
@@ -138,7 +140,7 @@ def test_two_nodes_offer_and_try_hierarchical_reduction(world4) -> None:
     ("4", "any", None),  # one node: nothing hierarchical
 ])
 def test_hierarchical_candidates_follow_torchrun_nodes(world4, local, policy, sizes) -> None:
-    (names, got), *_ = world4.check("auto_scenarios.auto_candidates_from_env",
+    (names, got), *_ = world4.check(f"{SCENARIOS}.auto_candidates_from_env",
                                     local_world_size=local, policy=policy)
     assert got == sizes
     expected = {"any": ["hier_allreduce_fp32", "hier_bf16", "hier_int8"],

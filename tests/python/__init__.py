@@ -1,0 +1,1 @@
+"""fastddp's pytest suite; a folder per family, mirroring fastddp's subpackages."""
