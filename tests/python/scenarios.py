@@ -1,5 +1,9 @@
 """Training scenarios, run on every rank of a harness world (see harness.py).
 
+A module shared by every folder, not one test's: ddp/test_parity.py runs its scenarios, and
+the scenario modules beside the other tests build on its models, batches and comparisons
+(``from tests.python.scenarios import agree, mlp``).
+
 Each builds one model from a seed, wraps a deep copy in torch DDP and another in
 fastddp.DistributedDataParallel with the same arguments, trains both with the same
 per-rank data, and compares grads after every backward and parameters and buffers

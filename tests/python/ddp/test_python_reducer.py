@@ -7,19 +7,9 @@ built-in hooks are refused there with NotImplementedError.
 import pytest
 
 from tests.python.ddp import python_reducer_scenarios as pr
-from tests.python.harness import World
+from tests.python.ddp.test_compile import world2  # noqa: F401 (its fixture: a world per module)
 
 pytestmark = pytest.mark.compile  # compiles on every test, as test_compile.py's
-
-
-@pytest.fixture(scope="module")
-def world2():
-    # Its own world, as test_compile.py's: dynamo's caches and config stay out of the shared
-    # ranks.
-    w = World(2, timeout_s=600)
-    w.start()
-    yield w
-    w.close()
 
 
 @pytest.mark.parametrize("hook", [False, True], ids=["default", "python_hook"])
