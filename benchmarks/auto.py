@@ -1,4 +1,4 @@
-"""``--hook auto`` against the best and the worst fixed configuration, on emulated links.
+"""--hook auto against every fixed configuration on emulated links: prints auto/best, worst/best.
 
     python benchmarks/auto.py [--nproc 2] [--links 1GB/s,3GB/s,10GB/s,50GB/s]
                               [--models vit,convnet] [--policy any] [--rounds 8] [--out DIR]

@@ -1,4 +1,4 @@
-"""Training-step time under torch.compile: compiled fastddp vs compiled torch DDP.
+"""Step time under torch.compile: prints compiled fastddp / compiled torch DDP, graph counts.
 
     python benchmarks/compile_step.py [--nproc 2] [--rounds 20] [--warmup 5] [--only NAME]
                                       [--modes outer,inner] [--backend inductor] [--out FILE]

@@ -1,4 +1,6 @@
-"""Training-step time with gradient compression: fastddp's native bf16 hook vs torch DDP
+"""Step time with fastddp's bf16 hook vs torch's bf16_compress_hook: prints ms/step and ratio.
+
+Training-step time with gradient compression: fastddp's native bf16 hook vs torch DDP
 running torch's bf16_compress_hook, side by side in one run.
 
     python benchmarks/hook_step_time.py [--nproc 2] [--rounds 12] [--block 3] [--width 1024] [--batch 64]

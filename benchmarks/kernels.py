@@ -1,4 +1,6 @@
-"""Throughput of fastddp's kernels against plain torch: half casts, 8-bit block quantization
+"""fastddp's kernels (half casts, 8-bit, orthogonalization) vs torch: prints GB/s and speed-up.
+
+Throughput of fastddp's kernels against plain torch: half casts, 8-bit block quantization
 and PowerSGD orthogonalization.
 
     python benchmarks/kernels.py [--device cpu|cuda] [--threads N] [--sizes 1e6,16e6]

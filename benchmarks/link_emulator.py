@@ -1,4 +1,4 @@
-"""How close EmulatedLinkGroup's collectives come to Note [collective cost] in wall time.
+"""EmulatedLinkGroup's collectives against Note [collective cost]: prints % off the formula.
 
     python benchmarks/link_emulator.py [--nproc 2,4] [--repeats 2] [--out FILE]
 

@@ -1,4 +1,6 @@
-"""The optimizer overlapped with backward (``model.overlap_optimizer(opt)``) against torch DDP
+"""The optimizer overlapped with backward vs torch DDP + step: prints step ratio, peak memory.
+
+The optimizer overlapped with backward (``model.overlap_optimizer(opt)``) against torch DDP
 followed by ``opt.step()``: step time and peak memory.
 
     python benchmarks/overlap_optimizer.py [--nproc 2] [--rounds 15] [--warmup 3]

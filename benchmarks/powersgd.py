@@ -1,4 +1,4 @@
-"""PowerSGD: fastddp's native hook vs torch's powerSGD_hook, side by side in one run.
+"""fastddp's PowerSGD/ACP-SGD vs torch's powerSGD_hook: prints hook and step time ratios, bytes.
 
     python benchmarks/powersgd.py [--parts abcd] [--scale 0.25] [--blocks 24] [--rank 4]
         [--bucket-cap-mb 8] [--world 1] [--rounds 10] [--block 2] [--batch 4] [--device cpu]

@@ -1,4 +1,6 @@
-"""The reducer's own cost: a GPT-style model at world size 1 with the reducer forced
+"""The reducer's cost at world size 1 (GPT-style model): prints step time vs bare and torch DDP.
+
+The reducer's own cost: a GPT-style model at world size 1 with the reducer forced
 (``FASTDDP_WORLD1_REDUCER=1``), against the bare module and torch DDP, in one run.
 
     python benchmarks/reducer_cost.py [--device cuda|cpu] [--groups default,gbv,bf16,powersgd]

@@ -1,4 +1,4 @@
-"""Soak: does a long fastddp run leak? Memory, threads and file descriptors over many steps.
+"""Does a long fastddp run leak? Prints memory, thread and file-descriptor growth per hook.
 
     python benchmarks/soak.py [--steps 2000] [--warmup 200] [--nproc 2]
                               [--hooks allreduce,bf16_ef,powersgd,torch] [--out DIR]

@@ -1,4 +1,4 @@
-"""Training-step time of fastddp vs torch DDP, side by side in one run.
+"""Training-step time, fastddp vs torch DDP: prints ms/step and fastddp/torch per model.
 
     python benchmarks/step_time.py [--nproc 2] [--rounds 30] [--only NAME] [--pin]
                                    [--configs plain,gbv,static,unused] [--skip-alone]

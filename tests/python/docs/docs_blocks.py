@@ -209,7 +209,7 @@ SETUPS: dict[str, tuple[str, str]] = {
 # After the block: the teardown of tests/python/scripts/train_tiny.py. A process that exits
 # with its gloo group alive aborts now and then ("terminate called without an active
 # exception": a gloo thread frees a work holding a Python tensor while the interpreter
-# finalizes; benchmarks/RESULTS.md, "Exit race"), a torch/gloo hazard, not the block's.
+# finalizes; benchmarks/results/step_time.md, "Exit race"), a torch/gloo hazard, not the block's.
 _TEARDOWN = """
 namespace.clear()
 gc.collect()

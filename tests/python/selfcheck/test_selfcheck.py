@@ -124,7 +124,7 @@ with mock.patch.object(torch.cuda, "is_available", lambda: True):
 print("equal" if all(torch.equal(a, b) for a, b in zip(got, want)) else "differ")
 # The teardown of tests/python/scripts/train_tiny.py: exiting with the gloo group alive and
 # torch DDP's wrappers in reference cycles aborts now and then ("terminate called without an
-# active exception", benchmarks/RESULTS.md "Exit race"), a torch/gloo hazard.
+# active exception", benchmarks/results/step_time.md "Exit race"), a torch/gloo hazard.
 import gc
 gc.collect()
 dist.barrier()
