@@ -27,7 +27,8 @@ A built-in hook object is also a torch-style Python hook: calling it runs the sa
 in plain torch ops, so ``torch_ddp.register_comm_hook(None, fastddp.hooks.bf16())`` gives the
 reference that fastddp's native path is tested against, bit for bit.
 
-Here: the constructors (_constructors.py), the hook objects and their torch references
+Here: the catalog that names every hook for the launcher, the tuner, the self-check and the
+docs (catalog.py), the constructors (_constructors.py), the hook objects and their torch references
 (_comm_hook.py), torch's own hooks on fastddp (_torch_hooks.py), auto()'s hook and the
 tuner's candidate names (_auto.py; the tuner is fastddp.tuning), hierarchical reduction's
 process groups (_hierarchical.py), and PowerSGD: its arguments (_powersgd_args.py), torch's

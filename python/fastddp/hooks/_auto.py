@@ -1,26 +1,23 @@
 """What ``fastddp.hooks.auto()`` returns (``AutoHook``: the policy and the tuner's settings,
 checked) and the names of the configurations it chooses among, which the tuner
 (fastddp/tuning/auto.py, Note [auto tuning]) and ``--advise`` (fastddp/tuning/advise.py)
-share: ``allreduce_fp32`` and its bucket-cap variants (``allreduce_fp32@16MB``), ``bf16``,
-``bf16_fp32_accumulate``, ``int8``, ``fp8``, ``powersgd_r<rank>``, ``acpsgd_r<rank>``,
-``hier_<inner>``."""
+share: ``allreduce_fp32`` and its bucket-cap variants (``allreduce_fp32@16MB``), the
+catalog's candidates (fastddp/hooks/catalog.py: ``bf16``, ``bf16_fp32_accumulate``, ``int8``,
+``fp8``, ``powersgd_r<rank>``, ``acpsgd_r<rank>``) and ``hier_<inner>``."""
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastddp.hooks import _hierarchical
+from fastddp.hooks import _hierarchical, catalog
 
-POLICIES = ("lossless", "bf16", "any")
+# The candidates, their policies and families are the catalog's (fastddp/hooks/catalog.py).
+POLICIES = catalog.POLICIES
 # The inter-node hooks of the hierarchical candidates (cost model names).
-HIER_INNERS = ("allreduce_fp32", "bf16", "int8")
-LOSSLESS = "allreduce_fp32"
-BF16 = ("bf16", "bf16_fp32_accumulate")
-QUANT8 = ("int8", "fp8")
-POWERSGD = tuple(f"powersgd_r{r}" for r in (1, 2, 4, 8))
-ACPSGD = tuple(f"acpsgd_r{r}" for r in (1, 2, 4, 8))
-LOW_RANK = POWERSGD + ACPSGD  # start compressing after a few plain steps
-HIER = tuple(f"hier_{inner}" for inner in HIER_INNERS)
-HIER_16 = HIER[:2]  # fp32 or bf16 between the nodes: the bf16 policy's
+HIER_INNERS = tuple(catalog.hier_inners())
+LOSSLESS = catalog.candidate_of("allreduce")
+# The low-rank candidates: they start compressing after a few plain steps.
+LOW_RANK = tuple(n for c, n in catalog.candidates("any") if c.argument == "rank")
+HIER = tuple(catalog.HIER_PREFIX + inner for inner in HIER_INNERS)
 CAP_FACTORS = (0.25, 4.0)
 
 
@@ -70,12 +67,9 @@ class AutoHook:
         """The policy's candidate names, in a fixed order every rank agrees on;
         ``hierarchical``: the ranks span several nodes (Note [auto on several nodes])."""
         names = [LOSSLESS, *(cap_variant(cap_mb * f) for f in CAP_FACTORS)]
-        if self.policy in ("bf16", "any"):
-            names += BF16
-        if self.policy == "any":
-            names += QUANT8 + POWERSGD + ACPSGD
+        names += [name for _, name in catalog.candidates(self.policy) if name != LOSSLESS]
         if hierarchical and self.policy != "lossless":
-            names += HIER if self.policy == "any" else HIER_16
+            names += [catalog.HIER_PREFIX + inner for inner in catalog.hier_inners(self.policy)]
         return names
 
 

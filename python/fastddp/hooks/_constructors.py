@@ -7,7 +7,7 @@ from typing import Any
 import torch.distributed as dist
 
 from fastddp import _C
-from fastddp.hooks import _hierarchical
+from fastddp.hooks import _hierarchical, catalog
 from fastddp.hooks._auto import AutoHook
 from fastddp.hooks._comm_hook import CommHook, HierarchicalHook
 from fastddp.hooks._powersgd_args import powersgd_options
@@ -15,7 +15,7 @@ from fastddp.hooks._powersgd_args import powersgd_options
 
 def allreduce() -> CommHook:
     """The default reduction: gradients scaled by 1/world_size, one float allreduce."""
-    return CommHook("allreduce")
+    return _checked("allreduce")
 
 
 def bf16(accumulate: str = "bf16", error_feedback: bool = False) -> CommHook:
@@ -27,12 +27,12 @@ def bf16(accumulate: str = "bf16", error_feedback: bool = False) -> CommHook:
     and rounded once. error_feedback=True adds each parameter's rounding residual to its
     next gradient.
     """
-    return CommHook("bf16", **_half_options("bf16", accumulate, error_feedback))
+    return _checked("bf16", accumulate=accumulate, error_feedback=error_feedback)
 
 
 def fp16(accumulate: str = "fp16", error_feedback: bool = False) -> CommHook:
     """FP16 gradient compression; options as :func:`bf16` (accumulate="fp16" or "fp32")."""
-    return CommHook("fp16", **_half_options("fp16", accumulate, error_feedback))
+    return _checked("fp16", accumulate=accumulate, error_feedback=error_feedback)
 
 
 def int8(error_feedback: bool = True) -> CommHook:
@@ -42,8 +42,7 @@ def int8(error_feedback: bool = True) -> CommHook:
     the re-quantized sums: about 1/4 of float32's bytes on the wire, 1/2 of bf16's.
     error_feedback=True (the default) adds each parameter's quantization error to its next
     gradient. Float32 gradients only."""
-    return CommHook("int8", error_feedback=_bool_option("int8", "error_feedback",
-                                                        error_feedback))
+    return _checked("int8", error_feedback=error_feedback)
 
 
 def fp8(format: str = "e4m3", error_feedback: bool = True) -> CommHook:  # noqa: A002
@@ -51,10 +50,7 @@ def fp8(format: str = "e4m3", error_feedback: bool = True) -> CommHook:  # noqa:
     codes: ``format="e4m3"`` (float8_e4m3fn: 3 mantissa bits, largest 448) or ``"e5m2"``
     (2 mantissa bits, largest 57344), each block of 256 values scaled so its largest
     magnitude maps to the format's largest finite value."""
-    if format not in ("e4m3", "e5m2"):
-        raise ValueError(f"fastddp.hooks.fp8: format must be 'e4m3' or 'e5m2', got {format!r}")
-    return CommHook("fp8", format=format,
-                    error_feedback=_bool_option("fp8", "error_feedback", error_feedback))
+    return _checked("fp8", format=format, error_feedback=error_feedback)
 
 
 def powersgd(matrix_approximation_rank: int = 1, start_powerSGD_iter: int = 1_000,
@@ -70,7 +66,7 @@ def powersgd(matrix_approximation_rank: int = 1, start_powerSGD_iter: int = 1_00
     first `start_powerSGD_iter` steps, then rank-`matrix_approximation_rank` P Q^T
     approximations of the matrices worth compressing, with error feedback and warm start.
     """
-    return CommHook("powersgd", **powersgd_options(
+    return CommHook(catalog.hook("powersgd").factory, **powersgd_options(
         "fastddp.hooks.powersgd", matrix_approximation_rank, start_powerSGD_iter,
         min_compression_rate, use_error_feedback, warm_start, orthogonalization_epsilon,
         random_seed, batch_tensors_with_same_shape, compression_stats_logging_frequency))
@@ -88,7 +84,7 @@ def batched_powersgd(matrix_approximation_rank: int = 1, start_powerSGD_iter: in
     `min_compression_rate`, `orthogonalization_epsilon` and `batch_tensors_with_same_shape`
     are accepted and unused, as by torch's batched hook.
     """
-    return CommHook("powersgd_batched", **powersgd_options(
+    return CommHook(catalog.hook("batched_powersgd").factory, **powersgd_options(
         "fastddp.hooks.batched_powersgd", matrix_approximation_rank, start_powerSGD_iter,
         min_compression_rate, use_error_feedback, warm_start, orthogonalization_epsilon,
         random_seed, batch_tensors_with_same_shape, compression_stats_logging_frequency))
@@ -104,7 +100,7 @@ def acpsgd(matrix_approximation_rank: int = 4, start_iter: int = 1_000,
     steps. Which matrices are compressed, the first Q and the orthogonalization are
     :func:`powersgd`'s, with the same arguments.
     """
-    return CommHook("acpsgd", **powersgd_options(
+    return CommHook(catalog.hook("acpsgd").factory, **powersgd_options(
         "fastddp.hooks.acpsgd", matrix_approximation_rank, start_iter, min_compression_rate,
         True, True, orthogonalization_epsilon, random_seed, False, 10_000, "start_iter"))
 
@@ -172,18 +168,7 @@ def from_registry(name: str, **options: Any) -> CommHook:
     return CommHook(name, **options)
 
 
-def _half_options(name: str, accumulate: str, error_feedback: bool) -> dict[str, Any]:
-    if accumulate not in (name, "fp32"):
-        raise ValueError(f"fastddp.hooks.{name}: accumulate must be {name!r} or 'fp32', "
-                         f"got {accumulate!r}")
-    if not isinstance(error_feedback, bool):
-        raise TypeError(f"fastddp.hooks.{name}: error_feedback must be a bool, "
-                        f"got {type(error_feedback).__name__}")
-    return {"accumulate": accumulate, "error_feedback": error_feedback}
-
-
-def _bool_option(name: str, option: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"fastddp.hooks.{name}: {option} must be a bool, "
-                        f"got {type(value).__name__}")
-    return value
+def _checked(name: str, **options: Any) -> CommHook:
+    """The registry hook of catalog entry `name` with `options` checked by the catalog."""
+    entry = catalog.hook(name)
+    return CommHook(entry.factory, **entry.checked(**options))

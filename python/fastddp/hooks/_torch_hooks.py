@@ -10,30 +10,26 @@ import torch
 import torch.distributed as dist
 
 from fastddp import _C
+from fastddp.hooks import catalog
 from fastddp.hooks._auto import AutoHook
 from fastddp.hooks._comm_hook import CommHook
 from fastddp.hooks._constructors import allreduce, fp16
 from fastddp.hooks._powersgd_args import options_from_state
 
-_WRAPPERS = {
-    "fp16_compress_wrapper.<locals>.fp16_compress_wrapper_hook": "fp16",
-    "bf16_compress_wrapper.<locals>.bf16_compress_wrapper_hook": "bf16",
-}
-# torch's PowerSGD hook functions (by name in powerSGD_hook) and the native hooks that run them.
-_POWERSGD_HOOKS = {"powerSGD_hook": "powersgd", "batched_powerSGD_hook": "powersgd_batched"}
+# PowerSGD's hook functions take a PowerSGDState, whose settings the native hook reads.
+_STATE_MODULE = "powerSGD_hook"
+
+
+def _native_by_torch_hook() -> dict[str, str]:
+    """The catalog's torch hook spellings ("module.function", "module.wrapper(allreduce_hook)")
+    and the registry name of the built-in that runs each."""
+    return {t: h.factory for h in catalog.HOOKS for t in h.torch_hooks}
 
 
 def native_torch_hooks() -> dict[str, str]:
     """torch hook functions that fastddp runs natively, and the built-in that runs them."""
-    return {
-        "default_hooks.allreduce_hook": "allreduce",
-        "default_hooks.fp16_compress_hook": "fp16",
-        "default_hooks.bf16_compress_hook": "bf16",
-        "default_hooks.fp16_compress_wrapper(allreduce_hook)": "fp16",
-        "default_hooks.bf16_compress_wrapper(allreduce_hook)": "bf16",
-        "powerSGD_hook.powerSGD_hook (with a PowerSGDState)": "powersgd",
-        "powerSGD_hook.batched_powerSGD_hook (with a PowerSGDState)": "powersgd_batched",
-    }
+    return {t + (" (with a PowerSGDState)" if t.startswith(_STATE_MODULE + ".") else ""): n
+            for t, n in _native_by_torch_hook().items()}
 
 
 def _from_powersgd_state(state: Any, name: str) -> tuple[dist.ProcessGroup | None, CommHook]:
@@ -45,14 +41,17 @@ def _torch_builtin(hook: Any) -> str | None:
     """The fastddp built-in equivalent to one of torch's default hooks, or None."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
 
-    direct = {dh.allreduce_hook: "allreduce", dh.fp16_compress_hook: "fp16",
-              dh.bf16_compress_hook: "bf16"}
-    if not inspect.isfunction(hook):
+    if not inspect.isfunction(hook) or hook.__module__ != dh.__name__:
         return None
-    if hook in direct:
-        return direct[hook]
-    half = _WRAPPERS.get(hook.__qualname__)
-    if half is None or hook.__module__ != dh.__name__ or hook.__closure__ is None:
+    natives = {t.removeprefix("default_hooks."): n for t, n in _native_by_torch_hook().items()
+               if t.startswith("default_hooks.")}
+    if hook.__name__ in natives and getattr(dh, hook.__name__, None) is hook:
+        return natives[hook.__name__]
+    # torch's wrapper(allreduce_hook): the closure "<wrapper>.<locals>.<wrapper>_hook".
+    wrapper = hook.__qualname__.partition(".<locals>.")[0]
+    half = natives.get(f"{wrapper}(allreduce_hook)")
+    if (half is None or hook.__qualname__ != f"{wrapper}.<locals>.{wrapper}_hook"
+            or hook.__closure__ is None):
         return None
     # The wrapper's closure holds the hook it wraps; only allreduce_hook is equivalent.
     cells = dict(zip(hook.__code__.co_freevars, hook.__closure__))
@@ -93,7 +92,9 @@ def resolve(state: object, hook: Any, process_group: dist.ProcessGroup,
         return hook.native(state if state is not None else process_group)
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
-    native_name = next((n for f, n in _POWERSGD_HOOKS.items() if hook is getattr(psgd, f)), None)
+    native_name = next((n for t, n in _native_by_torch_hook().items()
+                        if t.startswith(_STATE_MODULE + ".")
+                        and hook is getattr(psgd, t.removeprefix(_STATE_MODULE + "."))), None)
     if native_name is not None and isinstance(state, psgd.PowerSGDState):
         group, native = _from_powersgd_state(state, native_name)
         # torch's hook reduces over state.process_group, or WORLD when it is None.

@@ -8,12 +8,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-HOOK_NAMES = ("allreduce", "fp16", "bf16", "bf16-fp32acc", "int8", "fp8", "powersgd", "acpsgd",
-              "auto", "hier")
-_RANKED = ("powersgd", "acpsgd")  # NAME:RANK
-FP8_FORMATS = ("e4m3", "e5m2")
+from fastddp.hooks import catalog
+
+# The names and what each takes come from the hooks' catalog (fastddp/hooks/catalog.py).
+HOOK_NAMES = catalog.flags()
+_RANKED = tuple(c.flag for c in catalog.CONFIGS if c.argument == "rank")  # NAME:RANK
+FP8_FORMATS = catalog.hook("fp8").option("format").choices
 # hier:INNER's inner hook: any fixed hook of HOOK_NAMES, and "none" for plain allreduce.
-_HIER_NOT_INNER = ("auto", "hier")
+_HIER_NOT_INNER = (catalog.AUTO, catalog.HIER)
 
 class HookUnavailableError(NotImplementedError):
     """The requested communication hook does not exist in this build (or in stock torch).
@@ -50,22 +52,22 @@ def parse_hook_spec(text: str, option: str = "--hook") -> HookSpec:
         raise ValueError(f"{option} {text!r}: unknown hook {name!r}; choose one of "
                          f"{', '.join(HOOK_NAMES)} (powersgd and acpsgd take an optional "
                          ":RANK, fp8 an optional :FORMAT, hier an optional :INNER)")
-    if name == "auto":
-        from fastddp.hooks._auto import POLICIES
-
+    if name == catalog.AUTO:
         policy = rank_text if sep else "any"
-        if policy not in POLICIES:
+        if policy not in catalog.POLICIES:
             raise ValueError(f"{option} {text!r}: auto's policy must be one of "
-                             f"{', '.join(POLICIES)} (auto:POLICY)")
+                             f"{', '.join(catalog.POLICIES)} (auto:POLICY)")
         return HookSpec(name, policy=policy)
-    if name == "hier":
+    if name == catalog.HIER:
         return _parse_hier(text, rank_text if sep else "bf16", option)
     if not sep:
         return HookSpec(name)
-    if name == "fp8":
-        if rank_text not in FP8_FORMATS:
-            raise ValueError(f"{option} {text!r}: fp8's format must be one of "
-                             f"{', '.join(FP8_FORMATS)} (fp8:FORMAT)")
+    argument = catalog.config(name).argument
+    if argument not in ("", "rank"):  # an option with choices: fp8:FORMAT
+        choices = catalog.hook(catalog.config(name).hook).option(argument).choices
+        if rank_text not in choices:
+            raise ValueError(f"{option} {text!r}: {name}'s {argument} must be one of "
+                             f"{', '.join(choices)} ({name}:{argument.upper()})")
         return HookSpec(name, format=rank_text)
     if name not in _RANKED:
         raise ValueError(f"{option} {text!r}: only powersgd and acpsgd take a rank "
@@ -109,7 +111,7 @@ def fastddp_hook_maker(spec: HookSpec, option: str) -> Callable[[], tuple[Any, A
         raise HookUnavailableError(
             f"{option} {spec}: this fastddp build has no communication hooks (fastddp.hooks "
             "is missing); run without the option, or with FASTDDP_DISABLE=1 for torch's") from e
-    if spec.name == "hier":
+    if spec.name == catalog.HIER:
         inner_maker = fastddp_hook_maker(spec.inner, option)
         factory = getattr(hooks, "hierarchical", None)
         if factory is None:
@@ -117,22 +119,23 @@ def fastddp_hook_maker(spec: HookSpec, option: str) -> Callable[[], tuple[Any, A
                 f"{option} {spec}: fastddp.hooks.hierarchical() is not available in this build")
         # LOCAL_WORLD_SIZE and the groups are read when the hook is made and registered.
         return lambda: (None, factory(inter=inner_maker()[1]))
-    factory_name = "bf16" if spec.name == "bf16-fp32acc" else spec.name
+    config = catalog.config(spec.name) if spec.name != catalog.AUTO else None
+    factory_name = config.hook if config is not None else spec.name
     factory = getattr(hooks, factory_name, None)
     if factory is None:
         raise HookUnavailableError(
             f"{option} {spec}: fastddp.hooks.{factory_name}() is not available in this build")
     kwargs: dict[str, Any] = {}
-    if spec.name in ("bf16", "bf16-fp32acc"):
-        kwargs["accumulate"] = "fp32" if spec.name == "bf16-fp32acc" else "bf16"
-    elif spec.name == "auto":
+    if config is None:
         kwargs["policy"] = spec.policy
-    elif spec.name == "fp8" and spec.format is not None:
-        kwargs["format"] = spec.format
-    elif spec.name in _RANKED:
-        # Start early as the FASTDDP_DISABLE comparison does (torch's PowerSGDState names).
-        kwargs["start_powerSGD_iter" if spec.name == "powersgd" else "start_iter"] = 2
-        if spec.rank is not None:
+    else:
+        kwargs.update(config.options)
+        if config.argument not in ("", "rank") and spec.format is not None:
+            kwargs[config.argument] = spec.format
+        if config.start:
+            # Start early as the FASTDDP_DISABLE comparison does (torch's PowerSGDState names).
+            kwargs[config.start] = 2
+        if config.argument == "rank" and spec.rank is not None:
             kwargs["matrix_approximation_rank"] = spec.rank
     return lambda: (None, factory(**kwargs))
 
@@ -145,28 +148,21 @@ def torch_hook(spec: HookSpec, option: str = "--hook") -> tuple[Any, Any]:
     """
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    simple = {"allreduce": default_hooks.allreduce_hook,
-              "fp16": default_hooks.fp16_compress_hook,
-              "bf16": default_hooks.bf16_compress_hook}
-    if spec.name in simple:
-        return None, simple[spec.name]
-    if spec.name == "powersgd":
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=spec.rank or 1, start_powerSGD_iter=2)
-        return state, powerSGD_hook.powerSGD_hook
-    if spec.name == "hier":
+    if spec.name == catalog.HIER:
         raise HookUnavailableError(
             f"{option} {spec}: stock torch DDP (FASTDDP_DISABLE=1) has no hierarchical "
             "reduction; run without FASTDDP_DISABLE, or give torch --hook " + str(spec.inner))
-    if spec.name == "auto":
+    if spec.name == catalog.AUTO:
         raise HookUnavailableError(
             f"{option} {spec}: stock torch DDP (FASTDDP_DISABLE=1) cannot tune its hook; run "
             "without FASTDDP_DISABLE, or give torch a fixed --hook")
-    if spec.name in ("int8", "fp8", "acpsgd"):
-        raise HookUnavailableError(
-            f"{option} {spec}: stock torch DDP has no {spec.name} gradient compression; use "
-            "--hook " + ("powersgd" if spec.name == "acpsgd" else "bf16") +
-            " to compare with torch")
+    config = catalog.config(spec.name)
+    if config.torch.startswith("default_hooks."):
+        return None, getattr(default_hooks, config.torch.removeprefix("default_hooks."))
+    if config.torch.startswith("powerSGD_hook."):
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=spec.rank or 1, start_powerSGD_iter=2)
+        return state, getattr(powerSGD_hook, config.torch.removeprefix("powerSGD_hook."))
     raise HookUnavailableError(
-        f"{option} {spec}: stock torch DDP has no built-in hook that accumulates bf16 "
-        "gradients in fp32; use --hook bf16 to compare with torch")
+        f"{option} {spec}: stock torch DDP has no {config.no_torch}; use --hook "
+        f"{config.torch_instead} to compare with torch")

@@ -13,7 +13,9 @@ import os
 import runpy
 import socket
 import sys
+import textwrap
 
+from fastddp.hooks import catalog
 from fastddp.launch.patch import HookUnavailableError, parse_hook_spec, patch
 from fastddp.link.model import parse_link
 from fastddp.selfcheck import main as self_check
@@ -26,17 +28,19 @@ script itself; plain `python -m fastddp train.py` runs a world of size 1 (it set
 environment `torchrun --nproc_per_node=1` would). Rank 0 prints one line saying what was
 replaced and with which settings. fastddp.patch() does the same from code."""
 
+
+def _hook_lines() -> str:
+    """The --hook names and what each does: the hooks' catalog's (fastddp/hooks/catalog.py)."""
+    lines = []
+    for config in catalog.CONFIGS:
+        first, *rest = textwrap.wrap(config.help, 72)
+        lines += [f"  {config.usage():<16}{first}", *(" " * 18 + line for line in rest)]
+    return "\n".join(lines) + "\n"
+
+
 _EPILOG = """\
 hooks (--hook):
-  allreduce       plain allreduce through the hook interface
-  fp16, bf16      compress gradients to fp16 / bf16 for the allreduce
-  bf16-fp32acc    bf16 on the wire, accumulated in fp32
-  int8            block-scaled int8 on the wire (1/4 of fp32's bytes), accumulated in fp32,
-                  with error feedback
-  fp8[:FORMAT]    the same with fp8 codes; FORMAT: e4m3 (the default) or e5m2
-  powersgd[:R]    PowerSGD low-rank compression of rank R (default: the hook's default)
-  acpsgd[:R]      ACP-SGD: PowerSGD's compression with one allreduce per bucket per step,
-                  P and Q in turn (rank R, default 4)
+""" + _hook_lines() + """\
   hier[:INNER]    multi-node: reduce-scatter inside the node, INNER (none, bf16, bf16-fp32acc,
                   int8, fp8, ...; default bf16) on each rank's shard between nodes, allgather
                   inside the node; nodes of LOCAL_WORLD_SIZE ranks (torchrun's --nproc-per-node)
@@ -92,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hook", metavar="NAME",
                         help="register this communication hook on every wrapped model: "
-                             "allreduce, fp16, bf16, bf16-fp32acc, powersgd[:RANK]")
+                             + ", ".join(c.usage() for c in catalog.CONFIGS)
+                             + ", auto[:POLICY], hier[:INNER]")
     parser.add_argument("--bucket-cap-mb", metavar="X", type=_positive_float,
                         help="bucket size in MiB for every wrapped model (overrides the "
                              "script's bucket_cap_mb and bucket_cap_mb_list)")

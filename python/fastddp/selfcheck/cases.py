@@ -20,6 +20,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 from fastddp import hooks
+from fastddp.hooks import catalog
 
 # torch's minimum with error feedback and warm start; the third step is compressed.
 PSGD_START = 2
@@ -157,49 +158,53 @@ def skipped_cases() -> list[str]:
     return [c.name for c in _every_case() if c.tolerance is POWERSGD] if numpy_missing() else []
 
 
+def _torch_function(spelling: str) -> Any:
+    """A catalog's torch hook ("default_hooks.bf16_compress_hook",
+    "default_hooks.fp16_compress_wrapper(allreduce_hook)", "powerSGD_hook.powerSGD_hook") as
+    the function it names."""
+    module, _, name = spelling.partition(".")
+    wrapper, _, wrapped = name.partition("(")
+    function = getattr({"default_hooks": dh, "powerSGD_hook": psgd}[module], wrapper)
+    return function(getattr(dh, wrapped.rstrip(")"))) if wrapped else function
+
+
+def _torch_row(spelling: str) -> Case:
+    """The row of one torch hook fastddp runs natively: fastddp registers torch's own hook
+    (it runs it natively), torch DDP runs it as the reference. torch's PowerSGD hooks get a
+    fresh PowerSGDState of rank 2 on each side, and the reference runs through _cpu_safe()
+    (batched: its first compressed step fixed)."""
+    function = _torch_function(spelling)
+    label = "torch " + spelling.partition(".")[2]
+    if not spelling.startswith("powerSGD_hook."):
+        return _torch_case(label, _state_hook(function))
+    reference = (_fixed_batched_powerSGD_hook if function is psgd.batched_powerSGD_hook
+                 else function)
+    return _torch_case(label + " + PowerSGDState(rank 2)", _powersgd(function, 2),
+                       _powersgd(_cpu_safe(reference), 2), POWERSGD)
+
+
 def _every_case() -> list[Case]:
-    fp16 = _state_hook(dh.fp16_compress_hook)
-    psgd_ref = _powersgd(_cpu_safe(psgd.powerSGD_hook), 2)
-    batched_ref = _powersgd(_cpu_safe(_fixed_batched_powerSGD_hook), 2)
-    return [
-        _torch_case("(no hook)", _none),
-        _torch_case("torch allreduce_hook", _state_hook(dh.allreduce_hook)),
-        _torch_case("fastddp.hooks.allreduce()", _state_hook(hooks.allreduce()),
-                    _state_hook(dh.allreduce_hook)),
-        _torch_case("torch bf16_compress_hook", _state_hook(dh.bf16_compress_hook)),
-        _torch_case("torch bf16_compress_wrapper(allreduce_hook)",
-                    _state_hook(dh.bf16_compress_wrapper(dh.allreduce_hook))),
-        _torch_case("fastddp.hooks.bf16()", _state_hook(hooks.bf16()),
-                    _state_hook(dh.bf16_compress_hook)),
-        _torch_case("torch fp16_compress_hook", fp16),
-        _torch_case("torch fp16_compress_wrapper(allreduce_hook)",
-                    _state_hook(dh.fp16_compress_wrapper(dh.allreduce_hook))),
-        _torch_case("fastddp.hooks.fp16()", _state_hook(hooks.fp16()), fp16),
-        # fastddp is handed torch's own hook (it runs it natively); torch DDP, the reference,
-        # runs it through _cpu_safe().
-        _torch_case("torch powerSGD_hook + PowerSGDState(rank 2)",
-                    _powersgd(psgd.powerSGD_hook, 2), psgd_ref, POWERSGD),
-        _torch_case("torch batched_powerSGD_hook + PowerSGDState(rank 2)",
-                    _powersgd(psgd.batched_powerSGD_hook, 2), batched_ref, POWERSGD),
-        _torch_case("fastddp.hooks.powersgd(2)",
-                    _state_hook(hooks.powersgd(2, start_powerSGD_iter=PSGD_START)),
-                    psgd_ref, POWERSGD),
-        _torch_case("fastddp.hooks.batched_powersgd(2)",
-                    _state_hook(hooks.batched_powersgd(2, start_powerSGD_iter=PSGD_START)),
-                    batched_ref, POWERSGD),
-        Case('fastddp.hooks.bf16(accumulate="fp32")', "mean", of_exact_mean("bf16"),
-             _state_hook(hooks.bf16(accumulate="fp32"))),
-        Case("fastddp.hooks.bf16(error_feedback=True)", "mean", of_exact_mean("bf16"),
-             _state_hook(hooks.bf16(error_feedback=True))),
-        Case('fastddp.hooks.fp16(accumulate="fp32")', "mean", of_exact_mean("fp16"),
-             _state_hook(hooks.fp16(accumulate="fp32"))),
-        Case("fastddp.hooks.int8()", "mean", of_exact_mean("int8"), _state_hook(hooks.int8())),
-        Case('fastddp.hooks.fp8("e4m3")', "mean", of_exact_mean("e4m3"),
-             _state_hook(hooks.fp8("e4m3"))),
-        Case('fastddp.hooks.fp8("e5m2")', "mean", of_exact_mean("e5m2"),
-             _state_hook(hooks.fp8("e5m2"))),
-        # Two "nodes" of two ranks: float32 inside a node, bf16 between the nodes.
-        Case("fastddp.hooks.hierarchical(bf16(), local_size=2)", "mean",
-             of_exact_mean("bf16"),
-             lambda group: (None, hooks.hierarchical(hooks.bf16(), local_size=2)), ranks=4),
-    ]
+    """The catalog's hooks (fastddp/hooks/catalog.py), in its order: first each one's torch
+    hooks and its own rows against torch (its first torch hook), then the rows against the
+    exact mean."""
+    torch_rows, mean_rows = [_torch_case("(no hook)", _none)], []
+    for entry in catalog.HOOKS:
+        references = [_torch_row(t) for t in entry.torch_hooks]
+        torch_rows += references
+        for check in entry.selfcheck:
+            make = _built(entry.name, check.options)
+            if check.tolerance in ("exact", "powersgd"):
+                torch_rows.append(_torch_case(check.label, make, references[0].torch_hook,
+                                              POWERSGD if check.tolerance == "powersgd"
+                                              else EXACT))
+            else:
+                mean_rows.append(Case(check.label, "mean", of_exact_mean(check.tolerance),
+                                      make, ranks=check.ranks))
+    return torch_rows + mean_rows
+
+
+def _built(name: str, options: dict[str, Any]) -> Callable[[dist.ProcessGroup],
+                                                           tuple[Any, Any]]:
+    """fastddp.hooks.<name>(**options), built when the row runs (hierarchical reads its node
+    layout then)."""
+    return lambda group: (None, getattr(hooks, name)(**options))

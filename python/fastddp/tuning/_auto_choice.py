@@ -5,7 +5,8 @@ The tuner (auto.py) collects the figures, runs the trials and installs the choic
 import statistics
 from typing import Any
 
-from fastddp.hooks._auto import BF16, HIER, LOSSLESS, QUANT8, lossy
+from fastddp.hooks import catalog
+from fastddp.hooks._auto import HIER, LOSSLESS, lossy
 from fastddp.link.model import Link, bus_factor
 from fastddp.tuning import advise
 
@@ -14,11 +15,12 @@ BLOCK_SAMPLES = 4  # measured steps per trial block; each trial runs two blocks
 
 
 def family(name: str) -> str:
+    """The candidate's family (the catalog's), of which the best predicted gets a trial."""
     if not lossy(name):
         return "bucket size"
     if name in HIER:
         return "hierarchical"
-    return "bf16" if name in BF16 else "8-bit" if name in QUANT8 else "low-rank"  # PowerSGD, ACP
+    return catalog.by_candidate(name)[0].family
 
 
 def training_link(probed: Link, samples: list[dict[str, Any]], n: int) -> Link:

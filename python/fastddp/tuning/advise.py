@@ -26,6 +26,7 @@ candidate's compression) over the link time of its collectives: far above 1, com
 hides behind backward and compressing more buys nothing; below 1, the link sets the pace.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -37,19 +38,17 @@ from typing import Any
 
 import torch
 
-from fastddp.hooks._auto import HIER_INNERS, cap_variant, variant_cap
+from fastddp.hooks import catalog
+from fastddp.hooks._auto import HIER, HIER_INNERS, cap_variant, variant_cap
 from fastddp.link.model import Link, bus_factor
 from fastddp.tuning import cost_model, quality
 
 WARMUP_STEPS = 3
 MAX_SAMPLES = 10
+# The tuner's candidates (the catalog's, and the hierarchical ones).
+_CANDIDATES = catalog.candidates("any")
 # Candidate (cost model name) -> the launcher's --hook spelling ("" = no --hook, the default).
-HOOK_SPELLING = {"allreduce_fp32": "", "bf16": "bf16", "bf16_fp32_accumulate": "bf16-fp32acc",
-                 "int8": "int8", "fp8": "fp8",
-                 **{f"powersgd_r{r}": f"powersgd:{r}" for r in (1, 2, 4, 8)},
-                 **{f"acpsgd_r{r}": f"acpsgd:{r}" for r in (1, 2, 4, 8)},
-                 "hier_allreduce_fp32": "hier:none", "hier_bf16": "hier:bf16",
-                 "hier_int8": "hier:int8"}
+HOOK_SPELLING = {name: catalog.flag_of(name) for name in [n for _, n in _CANDIDATES] + list(HIER)}
 _MIB = 1024 * 1024
 _SCRATCH_NUMEL = 1 << 22  # kernels are timed on at most 16 MB of fp32
 
@@ -142,20 +141,23 @@ def kernel_costs(shapes: Sequence[tuple[int, ...]], device: str) -> dict[str, di
     cast = _time_ms(lambda: g.to(torch.bfloat16), dev) / mb
     upcast = _time_ms(lambda: half.float(), dev) / mb
     add = _time_ms(lambda: other.add_(g), dev) / mb
-    costs = {"allreduce_fp32": {},
-             "bf16": {"compress_ms_per_mb": cast, "writeback_ms_per_mb": upcast},
-             "bf16_fp32_accumulate": {"compress_ms_per_mb": cast,
-                                      "between_ms_per_mb": upcast + add,
-                                      "writeback_ms_per_mb": upcast},
-             **{name: _quant8_costs(g, fmt, dev, mb) for name, fmt in _QUANT8_FORMATS.items()},
-             "hier": {"sum_ms_per_mb": add}}
+    # Per cost-model function (a catalog entry's ``cost``), its kernels' costs.
+    by_cost = {"allreduce_fp32": {},
+               "bf16": {"compress_ms_per_mb": cast, "writeback_ms_per_mb": upcast},
+               "bf16_fp32_accumulate": {"compress_ms_per_mb": cast,
+                                        "between_ms_per_mb": upcast + add,
+                                        "writeback_ms_per_mb": upcast}}
+    costs = {name: (_quant8_costs(g, config.wire, dev, mb) if config.cost[0] == "quant8"
+                    else by_cost[config.cost[0]])
+             for config, name in _CANDIDATES if config.argument != "rank"}
+    costs["hier"] = {"sum_ms_per_mb": add}
     matrices = [s for s in shapes if len(s) > 1]
     rows, cols = max(((s[0], math.prod(s[1:])) for s in matrices), key=math.prod,
                      default=(1024, 1024))
     rows = max(1, min(rows, _SCRATCH_NUMEL // cols))
     m, error = torch.randn(rows, cols, device=dev), torch.zeros(rows, cols, device=dev)
     mb = rows * cols * 4 / 1e6
-    for r in (1, 2, 4, 8):
+    for r in catalog.RANKS:
         q = torch.randn(cols, r, device=dev)
 
         def between(q: torch.Tensor = q) -> None:
@@ -163,21 +165,20 @@ def kernel_costs(shapes: Sequence[tuple[int, ...]], device: str) -> dict[str, di
             m.t() @ p
 
         p = m @ q
-        costs[f"powersgd_r{r}"] = {
+        low_rank = {
             "compress_ms_per_mb": _time_ms(lambda: error.add_(m), dev) / mb,
             "between_ms_per_mb": _time_ms(between, dev) / mb,
             "writeback_ms_per_mb": _time_ms(lambda p=p, q=q: p @ q.t(), dev) / mb}
         # ACP-SGD: one orthogonalization and one product per step, all before its one
         # collective; about half of PowerSGD's work between its two.
-        low_rank = costs[f"powersgd_r{r}"]
-        costs[f"acpsgd_r{r}"] = {
+        low_rank_by_cost = {"powersgd": low_rank, "acpsgd": {
             "compress_ms_per_mb": low_rank["compress_ms_per_mb"]
             + low_rank["between_ms_per_mb"] / 2,
-            "writeback_ms_per_mb": low_rank["writeback_ms_per_mb"]}
+            "writeback_ms_per_mb": low_rank["writeback_ms_per_mb"]}}
+        for config, _ in _CANDIDATES:
+            if config.argument == "rank":
+                costs[catalog.candidate_of(config.flag, r)] = low_rank_by_cost[config.cost[0]]
     return costs
-
-
-_QUANT8_FORMATS = {"int8": "int8", "fp8": "e4m3"}  # candidate -> format (fp8's default)
 
 
 def _quant8_costs(g: torch.Tensor, fmt: str, dev: torch.device, mb: float) -> dict[str, float]:
@@ -196,33 +197,34 @@ def _quant8_costs(g: torch.Tensor, fmt: str, dev: torch.device, mb: float) -> di
 
 def _candidates(costs: dict[str, dict[str, float]], local_size: int | None = None
                 ) -> list[cost_model.Candidate]:
-    flat = [cost_model.allreduce_fp32(**costs["allreduce_fp32"]),
-            cost_model.bf16(**costs["bf16"]),
-            cost_model.bf16_fp32_accumulate(**costs["bf16_fp32_accumulate"]),
-            *(cost_model.quant8(name, **costs[name]) for name in _QUANT8_FORMATS),
-            *(cost_model.powersgd(r, **costs[f"powersgd_r{r}"]) for r in (1, 2, 4, 8)),
-            *(cost_model.acpsgd(r, **costs[f"acpsgd_r{r}"]) for r in (1, 2, 4, 8))]
+    # Each candidate modelled by its catalog entry's cost_model function: a low-rank one
+    # with its rank, the others with the entry's arguments (quant8's name).
+    flat = []
+    for config, name in _CANDIDATES:
+        model, *args = config.cost
+        rank = catalog.by_candidate(name)[1]
+        modelled = getattr(cost_model, model)(*([rank] if rank is not None else args),
+                                              **costs[name])
+        flat.append(dataclasses.replace(modelled, name=name))  # the catalog's spelling
     if local_size is None:
         return flat
     inners = {c.name: c for c in flat}
-    return flat + [cost_model.hierarchical(inners[name], local_size, **costs.get("hier", {}))
-                   for name in HIER_INNERS]
+    return flat + [dataclasses.replace(
+        cost_model.hierarchical(inners[name], local_size, **costs.get("hier", {})),
+        name=catalog.HIER_PREFIX + name) for name in HIER_INNERS]
 
 
 def current_candidate(hook_spec: Any, hook_name: str) -> str | None:
     """The candidate the run used: the launcher's --hook, else the script's, if known."""
     if hook_spec is None:
-        return "allreduce_fp32" if hook_name == "allreduce" else None
-    if hook_spec.name == "allreduce":
-        return "allreduce_fp32"
-    if hook_spec.name == "powersgd":
-        return f"powersgd_r{hook_spec.rank or 1}"
-    if hook_spec.name == "acpsgd":
-        return f"acpsgd_r{hook_spec.rank or 4}"
-    if hook_spec.name == "fp8" and hook_spec.format not in (None, "e4m3"):
-        return None  # modelled as e4m3; e5m2 costs the same bytes
-    return {"bf16": "bf16", "bf16-fp32acc": "bf16_fp32_accumulate", "int8": "int8",
-            "fp8": "fp8"}.get(hook_spec.name)
+        return catalog.candidate_of("allreduce") if hook_name == "allreduce" else None
+    if hook_spec.name not in [c.flag for c, _ in _CANDIDATES]:
+        return None  # fp16, auto, hier: not modelled
+    config = catalog.config(hook_spec.name)
+    if config.argument not in ("", "rank") and hook_spec.format not in (
+            None, catalog.hook(config.hook).option(config.argument).default):
+        return None  # modelled with its default format (fp8: e4m3; e5m2 costs the same bytes)
+    return catalog.candidate_of(hook_spec.name, hook_spec.rank)
 
 
 def advise(samples: Sequence[dict[str, Any]], link: Link | None, current: str | None,

@@ -67,8 +67,8 @@ import torch
 import torch.distributed as dist
 
 from fastddp import _group_ops, hooks
-from fastddp.hooks import _hierarchical
-from fastddp.hooks._auto import BF16, HIER, LOSSLESS, LOW_RANK, AutoHook, lossy
+from fastddp.hooks import _hierarchical, catalog
+from fastddp.hooks._auto import HIER, LOSSLESS, LOW_RANK, AutoHook
 from fastddp.link.emulator import EmulatedLinkGroup
 from fastddp.link.model import Link, bus_factor
 from fastddp.tuning import advise
@@ -90,20 +90,14 @@ def hook_for(name: str, groups: tuple | None = None) -> Any:
     if name in HIER:
         if groups is None:
             raise ValueError(f"auto: candidate {name} needs the (intra, inter) groups")
-        return hooks.hierarchical(inter=hook_for(name.removeprefix("hier_")), groups=groups)
-    if not lossy(name):
-        return hooks.allreduce()
-    if name in BF16:
-        return hooks.bf16(accumulate="fp32" if name == "bf16_fp32_accumulate" else "bf16")
-    if name == "int8":
-        return hooks.int8()
-    if name == "fp8":
-        return hooks.fp8()
-    if name.startswith("acpsgd_r"):
-        return hooks.acpsgd(int(name.removeprefix("acpsgd_r")), start_iter=_POWERSGD_START_ITER)
-    rank = int(name.removeprefix("powersgd_r"))
-    return hooks.powersgd(matrix_approximation_rank=rank,
-                          start_powerSGD_iter=_POWERSGD_START_ITER)
+        return hooks.hierarchical(inter=hook_for(name.removeprefix(catalog.HIER_PREFIX)),
+                                  groups=groups)
+    # The catalog's configuration (a bucket-cap variant, allreduce_fp32@16MB, is allreduce).
+    config, rank = catalog.by_candidate(name.partition("@")[0])
+    options = dict(config.options)
+    if rank is not None:
+        options.update(matrix_approximation_rank=rank, **{config.start: _POWERSGD_START_ITER})
+    return getattr(hooks, config.hook)(**options)
 
 
 class AutoTuner:

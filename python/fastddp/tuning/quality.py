@@ -5,13 +5,13 @@ what the compression cost in quality where it was measured."""
 
 from collections.abc import Sequence
 
+from fastddp.hooks import catalog
+from fastddp.hooks._auto import HIER, LOSSLESS, lossy
 from fastddp.tuning.quality_table import QUALITY
 
-# Candidate (cost model name) -> the benchmark's configuration name.
-CONFIG = {"bf16": "fastddp bf16", "bf16_fp32_accumulate": "bf16 fp32-sum", "int8": "int8",
-          "fp8": "fp8 e4m3", "hier_bf16": "hier bf16 (2x2)", "hier_int8": "hier int8 (2x2)",
-          **{f"powersgd_r{r}": f"powersgd r{r}" for r in (1, 2, 4, 8)},
-          **{f"acpsgd_r{r}": f"acpsgd r{r}" for r in (1, 2, 4, 8)}}
+# Lossy candidate (cost model name) -> the benchmark's configuration name (the catalog's).
+CONFIG = {name: row for name in [n for _, n in catalog.candidates("any")] + list(HIER)
+          if (row := catalog.quality_of(name)) is not None}
 TASKS = {"digits": "a small CNN on scikit-learn's handwritten digits",
          "text": "a character-level transformer on Python's standard library"}
 BASELINE = "fp32 allreduce"
@@ -25,11 +25,11 @@ def nearest_task(shapes: Sequence[Sequence[Sequence[int]]]) -> str:
 def quality_note(candidate: str, shapes: Sequence[Sequence[Sequence[int]]]) -> str | None:
     """One sentence for the advice when ``candidate`` changes the gradients; None when it
     does not (plain allreduce at any bucket size, fp32 hierarchical reduction)."""
-    if candidate.startswith("allreduce_fp32") or candidate == "hier_allreduce_fp32":
+    if not lossy(candidate) or candidate == catalog.HIER_PREFIX + LOSSLESS:
         return None
     task = nearest_task(shapes)
     table = QUALITY.get(task)
-    config = CONFIG.get(candidate)
+    config = CONFIG.get(candidate)  # powersgd_r32: a rank the tuner does not try
     if table is None or config not in table["final"]:
         return (f"Quality: {candidate} was not measured on real data (benchmarks/quality.py); "
                 "check the loss curve before keeping it.")
