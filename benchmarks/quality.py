@@ -40,6 +40,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
+from fastddp.hooks import catalog
 from fastddp.link import EmulatedLinkGroup
 
 from common import quality_chart  # benchmarks/common/: scripts run from benchmarks/
@@ -53,24 +54,43 @@ FINAL_LR = 0.1  # every run's learning rate decays along a cosine to this share 
 # held-out images (accuracy), 2% of the bits per character (text).
 TOLERANCE = {"accuracy": 0.01, "bits/char": 0.02}
 H = fastddp.hooks
-CONFIGS = {  # name -> ("fastddp" | "torch", () -> (state, hook) or None)
-    "fp32 allreduce": ("fastddp", lambda: None),
-    "torch bf16_compress_hook": ("torch", lambda: (None, default_hooks.bf16_compress_hook)),
-    "fastddp bf16": ("fastddp", lambda: (None, H.bf16())),
-    "bf16 fp32-sum": ("fastddp", lambda: (None, H.bf16(accumulate="fp32"))),
-    "int8": ("fastddp", lambda: (None, H.int8())),
-    "fp8 e4m3": ("fastddp", lambda: (None, H.fp8())),
-    **{f"powersgd r{r}": ("fastddp", lambda r=r: (None, H.powersgd(r, start_powerSGD_iter=START)))
-       for r in (1, 2, 4, 8, 16)},
-    "torch powerSGD_hook r2": ("torch", lambda: (psgd.PowerSGDState(
-        None, matrix_approximation_rank=2, start_powerSGD_iter=START), psgd.powerSGD_hook)),
-    "batched powersgd r2": ("fastddp", lambda: (None, H.batched_powersgd(
-        2, start_powerSGD_iter=START))),
-    **{f"acpsgd r{r}": ("fastddp", lambda r=r: (None, H.acpsgd(r, start_iter=START)))
-       for r in (1, 2, 4, 8, 16)},
-    "hier bf16 (2x2)": ("fastddp", lambda: (None, H.hierarchical(H.bf16(), local_size=2))),
-    "hier int8 (2x2)": ("fastddp", lambda: (None, H.hierarchical(H.int8(), local_size=2))),
-}
+RANKS = (1, 2, 4, 8, 16)  # the low-rank hooks' ranks measured
+
+
+def _hook(config: catalog.Config, rank: int | None):
+    """(state, hook) of a catalog configuration (at ``rank``, a low-rank one), as --hook
+    would register it but starting compression at START."""
+    options = dict(config.options)
+    if rank is not None:
+        options.update(matrix_approximation_rank=rank, **{config.start: START})
+    return None, getattr(H, config.hook)(**options)
+
+
+def _configs() -> dict:
+    """name -> ("fastddp" | "torch", () -> (state, hook) or None): every catalog
+    configuration with a quality row (fastddp/hooks/catalog.py; plain allreduce is the
+    baseline, no hook registered), torch's hooks beside fastddp's, batched PowerSGD, and
+    hierarchical reduction on 2 "nodes" of 2 ranks with each lossy inter-node hook."""
+    rows = {}
+    for config in [c for c in catalog.CONFIGS if c.quality]:
+        for rank in RANKS if "{rank}" in config.quality else (None,):
+            rows[config.quality.format(rank=rank)] = ("fastddp", (
+                (lambda: None) if config.flag == "allreduce"
+                else lambda c=config, r=rank: _hook(c, r)))
+    rows["torch bf16_compress_hook"] = ("torch", lambda: (None, default_hooks.bf16_compress_hook))
+    rows["torch powerSGD_hook r2"] = ("torch", lambda: (psgd.PowerSGDState(
+        None, matrix_approximation_rank=2, start_powerSGD_iter=START), psgd.powerSGD_hook))
+    rows["batched powersgd r2"] = ("fastddp", lambda: (None, H.batched_powersgd(
+        2, start_powerSGD_iter=START)))
+    for inner in catalog.hier_inners():
+        if (row := catalog.quality_of(catalog.HIER_PREFIX + inner)) is not None:
+            inner_config = catalog.by_candidate(inner)[0]
+            rows[row] = ("fastddp", lambda c=inner_config: (None, H.hierarchical(
+                _hook(c, None)[1], local_size=2)))
+    return rows
+
+
+CONFIGS = _configs()
 QUICK = ["fp32 allreduce", "fastddp bf16", "acpsgd r2"]
 
 
