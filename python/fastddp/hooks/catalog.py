@@ -120,7 +120,6 @@ class Config:
 RANKS = (1, 2, 4, 8)  # the low-rank ranks the tuner tries
 
 
-
 def _half(name: str) -> tuple[Option, ...]:
     """bf16's and fp16's options: the sum in 16 bits or in float32, error feedback."""
     return Option("accumulate", name, choices=(name, "fp32")), Option("error_feedback", False)
