@@ -17,7 +17,7 @@
 #include "../core/bucket_plan.h"
 #include "../reducer/bucket.h"
 #include "../reducer/comm_hook.h"
-#include "../reducer/message.h"
+#include "../util/message.h"
 
 namespace py = pybind11;
 

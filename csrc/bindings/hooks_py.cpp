@@ -19,7 +19,7 @@
 #include "../hooks/common/side_stream.h"
 #include "../hooks/common/spare_state.h"
 #include "python_hook.h"
-#include "../reducer/message.h"
+#include "../util/message.h"
 
 namespace py = pybind11;
 

@@ -1,4 +1,7 @@
-// fastddp._C: the only file that knows about Python.
+// fastddp._C's module: its entry point and the Reducer's Python class. Only
+// csrc/bindings/ knows about Python: this file and, beside it, the bindings of
+// the hooks, the optimizer step and PowerSGD, the Python comm hook and the
+// hook runner; the rest of csrc/ is plain C++.
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
 
@@ -9,7 +12,7 @@
 #include "../hooks/common/upcast_allreduce.h"
 #include "../reducer/comm_hook.h"
 #include "../reducer/reducer.h"
-#include "../reducer/message.h"
+#include "../util/message.h"
 #include "../reducer/optimizer_step.h"
 
 namespace py = pybind11;
@@ -137,6 +140,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("tensors"), py::arg("size_limits"),
         py::arg("expect_sparse_gradient") = std::vector<bool>{},
         py::arg("tensor_indices") = std::vector<int64_t>{});
+  // DDP's default bucket sizes, defined once in core/bucket_plan.h.
+  m.attr("DEFAULT_BUCKET_CAP_BYTES") = fastddp::kDefaultBucketCapBytes;
+  m.attr("DEFAULT_FIRST_BUCKET_BYTES") = fastddp::kDefaultFirstBucketBytes;
 
   py::class_<fastddp::CommHook, std::shared_ptr<fastddp::CommHook>>(m, "CommHook")
       .def_property_readonly("name", &fastddp::CommHook::name);
@@ -184,7 +190,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("params"), py::arg("names"), py::arg("plan"), py::arg("process_group"),
            py::arg("hook") = nullptr, py::arg("gradient_as_bucket_view") = false,
            py::arg("find_unused_parameters") = false, py::arg("static_graph") = false,
-           py::arg("rebuild_limits") = std::vector<size_t>{1024 * 1024, 25 * 1024 * 1024},
+           py::arg("rebuild_limits") =
+               std::vector<size_t>{fastddp::kDefaultFirstBucketBytes,
+                                   fastddp::kDefaultBucketCapBytes},
            py::arg("expect_sparse") = std::vector<bool>{},
            py::arg("check_for_nan_in_grad") = false, py::arg("align_bytes") = 0,
            py::arg("mixed_precision") = false, py::arg("param_dtype") = py::none(),

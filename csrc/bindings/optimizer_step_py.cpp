@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "../optim/fused_step.h"
-#include "../reducer/message.h"
+#include "../util/message.h"
 #include "../reducer/optimizer_step.h"
 
 namespace py = pybind11;

@@ -4,7 +4,7 @@
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
 #include <algorithm>
-#include "../reducer/message.h"
+#include "../util/message.h"
 
 namespace fastddp {
 

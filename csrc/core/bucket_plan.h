@@ -1,7 +1,8 @@
 // Bucket planning: which gradients share a flat buffer and one collective.
 //
-// Torch-free on purpose (see DESIGN.md, "Layers"): the Catch2 tests build this
-// without LibTorch, so an ATen include here fails to compile.
+// Torch-free on purpose (docs/design.md, "Layout": csrc/core/ is the torch-free
+// layer): the Catch2 tests build this without LibTorch, so an ATen include here
+// fails to compile.
 #pragma once
 
 #include <cstddef>
@@ -9,6 +10,13 @@
 #include <vector>
 
 namespace fastddp {
+
+// DDP's default bucket sizes, as torch's: bucket_cap_mb=25, and a first bucket
+// of 1 MiB (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES). The one definition:
+// the reducer's options and the bindings read them here, Python as
+// fastddp._C.DEFAULT_BUCKET_CAP_BYTES and DEFAULT_FIRST_BUCKET_BYTES.
+inline constexpr size_t kDefaultBucketCapBytes = 25 * 1024 * 1024;
+inline constexpr size_t kDefaultFirstBucketBytes = 1024 * 1024;
 
 // What the planner needs to know about one parameter's gradient.
 struct TensorSpec {

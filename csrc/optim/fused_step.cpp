@@ -3,7 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
-#include "../reducer/message.h"
+#include "../util/message.h"
 
 namespace fastddp {
 

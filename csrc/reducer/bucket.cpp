@@ -9,7 +9,7 @@
 #include <set>
 #include <string>
 #include <utility>
-#include "message.h"
+#include "../util/message.h"
 
 namespace fastddp {
 

@@ -8,8 +8,8 @@
 
 #include "../kernels/nonfinite.h"
 #include "nonfinite_guard.h"
-#include "message.h"
-#include "step_cost.h"
+#include "../util/message.h"
+#include "../util/step_cost.h"
 
 #if defined(FASTDDP_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>

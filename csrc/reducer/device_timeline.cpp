@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <utility>
 
-#include "message.h"
+#include "../util/message.h"
 
 namespace fastddp {
 

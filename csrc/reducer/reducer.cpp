@@ -10,8 +10,8 @@
 
 #include "device_timeline.h"
 #include "nonfinite_guard.h"
-#include "profile_range.h"
-#include "message.h"
+#include "../util/profile_range.h"
+#include "../util/message.h"
 
 namespace fastddp {
 

@@ -104,7 +104,7 @@
 #include "bucket.h"
 #include "comm_hook.h"
 #include "grad_slot.h"
-#include "step_cost.h"
+#include "../util/step_cost.h"
 #include "step_state.h"
 
 namespace c10d {

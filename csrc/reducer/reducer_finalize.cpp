@@ -7,9 +7,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "device_timeline.h"
-#include "message.h"
+#include "../util/message.h"
 #include "optimizer_step.h"
-#include "profile_range.h"
+#include "../util/profile_range.h"
 
 namespace fastddp {
 

@@ -7,7 +7,7 @@
 #include <unordered_set>
 
 #include "reducer.h"
-#include "message.h"
+#include "../util/message.h"
 
 namespace fastddp {
 namespace {

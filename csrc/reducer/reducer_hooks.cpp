@@ -4,7 +4,7 @@
 // optimizer, the other thing a step hands the buckets to.
 #include "nonfinite_guard.h"
 #include "reducer.h"
-#include "message.h"
+#include "../util/message.h"
 #include "optimizer_step.h"
 
 namespace fastddp {

@@ -5,8 +5,8 @@
 
 #include "nonfinite_guard.h"
 #include "reducer.h"
-#include "step_cost.h"
-#include "message.h"
+#include "../util/step_cost.h"
+#include "../util/message.h"
 
 namespace fastddp {
 

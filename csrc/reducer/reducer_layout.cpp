@@ -6,8 +6,8 @@
 
 #include "device_timeline.h"
 #include "reducer.h"
-#include "message.h"
-#include "profile_range.h"
+#include "../util/message.h"
+#include "../util/profile_range.h"
 
 namespace fastddp {
 

@@ -4,7 +4,7 @@
 #include <ATen/ATen.h>
 
 #include "reducer.h"
-#include "message.h"
+#include "../util/message.h"
 
 namespace fastddp {
 

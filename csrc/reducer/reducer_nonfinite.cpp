@@ -3,7 +3,7 @@
 
 #include "nonfinite_guard.h"
 #include "reducer.h"
-#include "message.h"
+#include "../util/message.h"
 
 namespace fastddp {
 

@@ -8,10 +8,10 @@
 
 #include <algorithm>
 
-#include "message.h"
-#include "profile_range.h"
+#include "../util/message.h"
+#include "../util/profile_range.h"
 #include "reducer.h"
-#include "step_cost.h"
+#include "../util/step_cost.h"
 
 namespace fastddp {
 

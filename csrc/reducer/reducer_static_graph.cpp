@@ -5,7 +5,7 @@
 #include <torch/csrc/autograd/engine.h>
 
 #include "reducer.h"
-#include "message.h"
+#include "../util/message.h"
 
 namespace fastddp {
 

@@ -9,7 +9,7 @@
 #include <unordered_map>
 
 #include "../kernels/nonfinite.h"
-#include "step_cost.h"
+#include "../util/step_cost.h"
 
 namespace fastddp {
 

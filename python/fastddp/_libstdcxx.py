@@ -1,6 +1,6 @@
 """Whether a compiled module uses the shared libstdc++ that torch runs on.
 
-Note [one libstdc++] (csrc/reducer/message.h has the C++ side, Note [no streams in _C]):
+Note [one libstdc++] (csrc/util/message.h has the C++ side, Note [no streams in _C]):
 an extension that carries libstdc++'s stream and locale code of its own (a compiler
 that links libstdc++ statically, or ``LDFLAGS=-static-libstdc++``) runs that copy
 against the process's shared libstdc++, whose facet ids differ: stream reads fail or

@@ -2,8 +2,8 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-#include "../../reducer/message.h"
-#include "../../reducer/step_cost.h"
+#include "../../util/message.h"
+#include "../../util/step_cost.h"
 
 namespace fastddp {
 

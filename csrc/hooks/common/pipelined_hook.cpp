@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-#include "../../reducer/message.h"
+#include "../../util/message.h"
 #include "side_stream.h"
 
 namespace fastddp {

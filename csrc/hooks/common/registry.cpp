@@ -6,7 +6,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <mutex>
-#include "../../reducer/message.h"
+#include "../../util/message.h"
 
 namespace fastddp {
 namespace {

@@ -5,7 +5,7 @@
 
 #include <utility>
 
-#include "../../reducer/message.h"
+#include "../../util/message.h"
 #include "collectives.h"
 #include "side_stream.h"
 #include "spare_state.h"

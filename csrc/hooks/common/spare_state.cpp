@@ -11,8 +11,8 @@
 #include "../../kernels/copy_unless.h"
 #endif
 
-#include "../../reducer/message.h"
-#include "../../reducer/step_cost.h"
+#include "../../util/message.h"
+#include "../../util/step_cost.h"
 #include "../../reducer/step_state.h"
 
 namespace fastddp {

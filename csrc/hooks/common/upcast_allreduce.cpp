@@ -3,7 +3,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include "../../reducer/message.h"
+#include "../../util/message.h"
 
 namespace fastddp {
 

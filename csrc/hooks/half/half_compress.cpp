@@ -8,11 +8,11 @@
 #include <string>
 
 #include "../../reducer/nonfinite_guard.h"
-#include "../../reducer/profile_range.h"
-#include "../../reducer/step_cost.h"
+#include "../../util/profile_range.h"
+#include "../../util/step_cost.h"
 #include "half_ops.h"
 #include "../common/registry.h"
-#include "../../reducer/message.h"
+#include "../../util/message.h"
 
 namespace fastddp {
 

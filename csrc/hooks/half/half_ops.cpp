@@ -6,8 +6,8 @@
 #include <atomic>
 
 #include "../../kernels/half_cast.h"
-#include "../../reducer/message.h"
-#include "../../reducer/profile_range.h"
+#include "../../util/message.h"
+#include "../../util/profile_range.h"
 
 #if defined(FASTDDP_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>

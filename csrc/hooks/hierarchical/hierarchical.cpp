@@ -8,10 +8,10 @@
 #include <stdexcept>
 #include <utility>
 
-#include "../../reducer/profile_range.h"
+#include "../../util/profile_range.h"
 #include "../common/pipelined_hook.h"
 #include "../common/side_stream.h"
-#include "../../reducer/message.h"
+#include "../../util/message.h"
 #include "../common/collectives.h"
 
 namespace fastddp {

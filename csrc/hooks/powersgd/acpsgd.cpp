@@ -6,9 +6,9 @@
 
 #include <utility>
 
-#include "../../reducer/message.h"
-#include "../../reducer/profile_range.h"
-#include "../../reducer/step_cost.h"
+#include "../../util/message.h"
+#include "../../util/profile_range.h"
+#include "../../util/step_cost.h"
 #include "../common/registry.h"
 #include "../common/side_stream.h"
 #include "lowrank.h"

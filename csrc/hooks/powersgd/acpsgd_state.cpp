@@ -3,7 +3,7 @@
 // slot, the error of the others).
 #include <ATen/ATen.h>
 
-#include "../../reducer/message.h"
+#include "../../util/message.h"
 #include "../common/spare_state.h"
 #include "acpsgd.h"
 

@@ -7,7 +7,7 @@
 
 #include "../../kernels/orthogonalize.h"
 #include "../../kernels/orthogonalize_tall.h"
-#include "../../reducer/profile_range.h"
+#include "../../util/profile_range.h"
 
 #if defined(FASTDDP_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>

@@ -7,8 +7,8 @@
 #include <algorithm>
 #include <utility>
 
-#include "../../reducer/profile_range.h"
-#include "../../reducer/step_cost.h"
+#include "../../util/profile_range.h"
+#include "../../util/step_cost.h"
 #include "../common/side_stream.h"
 #include "lowrank.h"
 #include "powersgd_options.h"

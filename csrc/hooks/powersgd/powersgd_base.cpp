@@ -9,8 +9,8 @@
 #include <charconv>
 #include <string_view>
 
-#include "../../reducer/profile_range.h"
-#include "../../reducer/message.h"
+#include "../../util/profile_range.h"
+#include "../../util/message.h"
 
 namespace fastddp {
 namespace {

@@ -7,13 +7,13 @@
 #include <cmath>
 #include <utility>
 
-#include "../../reducer/profile_range.h"
-#include "../../reducer/step_cost.h"
+#include "../../util/profile_range.h"
+#include "../../util/step_cost.h"
 #include "../common/side_stream.h"
 #include "powersgd_options.h"
 #include "lowrank.h"
 #include "../common/registry.h"
-#include "../../reducer/message.h"
+#include "../../util/message.h"
 
 namespace fastddp {
 namespace {

@@ -5,7 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include "powersgd_batched.h"
-#include "../../reducer/message.h"
+#include "../../util/message.h"
 #include "../common/spare_state.h"
 
 namespace fastddp {

@@ -6,7 +6,7 @@
 #include <variant>
 
 #include "powersgd_base.h"
-#include "../../reducer/message.h"
+#include "../../util/message.h"
 
 namespace fastddp {
 

@@ -6,7 +6,7 @@
 #include <algorithm>
 
 #include "orthogonalize.h"
-#include "../../reducer/message.h"
+#include "../../util/message.h"
 
 namespace fastddp {
 namespace {

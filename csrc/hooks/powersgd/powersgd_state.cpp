@@ -6,7 +6,7 @@
 #include "powersgd.h"
 
 #include "../common/spare_state.h"
-#include "../../reducer/message.h"
+#include "../../util/message.h"
 
 namespace fastddp {
 

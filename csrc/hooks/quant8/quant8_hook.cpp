@@ -8,11 +8,11 @@
 #include <stdexcept>
 #include <string>
 
-#include "../../reducer/profile_range.h"
-#include "../../reducer/step_cost.h"
+#include "../../util/profile_range.h"
+#include "../../util/step_cost.h"
 #include "quant8_ops.h"
 #include "../common/registry.h"
-#include "../../reducer/message.h"
+#include "../../util/message.h"
 
 namespace fastddp {
 

@@ -1,5 +1,5 @@
 """What one finite step costs outside the collectives, as the reducer and its hooks count it
-(Note [counted cost], csrc/reducer/step_cost.h), run on every rank of a harness world."""
+(Note [counted cost], csrc/util/step_cost.h), run on every rank of a harness world."""
 
 import torch
 import torch.nn.functional as F

@@ -1,7 +1,7 @@
 """torch's own PowerSGD hooks registered with a PowerSGDState, the article's path, on any
 device: fastddp (which runs them natively) against torch DDP running them, from the same
 weights on the same batches. Registering the state once crashed the first GPU machine
-(csrc/reducer/message.h, Note [no streams in _C]); so did loading a saved state.
+(csrc/util/message.h, Note [no streams in _C]); so did loading a saved state.
 
 Scenarios for a harness world: gloo on the CPU in `make test`, NCCL on CUDA under -m gpu.
 """
