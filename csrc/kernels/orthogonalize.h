@@ -46,6 +46,15 @@ constexpr int64_t kOrthogonalizeCpuMaxRank = 64;
 // caller threads by handing out chunks of the batch. Vectorized per column.
 void orthogonalize_cpu(float* matrices, int64_t batch, int64_t n, int64_t r, double epsilon);
 void orthogonalize_cpu(double* matrices, int64_t batch, int64_t n, int64_t r, double epsilon);
+// Out of place: the `batch` matrices at `src` (only read) orthonormalized into
+// `dst` (same layout; src == dst is in place). The algorithm's first pass reads
+// src: a hook whose state is the input (PowerSGD's warm-started Q) writes the
+// result into its spare with no copy of the state (Note [double-buffered step
+// state], reducer/comm_hook.h).
+void orthogonalize_cpu(const float* src, float* dst, int64_t batch, int64_t n, int64_t r,
+                       double epsilon);
+void orthogonalize_cpu(const double* src, double* dst, int64_t batch, int64_t n, int64_t r,
+                       double epsilon);
 
 // --- CUDA (built only with CUDA; `stream` is a cudaStream_t) ----------------------
 
@@ -53,10 +62,11 @@ void orthogonalize_cpu(double* matrices, int64_t batch, int64_t n, int64_t r, do
 // PowerSGD ranks are small and larger ones are better served by cuSOLVER).
 constexpr int64_t kOrthogonalizeCudaMaxRank = 32;
 
-// One thread block per matrix.
+// One thread block per matrix; `src` as orthogonalize_cpu's (nullptr or
+// `matrices`: in place), loaded by each block before its first column.
 void orthogonalize_cuda(float* matrices, int64_t batch, int64_t n, int64_t r, double epsilon,
-                        void* stream);
+                        void* stream, const float* src = nullptr);
 void orthogonalize_cuda(double* matrices, int64_t batch, int64_t n, int64_t r, double epsilon,
-                        void* stream);
+                        void* stream, const double* src = nullptr);
 
 }  // namespace fastddp::kernels

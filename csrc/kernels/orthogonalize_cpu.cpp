@@ -7,6 +7,8 @@
 // PowerSGD's shapes) stays in L2 across the r passes. One transpose in and one
 // out cost two passes, fewer than the r(r+1) column passes of the algorithm.
 // r == 1 needs no copy: a one-column matrix is already a column.
+// Out of place (src != dst), the transpose in reads src and the one out
+// writes dst: the read is the pass the algorithm makes anyway.
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -48,6 +50,13 @@ FASTDDP_VECTOR_CLONES double dot(const T* __restrict a, const T* __restrict b, i
 template <typename T>
 FASTDDP_VECTOR_CLONES void divide(T* __restrict a, T d, int64_t n) {
   for (int64_t k = 0; k < n; ++k) a[k] = a[k] / d;
+}
+
+// dst = src / d, the same rounding out of place.
+template <typename T>
+FASTDDP_VECTOR_CLONES void divide_from(T* __restrict dst, const T* __restrict src, T d,
+                                       int64_t n) {
+  for (int64_t k = 0; k < n; ++k) dst[k] = src[k] / d;
 }
 
 // a -= c * b, rounded twice as torch's `rest -= dot * col` (-ffp-contract=off
@@ -145,7 +154,8 @@ int64_t column_stride(int64_t n) {
 // written (or read) whole, while the block's rows stay in L1.
 constexpr int64_t kRowBlock = 16;
 
-// Between the row-major matrix `a` (n, r) and its column-major copy `cols`.
+// Between the row-major matrix `a` (n, r) and its column-major copy `cols`
+// (kIn: `a` is read, and may be a const T).
 // R > 0 is r known at compile time, so that the compiler turns the strided
 // accesses into vector shuffles for PowerSGD's usual ranks.
 template <bool kIn, int R, typename T, typename W>
@@ -178,10 +188,21 @@ void transpose(T* a, W* cols, int64_t n, int64_t r, int64_t ld) {
 }
 
 template <typename T>
-void orthogonalize_batch(T* matrices, int64_t batch, int64_t n, int64_t r, double epsilon) {
+void orthogonalize_batch(const T* src, T* dst, int64_t batch, int64_t n, int64_t r,
+                         double epsilon) {
   if (batch <= 0 || n <= 0 || r <= 0) return;
-  if (r == 1) {  // a one-column matrix is already a column: no copy
-    for (int64_t b = 0; b < batch; ++b) gram_schmidt(matrices + b * n, n, n, 1, epsilon);
+  if (r == 1) {  // a one-column matrix is already a column: no scratch
+    for (int64_t b = 0; b < batch; ++b) {
+      const T* column = src + b * n;
+      T* out = dst + b * n;
+      if (column == out) {
+        gram_schmidt(out, n, n, 1, epsilon);
+        continue;
+      }
+      // gram_schmidt's one column, reading `column` and writing `out`.
+      const T norm = static_cast<T>(std::sqrt(dot(column, column, n)));
+      divide_from(out, column, epsilon == 0 ? norm : norm + static_cast<T>(epsilon), n);
+    }
     return;
   }
   const int64_t ld = column_stride(n);
@@ -190,18 +211,16 @@ void orthogonalize_batch(T* matrices, int64_t batch, int64_t n, int64_t r, doubl
   if (orthogonalize_like_qr(r)) {
     std::unique_ptr<double[]> cols(new double[size]);
     for (int64_t b = 0; b < batch; ++b) {
-      T* a = matrices + b * n * r;
-      transpose<true>(a, cols.get(), n, r, ld);
+      transpose<true>(src + b * n * r, cols.get(), n, r, ld);
       qr_like(cols.get(), n, ld, r);
-      transpose<false>(a, cols.get(), n, r, ld);
+      transpose<false>(dst + b * n * r, cols.get(), n, r, ld);
     }
   } else {
     std::unique_ptr<T[]> cols(new T[size]);
     for (int64_t b = 0; b < batch; ++b) {
-      T* a = matrices + b * n * r;
-      transpose<true>(a, cols.get(), n, r, ld);
+      transpose<true>(src + b * n * r, cols.get(), n, r, ld);
       gram_schmidt(cols.get(), n, ld, r, epsilon);
-      transpose<false>(a, cols.get(), n, r, ld);
+      transpose<false>(dst + b * n * r, cols.get(), n, r, ld);
     }
   }
 }
@@ -209,11 +228,21 @@ void orthogonalize_batch(T* matrices, int64_t batch, int64_t n, int64_t r, doubl
 }  // namespace
 
 void orthogonalize_cpu(float* matrices, int64_t batch, int64_t n, int64_t r, double epsilon) {
-  orthogonalize_batch(matrices, batch, n, r, epsilon);
+  orthogonalize_batch<float>(matrices, matrices, batch, n, r, epsilon);
 }
 
 void orthogonalize_cpu(double* matrices, int64_t batch, int64_t n, int64_t r, double epsilon) {
-  orthogonalize_batch(matrices, batch, n, r, epsilon);
+  orthogonalize_batch<double>(matrices, matrices, batch, n, r, epsilon);
+}
+
+void orthogonalize_cpu(const float* src, float* dst, int64_t batch, int64_t n, int64_t r,
+                       double epsilon) {
+  orthogonalize_batch<float>(src, dst, batch, n, r, epsilon);
+}
+
+void orthogonalize_cpu(const double* src, double* dst, int64_t batch, int64_t n, int64_t r,
+                       double epsilon) {
+  orthogonalize_batch<double>(src, dst, batch, n, r, epsilon);
 }
 
 }  // namespace fastddp::kernels

@@ -8,6 +8,7 @@
 
 #include "../kernels/nonfinite.h"
 #include "nonfinite_guard.h"
+#include "step_state.h"
 #include "../util/message.h"
 #include "../util/step_cost.h"
 
@@ -126,12 +127,8 @@ void CommHook::check_grad(const Bucket& bucket, size_t slot, const at::Tensor& g
   if (guard_ == nullptr) return;
   cost::add(cost::kCheck, static_cast<int64_t>(grad.nbytes()));  // a pass of its own
   const size_t param = bucket.params[slot];
-  if (grad.is_cpu() && grad.is_contiguous() &&
-      (grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kDouble)) {
-    const bool bad = grad.scalar_type() == at::kFloat
-                         ? kernels::any_nonfinite_cpu(grad.const_data_ptr<float>(), grad.numel())
-                         : kernels::any_nonfinite_cpu(grad.const_data_ptr<double>(), grad.numel());
-    guard_->note(param, bad);
+  if (grad.is_cpu()) {
+    guard_->note(param, !cpu_all_finite(grad));
     return;
   }
   guard_->note_tensor(param, grad);

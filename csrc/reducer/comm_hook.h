@@ -85,28 +85,21 @@ class CommHook {
   // never start (a pipelined hook's second collective).
   virtual void abandon_step() {}
 
-  // The tensors of state that a step updates in place from its gradients
-  // (error-feedback residuals, PowerSGD's memories): the reducer copies them
-  // before a synchronized backward and puts them back when the step's averaged
-  // gradients are not all finite (Note [a bad step leaves no trace],
-  // reducer/step_state.h). Called between steps only. Empty: no state.
-  virtual std::vector<at::Tensor> step_state() { return {}; }
-
   // At the end of every synchronized backward, whether its step state was
-  // kept: `kept` is the 0-dim bool on the buckets' device that chose between
-  // this step's state and the snapshot (all_finite of the averaged gradients),
-  // false after a failed step whose state was put back, undefined when
+  // kept: `kept` is the 0-dim bool on the buckets' device that settle_step()
+  // returned, false after a failed step (its state discarded), undefined when
   // nothing was checked (the step stands). For a hook whose host-side choices
   // follow its state (ACP-SGD's turn, Note [acpsgd]): read it lazily, never
   // here, where a device read would synchronize.
   virtual void after_step(const at::Tensor& kept) { (void)kept; }
 
-  // Note [double-buffered step state]: a hook that writes each step's new
-  // state into spare buffers, leaving the state it read untouched, settles it
-  // itself and gives step_state() nothing to copy: a finite step then costs no
-  // copy and no select. settle_step() runs at the end of every synchronized
-  // backward that reached the write-back, with `finite` as keep_if_finite
-  // gets it (undefined: nothing was checked, the step stands); it keeps the
+  // Note [double-buffered step state]: a hook with state carried from step to
+  // step (error feedback, PowerSGD's memories) writes each step's new state
+  // into spare buffers, leaving the state it read untouched, and settles it
+  // itself: a finite step then costs no copy and no select (util/
+  // step_cost.h counts it). settle_step() runs at the end of every synchronized
+  // backward that reached the write-back, with `finite` (all_finite of the
+  // averaged gradients; undefined: nothing was checked, the step stands); it keeps the
   // new state where `finite` is true or the state it read was already not
   // all finite (reducer/step_state.h), else the state it read, and returns
   // that choice as a 0-dim bool (a device tensor on a device: no host sync).

@@ -6,35 +6,11 @@
 #include <algorithm>
 #include <atomic>
 #include <limits>
-#include <unordered_map>
 
 #include "../kernels/nonfinite.h"
 #include "../util/step_cost.h"
 
 namespace fastddp {
-
-void StepState::snapshot(const std::vector<at::Tensor>& tensors) {
-  std::vector<Saved> next;
-  next.reserve(tensors.size());
-  // Reuse last step's copies of the same tensors: no allocation per step.
-  std::unordered_map<const c10::TensorImpl*, at::Tensor> old;
-  for (Saved& s : saved_) old.emplace(s.live.unsafeGetTensorImpl(), std::move(s.copy));
-  for (const at::Tensor& t : tensors) {
-    if (!t.defined()) continue;
-    auto it = old.find(t.unsafeGetTensorImpl());
-    at::Tensor copy = it != old.end() ? it->second : at::Tensor();
-    if (!copy.defined() || copy.sizes() != t.sizes() || copy.strides() != t.strides() ||
-        copy.scalar_type() != t.scalar_type() || copy.device() != t.device()) {
-      copy = at::empty_like(t, at::MemoryFormat::Preserve);
-    }
-    copy.copy_(t);
-    cost::add(cost::kStateCopy, 2 * static_cast<int64_t>(t.nbytes()));
-    next.push_back({t, copy});
-  }
-  saved_ = std::move(next);
-}
-
-namespace {
 
 // Whether a CPU tensor holds only finite values: fastddp's branch-free loop
 // (kernels/nonfinite.h) over dense float32/float64 memory, threaded in chunks;
@@ -59,8 +35,6 @@ bool cpu_all_finite(const at::Tensor& t) {
   return at::isfinite(t).all().item<bool>();
 }
 
-}  // namespace
-
 at::Tensor all_finite(const std::vector<at::Tensor>& tensors) {
   // Empty tensors hold nothing non-finite, and have no infinity norm.
   std::vector<at::Tensor> held;
@@ -84,46 +58,6 @@ at::Tensor all_finite(const std::vector<at::Tensor>& tensors) {
   const std::vector<at::Tensor> maxima =
       at::_foreach_norm(held, std::numeric_limits<double>::infinity());
   return at::stack(maxima).isfinite().all();
-}
-
-at::Tensor StepState::keep_if_finite(const std::vector<at::Tensor>& tensors,
-                                     const at::Tensor& finite) {
-  if (tensors.empty() || saved_.empty()) return finite;
-  std::vector<at::Tensor> copies;
-  copies.reserve(saved_.size());
-  for (const Saved& s : saved_) copies.push_back(s.copy);
-  if (finite.is_cpu()) {  // no device: branches cost nothing, and a finite step reads no copy
-    if (finite.item<bool>() || !all_finite(copies).item<bool>()) {
-      return at::ones({}, finite.options());
-    }
-    select(tensors, finite);
-    return finite;
-  }
-  const at::Tensor keep = finite.logical_or(all_finite(copies).to(finite.device()).logical_not());
-  select(tensors, keep);
-  return keep;
-}
-
-void StepState::restore(const std::vector<at::Tensor>& tensors) {
-  if (tensors.empty()) return;
-  select(tensors, at::zeros({}, tensors.front().options().dtype(at::kBool)));
-}
-
-void StepState::select(const std::vector<at::Tensor>& tensors, const at::Tensor& keep) {
-  std::unordered_map<const c10::TensorImpl*, const at::Tensor*> copies;
-  for (const Saved& s : saved_) copies.emplace(s.live.unsafeGetTensorImpl(), &s.copy);
-  for (const at::Tensor& t : tensors) {
-    if (!t.defined()) continue;
-    const at::Tensor flag = keep.to(t.device());
-    cost::add(cost::kStateCopy, 3 * static_cast<int64_t>(t.nbytes()));  // reads both, writes one
-    auto it = copies.find(t.unsafeGetTensorImpl());
-    if (it != copies.end()) {
-      at::Tensor out = t;  // the same tensor, written in place
-      at::where_out(out, flag, t, *it->second);
-    } else {
-      t.masked_fill_(flag.logical_not(), 0);  // made this step: as if never made
-    }
-  }
 }
 
 }  // namespace fastddp

@@ -117,6 +117,28 @@ TEST_CASE("orthogonalize_cpu: r <= 2 follows torch's Gram-Schmidt op order", "[o
   }
 }
 
+TEST_CASE("orthogonalize_cpu: out of place equals in place, the input untouched",
+          "[orthogonalize]") {
+  // PowerSGD reads its state's Q and writes the spare with this form (Note
+  // [double-buffered step state]): it must give the in-place result bit for bit (the
+  // overflow tests compare whole runs bit for bit), every rank and path alike.
+  for (int64_t r : {1, 2, 3, 4, 8}) {
+    for (int64_t n : {r, int64_t{33}, int64_t{1029}}) {
+      for (double eps : {0.0, 1e-8}) {
+        const std::vector<float> src = random_matrices<float>(4, n, r, static_cast<unsigned>(n + r));
+        std::vector<float> in_place = src;
+        std::vector<float> out(src.size(), -1.0f);
+        k::orthogonalize_cpu(in_place.data(), 4, n, r, eps);
+        std::vector<float> read = src;
+        k::orthogonalize_cpu(read.data(), out.data(), 4, n, r, eps);
+        INFO("n " << n << " r " << r << " eps " << eps);
+        REQUIRE(read == src);
+        for (size_t e = 0; e < out.size(); ++e) REQUIRE(out[e] == in_place[e]);
+      }
+    }
+  }
+}
+
 TEST_CASE("orthogonalize_cpu: nearly dependent columns stay orthogonal for r > 2",
           "[orthogonalize]") {
   const int64_t n = 512, r = 8;

@@ -57,14 +57,19 @@ at::Tensor& ShardSumHook::new_residual_for(size_t param) {
 
 at::Tensor ShardSumHook::settle_step(const at::Tensor& finite) {
   std::vector<Spare> written;
-  std::vector<at::Tensor> read;
   for (auto& [param, r] : residuals_) {
     if (r.written) written.push_back({&r.live, &r.spare});
     r.written = false;
-    read.push_back(r.live);
   }
   if (written.empty()) return finite;
-  return settle_spares(written, finite, read, /*witness=*/{});
+  // No witness: a residual is a rounding error, finite whenever its step's
+  // gradients were (every step put back otherwise).
+  return settle_spares(written, finite, [this](bool witness) {
+    std::vector<at::Tensor> read;
+    if (witness) return read;
+    for (auto& [param, r] : residuals_) read.push_back(r.live);
+    return read;
+  });
 }
 
 void ShardSumHook::discard_step() {

@@ -24,12 +24,14 @@ bool settle_as_on_device() { return device_path_for_tests.load(); }
 void set_settle_as_on_device(bool on) { device_path_for_tests.store(on); }
 
 at::Tensor settle_spares(const std::vector<Spare>& written, const at::Tensor& finite,
-                         const std::vector<at::Tensor>& read,
-                         const std::vector<at::Tensor>& witness) {
+                         const StateRead& state_read) {
   const c10::Device device = written.front().spare->device();
   if (device.is_cpu() && !settle_as_on_device()) {
-    const bool keep = !finite.defined() || finite.item<bool>() || read.empty() ||
-                      !all_finite(read).item<bool>();
+    bool keep = !finite.defined() || finite.item<bool>();
+    if (!keep) {
+      const std::vector<at::Tensor> read = state_read(/*witness=*/false);
+      keep = read.empty() || !all_finite(read).item<bool>();
+    }
     if (keep) {
       for (const Spare& s : written) std::swap(*s.live, *s.spare);
     }
@@ -37,6 +39,7 @@ at::Tensor settle_spares(const std::vector<Spare>& written, const at::Tensor& fi
   }
   at::Tensor keep = finite.defined() ? finite.to(device)
                                      : at::ones({}, at::TensorOptions(device).dtype(at::kBool));
+  const std::vector<at::Tensor> witness = state_read(/*witness=*/true);
   if (!witness.empty()) keep = keep.logical_or(all_finite(witness).logical_not());
   std::vector<std::pair<at::Tensor, at::Tensor>> back;
   for (const Spare& s : written) {

@@ -11,6 +11,7 @@
 
 #include <ATen/Tensor.h>
 
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -25,17 +26,23 @@ struct Spare {
   bool made = false;
 };
 
+// The state a step read, asked for only when needed (made on request: the
+// lists cost ops the common step need not pay): with `witness` false every
+// state tensor as the step found it; with `witness` true a smaller set that
+// is not all finite whenever that state was not (possibly empty: nothing can
+// have been non-finite).
+using StateRead = std::function<std::vector<at::Tensor>(bool witness)>;
+
 // Settles a step: keeps its state (each live swapped with its spare) where
-// `finite` is undefined or true, or where `read` (every state tensor as the
-// step found it) was already not all finite (reducer/step_state.h); else the
-// state the step read stands (a tensor it made: zeros on a device). On the CPU
-// `read` is looked at only after a non-finite step. On a device the host
-// swaps always and put_back_unless() restores; `witness` (possibly empty:
-// nothing can have been non-finite) stands for `read` there, read every step.
+// `finite` is undefined or true, or where the state read was already not all
+// finite (reducer/step_state.h); else the state the step read stands (a
+// tensor it made: zeros on a device). On the CPU the state read is asked for
+// only after a non-finite step. On a device the host swaps always and
+// put_back_unless() restores; the witness stands for the state read there,
+// asked for and read every step.
 // Returns the choice, a 0-dim bool on the state's device.
 at::Tensor settle_spares(const std::vector<Spare>& written, const at::Tensor& finite,
-                         const std::vector<at::Tensor>& read,
-                         const std::vector<at::Tensor>& witness);
+                         const StateRead& state_read);
 
 // Where the 0-dim bool `keep` (on the tensors' device) is false: each pair's
 // first tensor takes the second's values (an undefined second: zeros). On the

@@ -71,7 +71,6 @@ class HierarchicalHook : public CommHook {
   void set_divide_factor(int64_t factor) override;
   void drain() override;
   void abandon_step() override;
-  std::vector<at::Tensor> step_state() override { return inner_->step_state(); }
   void after_step(const at::Tensor& kept) override { inner_->after_step(kept); }
   bool settles_own_state() const override { return inner_->settles_own_state(); }
   at::Tensor settle_step(const at::Tensor& finite) override { return inner_->settle_step(finite); }

@@ -70,33 +70,45 @@ std::shared_ptr<PipelinedHook::Stage> AcpSgdHook::start(
   at::add_out(s.source, input, s.error);  // M = gradient + error; the new error in its place
   cost::add(cost::kHook, 3 * static_cast<int64_t>(input.nbytes()));
   // The step's factors are the spares (Note [double-buffered step state]):
-  // the state's are read once, copied in, because the orthogonalization and
-  // the products work in place.
+  // the state's factor is only read, by the orthogonalization, which writes
+  // its spare; the other spare gets the product. No copy of the state.
   if (!s.p_spare.defined()) {
     s.p_spare = at::empty_like(s.wire_p);
     s.q_spare = at::empty_like(s.wire_q);
   }
-  at::Tensor p_memory = s.p_spare.narrow(0, plan.uncompressed_numel, plan.p_numel);
-  at::Tensor q_memory = s.q_spare.narrow(0, plan.uncompressed_numel, plan.q_numel);
+  const int64_t head = plan.uncompressed_numel;
+  at::Tensor p_memory = s.p_spare.narrow(0, head, plan.p_numel);
+  at::Tensor q_memory = s.q_spare.narrow(0, head, plan.q_numel);
+  at::Tensor p_read, q_read;  // the state's factors (none on the first step: Q is drawn)
   if (!s.fresh) {
-    p_memory.copy_(s.wire_p.narrow(0, plan.uncompressed_numel, plan.p_numel));
-    q_memory.copy_(s.wire_q.narrow(0, plan.uncompressed_numel, plan.q_numel));
-    cost::add(cost::kStateCopy, 2 * static_cast<int64_t>(p_memory.nbytes() + q_memory.nbytes()));
+    p_read = s.wire_p.narrow(0, head, plan.p_numel);
+    q_read = s.wire_q.narrow(0, head, plan.q_numel);
   }
   s.pending = true;
   PowerSGDWork work = s.views.get(plan, options_, bucket.offsets, bucket.numels, s.source, input,
-                                 p_memory, q_memory, s.source);
+                                 p_memory, q_memory, s.source, p_read, q_read,
+                                 /*keep=*/!s.fresh);
   if (randomize) {
     std::vector<at::Tensor> qs;
     for (PowerSGDBatch& b : work.batches) qs.push_back(b.q);
     draw_random_q(qs);
   }
   const double eps = options_.orthogonalization_epsilon;
+  // The factor this turn orthogonalizes: read from the state, or the drawn one in place.
+  auto orthogonalize = [&](std::vector<at::Tensor>& groups, const std::vector<at::Tensor>& read) {
+    for (size_t g = 0; g < groups.size(); ++g) {
+      if (s.fresh) {
+        powersgd_orthogonalize(groups[g], eps);
+      } else {
+        powersgd_orthogonalize_from(read[g], groups[g], eps);
+      }
+    }
+  };
   if (p_turn) {
-    for (at::Tensor& q : work.q_groups) powersgd_orthogonalize(q, eps);
+    orthogonalize(work.q_groups, work.q_read_groups);
     for (PowerSGDBatch& b : work.batches) lowrank_project(b.matrices, b.q, b.p);  // P = M Q
   } else {
-    for (at::Tensor& p : work.p_groups) powersgd_orthogonalize(p, eps);
+    orthogonalize(work.p_groups, work.p_read_groups);
     for (PowerSGDBatch& b : work.batches) lowrank_back_project(b.matrices, b.p, b.q);  // Q = M^T P
   }
   // error = M - P Q^T with this rank's factor, in one pass, in place of M (the
@@ -184,10 +196,6 @@ c10::IValue AcpSgdHook::decompress(BucketState& state, PowerSGDWork& work,
   // This callback's kernels run on the side stream (complete_on_side_stream).
   record_current_stream({wire, input, state.source, state.error, state.p_spare, state.q_spare});
   return c10::IValue(input);
-}
-
-void AcpSgdHook::bucket_step_state(std::vector<at::Tensor>& into) const {
-  (void)into;  // double-buffered: nothing for the reducer to copy (settle_step)
 }
 
 namespace {

@@ -27,8 +27,8 @@
 //
 // State per bucket: the error, both factors. It is handed on per parameter
 // across a bucket rebuild and in a checkpoint (P too: unlike PowerSGD's, it
-// is state here), and is the hook's step_state() (Note [a bad step leaves no
-// trace]).
+// is state here), double-buffered (Note [double-buffered step state]) and
+// settled by the hook (Note [a bad step leaves no trace]).
 //
 // The turn follows the steps taken: `iter` (the checkpoint's) counts only the
 // steps whose state was kept, so that after a step put back (an overflow
@@ -113,7 +113,6 @@ class AcpSgdHook : public PowerSGDBase {
   void loaded() override;
   void carry_buckets(PowerSGDCheckpoint& into) const override;
   void drop_buckets() override { states_.clear(); }
-  void bucket_step_state(std::vector<at::Tensor>& into) const override;
 
   // Guarded by mutex_.
   std::map<size_t, std::shared_ptr<BucketState>> states_;

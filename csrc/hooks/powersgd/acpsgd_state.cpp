@@ -95,7 +95,7 @@ void AcpSgdHook::on_new_buckets(const std::vector<Bucket>& buckets) {
 at::Tensor AcpSgdHook::settle_step(const at::Tensor& finite) {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<Spare> written;
-  std::vector<at::Tensor> read, witness;  // the state as the step found it
+  std::vector<const BucketState*> held;  // buckets whose wires held factors before the step
   for (auto& entry : states_) {
     BucketState& s = *entry.second;
     const bool fresh = s.pending && s.fresh;
@@ -106,18 +106,25 @@ at::Tensor AcpSgdHook::settle_step(const at::Tensor& finite) {
     }
     s.pending = false;
     s.fresh = false;
-    read.push_back(s.error);
-    if (fresh) continue;  // its wires held nothing before the step
-    // The factors, past the wires' uncompressed part (scratch).
-    const at::Tensor p = s.wire_p.narrow(0, s.head, s.wire_p.numel() - s.head);
-    const at::Tensor q = s.wire_q.narrow(0, s.head, s.wire_q.numel() - s.head);
-    read.insert(read.end(), {p, q});
-    // On a device the factors stand for the state, as PowerSGD's Qs do: a
-    // non-finite error makes that step's factor non-finite.
-    witness.insert(witness.end(), {p, q});
+    held.push_back(fresh ? nullptr : &s);
   }
   if (written.empty()) return finite;
-  return settle_spares(written, finite, read, witness);
+  // The state as the step found it.
+  return settle_spares(written, finite, [this, held](bool witness) {
+    std::vector<at::Tensor> read;
+    size_t i = 0;
+    for (auto& entry : states_) {
+      const BucketState* s = held[i++];
+      if (!witness) read.push_back(entry.second->error);
+      if (s == nullptr) continue;  // its wires held nothing before the step
+      // The factors, past the wires' uncompressed part (scratch). On a device
+      // they stand for the state, as PowerSGD's Qs do: a non-finite error
+      // makes that step's factor non-finite.
+      read.push_back(s->wire_p.narrow(0, s->head, s->wire_p.numel() - s->head));
+      read.push_back(s->wire_q.narrow(0, s->head, s->wire_q.numel() - s->head));
+    }
+    return read;
+  });
 }
 
 void AcpSgdHook::discard_step() {

@@ -8,6 +8,7 @@
 #include "../../kernels/orthogonalize.h"
 #include "../../kernels/orthogonalize_tall.h"
 #include "../../util/profile_range.h"
+#include "../../util/step_cost.h"
 
 #if defined(FASTDDP_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>
@@ -21,12 +22,13 @@ namespace {
 constexpr int64_t kGrain = 1 << 16;
 
 template <typename T>
-void run_cpu(T* data, int64_t batch, int64_t n, int64_t r, double epsilon) {
+void run_cpu(const T* src, T* data, int64_t batch, int64_t n, int64_t r, double epsilon) {
   // Work per matrix grows as n r^2 (r column passes of n r elements).
   const int64_t per_matrix = std::max<int64_t>(1, n * r * r);
   const int64_t grain = std::max<int64_t>(1, kGrain / per_matrix);
   at::parallel_for(0, batch, grain, [&](int64_t begin, int64_t end) {
-    kernels::orthogonalize_cpu(data + begin * n * r, end - begin, n, r, epsilon);
+    kernels::orthogonalize_cpu(src + begin * n * r, data + begin * n * r, end - begin, n, r,
+                               epsilon);
   });
 }
 
@@ -41,12 +43,17 @@ void run_cpu_tall(T* data, int64_t batch, int64_t n, int64_t r) {
 
 }  // namespace
 
-bool fused_orthogonalize(at::Tensor& matrices, double epsilon) {
+bool fused_orthogonalize(at::Tensor& matrices, double epsilon, const at::Tensor& src) {
   if (!matrices.defined() || matrices.dim() != 3 || !matrices.is_contiguous()) return false;
   const auto dtype = matrices.scalar_type();
   if (dtype != at::kFloat && dtype != at::kDouble) return false;
   const int64_t batch = matrices.size(0), n = matrices.size(1), r = matrices.size(2);
   if (r < 1 || r > n) return false;
+  const at::Tensor& from = src.defined() ? src : matrices;
+  if (from.sizes() != matrices.sizes() || from.scalar_type() != dtype ||
+      from.device() != matrices.device() || !from.is_contiguous()) {
+    return false;
+  }
   if (matrices.is_cpu()) {
     // Gram-Schmidt at every n: per core it is several times faster than the tall
     // path's CPU version (vectorized unit-stride columns against r^2 scalar
@@ -54,9 +61,9 @@ bool fused_orthogonalize(at::Tensor& matrices, double epsilon) {
     if (r > kernels::kOrthogonalizeCpuMaxRank) return false;
     FASTDDP_PROFILE_RANGE("fastddp orthogonalize");
     if (dtype == at::kFloat) {
-      run_cpu(matrices.data_ptr<float>(), batch, n, r, epsilon);
+      run_cpu(from.const_data_ptr<float>(), matrices.data_ptr<float>(), batch, n, r, epsilon);
     } else {
-      run_cpu(matrices.data_ptr<double>(), batch, n, r, epsilon);
+      run_cpu(from.const_data_ptr<double>(), matrices.data_ptr<double>(), batch, n, r, epsilon);
     }
     return true;
   }
@@ -67,6 +74,10 @@ bool fused_orthogonalize(at::Tensor& matrices, double epsilon) {
     void* stream = c10::cuda::getCurrentCUDAStream(matrices.device().index()).stream();
     if (kernels::orthogonalize_tall(n, r)) {
       FASTDDP_PROFILE_RANGE("fastddp orthogonalize tall");
+      if (from.const_data_ptr() != matrices.const_data_ptr()) {
+        matrices.copy_(from);
+        cost::add(cost::kStateCopy, 2 * static_cast<int64_t>(matrices.nbytes()));
+      }
       // From the caching allocator on the current stream: reused by later work
       // on this stream only after these kernels, without a host sync.
       const at::Tensor workspace =
@@ -83,9 +94,11 @@ bool fused_orthogonalize(at::Tensor& matrices, double epsilon) {
     }
     FASTDDP_PROFILE_RANGE("fastddp orthogonalize");
     if (dtype == at::kFloat) {
-      kernels::orthogonalize_cuda(matrices.data_ptr<float>(), batch, n, r, epsilon, stream);
+      kernels::orthogonalize_cuda(matrices.data_ptr<float>(), batch, n, r, epsilon, stream,
+                                  from.const_data_ptr<float>());
     } else {
-      kernels::orthogonalize_cuda(matrices.data_ptr<double>(), batch, n, r, epsilon, stream);
+      kernels::orthogonalize_cuda(matrices.data_ptr<double>(), batch, n, r, epsilon, stream,
+                                  from.const_data_ptr<double>());
     }
     return true;
   }

@@ -15,7 +15,11 @@ namespace fastddp {
 // on CPU or r <= 32 on CUDA (in a CUDA build). Otherwise returns false without
 // touching the tensor: the caller falls back to torch's op-by-op path.
 // Never synchronizes with the GPU.
-bool fused_orthogonalize(at::Tensor& matrices, double epsilon);
+// With `src` (the same shape, dtype and device, contiguous): out of place,
+// `src` read and `matrices` written (kernels/orthogonalize.h), else false with
+// neither touched. The CUDA tall path has no out-of-place form: it copies src
+// in first, a copy counted as the state's (util/step_cost.h).
+bool fused_orthogonalize(at::Tensor& matrices, double epsilon, const at::Tensor& src = {});
 
 // The CUDA tall path's arithmetic on a CPU (batch, n, r) tensor, threaded over
 // row chunks, so that tests hold it against torch's QR: true when the shape

@@ -67,19 +67,20 @@ std::shared_ptr<PipelinedHook::Stage> PowerSGDHook::start(
     stage->input_copy = state.source;
     source = stage->input_copy;
   }
-  // The step's Q is the spare: last step's Q (the state) is read once here,
-  // and orthogonalized, projected and replaced in the spare.
+  // The step's Q is the spare: last step's Q (the state) is only read, by the
+  // orthogonalization, which writes the spare (no copy of the state: Note
+  // [double-buffered step state]). A drawn Q (the first step, or no warm start)
+  // is drawn into the spare and orthogonalized there.
   // (None yet where a resumed checkpoint supplies every Q: qs_after_draw below.)
-  if (!randomize && state.q_memory.defined()) {
-    state.q_spare.copy_(state.q_memory);
-    cost::add(cost::kStateCopy, 2 * static_cast<int64_t>(state.q_memory.nbytes()));
-  }
+  const bool reads_q = !randomize && state.q_memory.defined();
   state.pending = true;
   // Stacked after the error feedback: torch stacks views of the corrected buffer.
   at::Tensor p_memory = state.wire.narrow(0, plan.uncompressed_numel, plan.p_numel);
   stage->work = state.views.get(plan, options_, bucket.offsets, bucket.numels, source, input,
                                 p_memory, state.q_spare,
-                                options_.use_error_feedback ? state.source : at::Tensor());
+                                options_.use_error_feedback ? state.source : at::Tensor(),
+                                at::Tensor(), reads_q ? state.q_memory : at::Tensor(),
+                                /*keep=*/reads_q || !options_.warm_start);
   PowerSGDWork& work = stage->work;
   if (randomize) {
     std::vector<at::Tensor> qs;
@@ -92,7 +93,14 @@ std::shared_ptr<PipelinedHook::Stage> PowerSGDHook::start(
   }
   state.qs_after_draw.clear();
   // Orthogonalization is per matrix: one call per same-shape group.
-  for (at::Tensor& q : work.q_groups) powersgd_orthogonalize(q, options_.orthogonalization_epsilon);
+  const double eps = options_.orthogonalization_epsilon;
+  for (size_t g = 0; g < work.q_groups.size(); ++g) {
+    if (reads_q) {
+      powersgd_orthogonalize_from(work.q_read_groups[g], work.q_groups[g], eps);
+    } else {
+      powersgd_orthogonalize(work.q_groups[g], eps);
+    }
+  }
   for (PowerSGDBatch& b : work.batches) lowrank_project(b.matrices, b.q, b.p);
   // P = M Q reads every matrix once; the uncompressed slots are packed (read, written).
   const int64_t packed = 2 * plan.uncompressed_numel * input.element_size();
@@ -172,10 +180,6 @@ c10::IValue PowerSGDHook::decompress(BucketState& state, PowerSGDWork& work,
   record_current_stream({state.q_spare, input, input_copy});
   for (const PowerSGDBatch& b : batches) record_current_stream({b.p, b.matrices, b.out});
   return c10::IValue(input);
-}
-
-void PowerSGDHook::bucket_step_state(std::vector<at::Tensor>& into) const {
-  (void)into;  // double-buffered: nothing for the reducer to copy (settle_step)
 }
 
 namespace {

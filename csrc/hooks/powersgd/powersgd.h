@@ -101,7 +101,6 @@ class PowerSGDHook : public PowerSGDBase {
   void carry(const BucketState& state, PowerSGDCheckpoint& into) const;
   void carry_buckets(PowerSGDCheckpoint& into) const override;
   void drop_buckets() override { states_.clear(); }
-  void bucket_step_state(std::vector<at::Tensor>& into) const override;
 
   // Guarded by mutex_.
   std::map<size_t, std::shared_ptr<BucketState>> states_;

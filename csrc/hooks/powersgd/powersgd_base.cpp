@@ -143,13 +143,6 @@ PowerSGDCheckpoint PowerSGDBase::state_dict() const {
   return ck;
 }
 
-std::vector<at::Tensor> PowerSGDBase::step_state() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<at::Tensor> tensors;
-  bucket_step_state(tensors);
-  return tensors;
-}
-
 void PowerSGDBase::load_state_dict(const PowerSGDCheckpoint& ck) {
   check_checkpoint(ck);
   std::lock_guard<std::mutex> lock(mutex_);

@@ -72,9 +72,6 @@ class PowerSGDBase : public PipelinedHook {
   // Drops the bucket state; the buckets adopt the checkpoint's at their next
   // compressed step.
   void load_state_dict(const PowerSGDCheckpoint& checkpoint);
-  // Every bucket's error feedback and warm-start Q (Note [a bad step leaves no
-  // trace]); the counter and the generator go on, as torch's.
-  std::vector<at::Tensor> step_state() override;
 
  protected:
   PowerSGDBase(c10::intrusive_ptr<c10d::ProcessGroup> group, PowerSGDOptions options,
@@ -93,8 +90,6 @@ class PowerSGDBase : public PipelinedHook {
   // With mutex_ held: every bucket's state into `into` (views), and dropping it.
   virtual void carry_buckets(PowerSGDCheckpoint& into) const = 0;
   virtual void drop_buckets() = 0;
-  // With mutex_ held: the tensors of every bucket's state updated each step.
-  virtual void bucket_step_state(std::vector<at::Tensor>& into) const = 0;
   // Raises ValueError for a checkpoint this hook cannot take.
   virtual void check_checkpoint(const PowerSGDCheckpoint& checkpoint) const { (void)checkpoint; }
   // Whether P is state (ACP-SGD: kept from step to step) rather than read-only.

@@ -93,17 +93,17 @@ std::shared_ptr<PipelinedHook::Stage> BatchedPowerSGDHook::start(
     cost::add(cost::kHook, 5 * square_bytes);
   }
   // The step's Q: with warm start the spare (Note [double-buffered step
-  // state]); last step's is read once, copied in, because the
-  // orthogonalization works in place.
+  // state]); last step's is only read, by the orthogonalization, which writes
+  // the spare: no copy of the state.
   at::Tensor& q = options_.warm_start ? state.q_spare : state.q;
   if (!options_.warm_start || !state.q_ready) {
     draw_random_q({q});
+    orthogonalize(q);
   } else {
-    q.copy_(state.q);
-    cost::add(cost::kStateCopy, 2 * static_cast<int64_t>(q.nbytes()));
+    at::Tensor into = q.unsqueeze(0);  // a batch of one, as orthogonalize()
+    powersgd_orthogonalize_from(state.q.unsqueeze(0), into, 0.0);
   }
   state.pending = true;
-  orthogonalize(q);
   at::Tensor p3 = state.p.unsqueeze(0);
   lowrank_project(state.padded.view({1, state.side, state.side}), q.unsqueeze(0), p3);
   stage->p_reduced = allreduce(state.p);
@@ -149,10 +149,6 @@ void BatchedPowerSGDHook::finish(Stage& base) {
                    record_current_stream({state->padded, state->p, q, input_copy, flat});
                    return c10::IValue(flat);
                  });
-}
-
-void BatchedPowerSGDHook::bucket_step_state(std::vector<at::Tensor>& into) const {
-  (void)into;  // double-buffered: nothing for the reducer to copy (settle_step)
 }
 
 namespace {

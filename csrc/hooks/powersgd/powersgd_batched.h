@@ -99,7 +99,6 @@ class BatchedPowerSGDHook : public PowerSGDBase {
   // bucket_error_tails: per bucket, keyed by its first parameter index.
   void carry_buckets(PowerSGDCheckpoint& into) const override;
   void drop_buckets() override { states_.clear(); }
-  void bucket_step_state(std::vector<at::Tensor>& into) const override;
   // A "powersgd" checkpoint (per-parameter Qs) is not this hook's.
   void check_checkpoint(const PowerSGDCheckpoint& checkpoint) const override;
 

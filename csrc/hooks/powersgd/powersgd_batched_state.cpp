@@ -121,7 +121,6 @@ at::Tensor BatchedPowerSGDHook::settle_step(const at::Tensor& finite) {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<Spare> written;
   std::vector<BucketState*> pending;
-  std::vector<at::Tensor> read, witness;  // the state as the step found it
   for (auto& entry : states_) {
     BucketState& s = *entry.second;
     if (s.pending) {
@@ -130,15 +129,25 @@ at::Tensor BatchedPowerSGDHook::settle_step(const at::Tensor& finite) {
       if (options_.warm_start) written.push_back({&s.q, &s.q_spare, !s.q_ready});
     }
     s.pending = false;
-    if (options_.use_error_feedback) read.push_back(s.error);
-    if (options_.warm_start && s.q_ready) read.push_back(s.q);
-    // On a device, as PowerSGDHook::settle_step: Q stands for the state with warm start.
-    if (options_.warm_start ? s.q_ready : options_.use_error_feedback) {
-      witness.push_back(options_.warm_start ? s.q : s.error);
-    }
   }
   if (written.empty()) return finite;
-  const at::Tensor kept = settle_spares(written, finite, read, witness);
+  // The state as the step found it (q_ready is still last step's).
+  const at::Tensor kept = settle_spares(written, finite, [this](bool witness) {
+    std::vector<at::Tensor> read;
+    for (auto& entry : states_) {
+      const BucketState& s = *entry.second;
+      if (witness) {
+        // On a device, as PowerSGDHook::settle_step: Q stands for the state with warm start.
+        if (options_.warm_start ? s.q_ready : options_.use_error_feedback) {
+          read.push_back(options_.warm_start ? s.q : s.error);
+        }
+        continue;
+      }
+      if (options_.use_error_feedback) read.push_back(s.error);
+      if (options_.warm_start && s.q_ready) read.push_back(s.q);
+    }
+    return read;
+  });
   // On the CPU the choice is known: a Q made by a step put back is drawn again.
   const bool keep = !kept.is_cpu() || settle_as_on_device() || kept.item<bool>();
   if (keep && options_.warm_start) {

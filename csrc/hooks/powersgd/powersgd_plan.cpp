@@ -7,6 +7,7 @@
 
 #include "orthogonalize.h"
 #include "../../util/message.h"
+#include "../../util/step_cost.h"
 
 namespace fastddp {
 namespace {
@@ -75,23 +76,26 @@ PowerSGDPlan plan_powersgd(const Bucket& bucket, const PowerSGDOptions& o) {
 
 PowerSGDWork make_powersgd_work(const PowerSGDPlan& plan, const PowerSGDOptions& o,
                                 const at::Tensor& source, const at::Tensor& dest,
-                                const at::Tensor& p_memory, const at::Tensor& q_memory) {
+                                const at::Tensor& p_memory, const at::Tensor& q_memory,
+                                const at::Tensor& p_read, const at::Tensor& q_read) {
   PowerSGDWork work;
   auto matrix = [](const at::Tensor& flat, const PowerSGDMatrix& mat) {
     return flat.narrow(0, mat.offset, mat.n * mat.m).view({mat.n, mat.m});
   };
-  auto p_view = [&](const PowerSGDMatrix& first, int64_t count) {
-    return p_memory.narrow(0, first.p_offset, count * first.n * first.r)
+  auto p_view = [&](const PowerSGDMatrix& first, int64_t count, const at::Tensor& memory) {
+    return memory.narrow(0, first.p_offset, count * first.n * first.r)
         .view({count, first.n, first.r});
   };
-  auto q_view = [&](const PowerSGDMatrix& first, int64_t count) {
-    return q_memory.narrow(0, first.q_offset, count * first.m * first.r)
+  auto q_view = [&](const PowerSGDMatrix& first, int64_t count, const at::Tensor& memory) {
+    return memory.narrow(0, first.q_offset, count * first.m * first.r)
         .view({count, first.m, first.r});
   };
   for (const auto& group : plan.groups) {
     const auto count = static_cast<int64_t>(group.size());
-    work.p_groups.push_back(p_view(group.front(), count));
-    work.q_groups.push_back(q_view(group.front(), count));
+    work.p_groups.push_back(p_view(group.front(), count, p_memory));
+    work.q_groups.push_back(q_view(group.front(), count, q_memory));
+    if (p_read.defined()) work.p_read_groups.push_back(p_view(group.front(), count, p_read));
+    if (q_read.defined()) work.q_read_groups.push_back(q_view(group.front(), count, q_read));
     if (o.batch_tensors_with_same_shape && count > 1) {
       PowerSGDBatch batch;
       std::vector<at::Tensor> views;
@@ -102,15 +106,15 @@ PowerSGDWork make_powersgd_work(const PowerSGDPlan& plan, const PowerSGDOptions&
       }
       batch.matrices = at::stack(views);
       batch.out = batch.matrices;  // torch decompresses into the stack, then copies back
-      batch.p = p_view(group.front(), count);
-      batch.q = q_view(group.front(), count);
+      batch.p = p_view(group.front(), count, p_memory);
+      batch.q = q_view(group.front(), count, q_memory);
       work.batches.push_back(std::move(batch));
       continue;
     }
     for (const PowerSGDMatrix& mat : group) {
       work.batches.push_back(
-          {matrix(source, mat).unsqueeze(0), matrix(dest, mat).unsqueeze(0), {}, p_view(mat, 1),
-           q_view(mat, 1), mat.offset});
+          {matrix(source, mat).unsqueeze(0), matrix(dest, mat).unsqueeze(0), {},
+           p_view(mat, 1, p_memory), q_view(mat, 1, q_memory), mat.offset});
     }
   }
   return work;
@@ -121,21 +125,24 @@ PowerSGDWork PowerSGDWorkCache::get(const PowerSGDPlan& plan, const PowerSGDOpti
                                     const std::vector<int64_t>& numels,
                                     const at::Tensor& source, const at::Tensor& dest,
                                     const at::Tensor& p_memory, const at::Tensor& q_memory,
-                                    const at::Tensor& error) {
+                                    const at::Tensor& error, const at::Tensor& p_read,
+                                    const at::Tensor& q_read, bool keep) {
   Viewed of{};  // on the stack: this runs per bucket per step
   size_t i = 0;
-  for (const at::Tensor* t : {&source, &dest, &p_memory, &q_memory, &error}) {
+  for (const at::Tensor* t : {&source, &dest, &p_memory, &q_memory, &error, &p_read, &q_read}) {
     of[i++] = t->defined() ? reinterpret_cast<intptr_t>(t->data_ptr()) : 0;
     of[i++] = t->defined() ? t->numel() : -1;
   }
   for (const Kept& k : kept_) {
     if (k.set && k.of == of) return k.work;  // a copy: the tensors' handles, no data
   }
-  if (kept_[next_].set && kept_[1 - next_].set) {  // a third set: moved, keep nothing from now on
+  // A third set: moved, keep nothing from now on.
+  if (keep && kept_[next_].set && kept_[1 - next_].set) {
     moving_ = true;
     kept_ = {};
   }
-  PowerSGDWork work = make_powersgd_work(plan, options, source, dest, p_memory, q_memory);
+  PowerSGDWork work =
+      make_powersgd_work(plan, options, source, dest, p_memory, q_memory, p_read, q_read);
   if (error.defined()) {
     for (PowerSGDBatch& b : work.batches) {
       if (b.unstack.empty()) b.error = error.narrow(0, b.offset, b.out.numel()).view_as(b.out);
@@ -148,7 +155,7 @@ PowerSGDWork PowerSGDWorkCache::get(const PowerSGDPlan& plan, const PowerSGDOpti
       work.uncompressed_error.push_back(error.narrow(0, offsets[k], numels[k]));
     }
   }
-  if (moving_ || options.batch_tensors_with_same_shape) return work;
+  if (!keep || moving_ || options.batch_tensors_with_same_shape) return work;
   kept_[next_] = {work, of, true};
   next_ = 1 - next_;
   return work;
@@ -184,6 +191,19 @@ void powersgd_orthogonalize(at::Tensor& matrices, double epsilon) {
     // torch: linalg.qr(matrices, out=(matrices, R)); epsilon is not used.
     matrices.copy_(std::get<0>(at::linalg_qr(matrices)));
   }
+}
+
+void powersgd_orthogonalize_from(const at::Tensor& src, at::Tensor& matrices, double epsilon) {
+  FASTDDP_CHECK(src.sizes() == matrices.sizes(),
+                "fastddp powersgd_orthogonalize_from: src is ", src.sizes(), ", matrices ",
+                matrices.sizes());
+  if (matrices.dim() == 3 && matrices.size(2) <= matrices.size(1) &&
+      fused_orthogonalize(matrices, epsilon, src)) {
+    return;
+  }
+  matrices.copy_(src);
+  cost::add(cost::kStateCopy, 2 * static_cast<int64_t>(matrices.nbytes()));
+  powersgd_orthogonalize(matrices, epsilon);
 }
 
 }  // namespace fastddp

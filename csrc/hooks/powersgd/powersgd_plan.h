@@ -63,6 +63,10 @@ struct PowerSGDBatch {
 struct PowerSGDWork {
   std::vector<PowerSGDBatch> batches;
   std::vector<at::Tensor> p_groups, q_groups;
+  // The same groups in the memories the step reads (the state, where the
+  // step writes its factors into spares; empty where none was given): what
+  // powersgd_orthogonalize_from orthogonalizes into p_groups / q_groups.
+  std::vector<at::Tensor> p_read_groups, q_read_groups;
   // From PowerSGDWorkCache: the uncompressed slots of the source, the bucket
   // and the error (empty where the cache was given no error).
   std::vector<at::Tensor> uncompressed_source, uncompressed_dest, uncompressed_error;
@@ -74,9 +78,12 @@ PowerSGDPlan plan_powersgd(const Bucket& bucket, const PowerSGDOptions& options)
 // Views the matrices in `source` (M) and `dest` (where P Q^T goes; the same
 // tensor without error feedback), both of the bucket's layout, stacking
 // copies of same-shape matrices now when batch_tensors_with_same_shape.
+// `p_read`, `q_read` (may be undefined): memories of p_memory's and
+// q_memory's layout that the step reads its factors from.
 PowerSGDWork make_powersgd_work(const PowerSGDPlan& plan, const PowerSGDOptions& options,
                                 const at::Tensor& source, const at::Tensor& dest,
-                                const at::Tensor& p_memory, const at::Tensor& q_memory);
+                                const at::Tensor& p_memory, const at::Tensor& q_memory,
+                                const at::Tensor& p_read = {}, const at::Tensor& q_read = {});
 
 // make_powersgd_work's views, made once per bucket state and handed out again
 // while they view the same tensors: each view is a dispatched op, and they are
@@ -84,23 +91,28 @@ PowerSGDWork make_powersgd_work(const PowerSGDPlan& plan, const PowerSGDOptions&
 // it (reducer_cost.py --count). Stacked batches copy data, so
 // batch_tensors_with_same_shape makes them afresh. `error` (may be undefined):
 // the error feedback, also viewed per unstacked matrix (PowerSGDBatch::error).
+// `p_read`, `q_read`: as make_powersgd_work's.
 // It keeps two sets: a double-buffered state (Note [double-buffered step
 // state]) swaps its buffers after every step that stands, so the tensors
 // alternate between two sets of pointers. Once a third set comes
 // (lazy_bucket_allocation gives the bucket a new buffer every backward,
 // Note [lazy bucket storage]) it keeps nothing: kept views would hold the
-// released buffers alive between steps.
+// released buffers alive between steps. `keep` false: a step whose tensors
+// will not come again (warm start's first, which draws Q and reads no
+// state): made, not kept, and not counted as a set.
 class PowerSGDWorkCache {
  public:
   // `offsets` and `numels`: the bucket's slots.
   PowerSGDWork get(const PowerSGDPlan& plan, const PowerSGDOptions& options,
                    const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
                    const at::Tensor& source, const at::Tensor& dest, const at::Tensor& p_memory,
-                   const at::Tensor& q_memory, const at::Tensor& error);
+                   const at::Tensor& q_memory, const at::Tensor& error,
+                   const at::Tensor& p_read = {}, const at::Tensor& q_read = {},
+                   bool keep = true);
 
  private:
   // What a work views: the data pointer and size of each tensor get() is given.
-  using Viewed = std::array<intptr_t, 10>;
+  using Viewed = std::array<intptr_t, 14>;
   struct Kept {
     PowerSGDWork work;
     Viewed of{};
@@ -124,5 +136,10 @@ void unpack_uncompressed(at::Tensor head, int64_t world_size,
 // kernels where they apply (float32/64, small r; r > 2 gives QR's columns up
 // to sign), else torch's ops.
 void powersgd_orthogonalize(at::Tensor& matrices, double epsilon);
+// The same of `src` (only read; same shape, not overlapping) into `matrices`:
+// a state's factor orthogonalized into its spare (Note [double-buffered step
+// state]). The fused kernels read src in their first pass; torch's ops (the
+// fallback) work in place on a copy, counted as a state copy.
+void powersgd_orthogonalize_from(const at::Tensor& src, at::Tensor& matrices, double epsilon);
 
 }  // namespace fastddp

@@ -85,7 +85,6 @@ void PowerSGDHook::adopt_carried(BucketState& s, const PowerSGDPlan& plan, bool&
 at::Tensor PowerSGDHook::settle_step(const at::Tensor& finite) {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<Spare> written;
-  std::vector<at::Tensor> read, witness;  // the state every bucket holds, before this step's
   for (auto& entry : states_) {
     BucketState& s = *entry.second;
     if (s.pending) {
@@ -93,16 +92,26 @@ at::Tensor PowerSGDHook::settle_step(const at::Tensor& finite) {
       if (options_.warm_start) written.push_back({&s.q_memory, &s.q_spare});
     }
     s.pending = false;
-    if (options_.use_error_feedback) read.push_back(s.error);
-    if (options_.warm_start && s.q_memory.defined()) read.push_back(s.q_memory);
-    // On a device: with warm start the Qs stand for the state (a non-finite
-    // error makes that step's P, and so its Q, non-finite), r/n of the
-    // error's bytes; without, the errors themselves.
-    const at::Tensor& w = options_.warm_start ? s.q_memory : s.error;
-    if (w.defined()) witness.push_back(w);
   }
   if (written.empty()) return finite;
-  return settle_spares(written, finite, read, witness);
+  // The state every bucket holds, before this step's.
+  return settle_spares(written, finite, [this](bool witness) {
+    std::vector<at::Tensor> read;
+    for (auto& entry : states_) {
+      const BucketState& s = *entry.second;
+      if (witness) {
+        // On a device: with warm start the Qs stand for the state (a non-finite
+        // error makes that step's P, and so its Q, non-finite), r/n of the
+        // error's bytes; without, the errors themselves.
+        const at::Tensor& w = options_.warm_start ? s.q_memory : s.error;
+        if (w.defined()) read.push_back(w);
+        continue;
+      }
+      if (options_.use_error_feedback) read.push_back(s.error);
+      if (options_.warm_start && s.q_memory.defined()) read.push_back(s.q_memory);
+    }
+    return read;
+  });
 }
 
 void PowerSGDHook::discard_step() {

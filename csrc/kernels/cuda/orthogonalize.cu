@@ -149,12 +149,20 @@ __device__ void gram_schmidt_pass(T* a, int64_t n, int r, double epsilon, bool l
 
 // `only`, when given, holds a flag per matrix of the launch: the blocks of the
 // matrices whose flag is 0 return at once (the tall path's Gram-Schmidt step).
+// `src`, when given, is read in place of `matrices` (out of place): each block
+// loads its matrix first, a pass it makes anyway, so a hook reading its state
+// writes its spare without a copy of its own (orthogonalize.h).
 template <typename T>
 __global__ void orthogonalize_kernel(T* matrices, int64_t n, int r, double epsilon,
-                                     bool like_qr, const int32_t* only) {
+                                     bool like_qr, const int32_t* only, const T* src) {
   if (only != nullptr && only[blockIdx.x] == 0) return;  // block-uniform
   __shared__ Shared sh;
   T* a = matrices + static_cast<int64_t>(blockIdx.x) * n * r;
+  if (src != nullptr) {
+    const T* from = src + static_cast<int64_t>(blockIdx.x) * n * r;
+    for (int64_t k = threadIdx.x; k < n * r; k += blockDim.x) a[k] = from[k];
+    __syncthreads();  // every row is loaded before the first column's norm
+  }
   if (like_qr) {
     gram_schmidt_pass(a, n, r, 0.0, true, sh);
     gram_schmidt_pass(a, n, r, 0.0, true, sh);
@@ -165,18 +173,19 @@ __global__ void orthogonalize_kernel(T* matrices, int64_t n, int r, double epsil
 
 template <typename T>
 void launch(T* matrices, int64_t batch, int64_t n, int64_t r, double epsilon, void* stream_ptr,
-            const int32_t* only = nullptr) {
+            const int32_t* only = nullptr, const T* src = nullptr) {
   if (batch <= 0 || n <= 0 || r <= 0) return;
   if (r > kOrthogonalizeCudaMaxRank) {
     throw std::invalid_argument("fastddp orthogonalize_cuda: rank " + std::to_string(r) +
                                 " is above " + std::to_string(kOrthogonalizeCudaMaxRank));
   }
+  if (src == matrices) src = nullptr;  // in place
   auto stream = static_cast<cudaStream_t>(stream_ptr);
   for (int64_t begin = 0; begin < batch; begin += kMaxGrid) {
     const int64_t blocks = batch - begin < kMaxGrid ? batch - begin : kMaxGrid;
     orthogonalize_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
         matrices + begin * n * r, n, static_cast<int>(r), epsilon, orthogonalize_like_qr(r),
-        only == nullptr ? nullptr : only + begin);
+        only == nullptr ? nullptr : only + begin, src == nullptr ? nullptr : src + begin * n * r);
     check(cudaGetLastError(), "orthogonalize_cuda launch");
   }
 }
@@ -184,13 +193,13 @@ void launch(T* matrices, int64_t batch, int64_t n, int64_t r, double epsilon, vo
 }  // namespace
 
 void orthogonalize_cuda(float* matrices, int64_t batch, int64_t n, int64_t r, double epsilon,
-                        void* stream) {
-  launch(matrices, batch, n, r, epsilon, stream);
+                        void* stream, const float* src) {
+  launch(matrices, batch, n, r, epsilon, stream, nullptr, src);
 }
 
 void orthogonalize_cuda(double* matrices, int64_t batch, int64_t n, int64_t r, double epsilon,
-                        void* stream) {
-  launch(matrices, batch, n, r, epsilon, stream);
+                        void* stream, const double* src) {
+  launch(matrices, batch, n, r, epsilon, stream, nullptr, src);
 }
 
 void orthogonalize_cuda_where(float* matrices, int64_t batch, int64_t n, int64_t r,
