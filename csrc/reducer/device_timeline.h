@@ -35,7 +35,7 @@
 #include <optional>
 #include <vector>
 
-#include "reducer.h"
+#include "comm_stats.h"
 
 namespace fastddp {
 

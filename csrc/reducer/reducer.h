@@ -64,7 +64,7 @@
 // launches every bucket as usual and never waits. On an accelerator that read
 // is a host sync, paid only by a rank with a candidate bucket, as torch's
 // find_unused_parameters pays one for a locally unused parameter (its
-// used-map read, our globally_unused()); launching the votes is none (pinned
+// used-map read, UnusedParameters::globally_unused); launching the votes is none (pinned
 // memory, copied without blocking). The votes' collective is issued by every
 // rank in every such step, so the ranks' collectives stay in the same order.
 //
@@ -89,9 +89,7 @@
 
 #include <ATen/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
-#include <torch/csrc/autograd/variable.h>
 
-#include <chrono>
 #include <cstdint>
 #include <exception>
 #include <memory>
@@ -102,25 +100,26 @@
 #include <vector>
 
 #include "bucket.h"
+#include "bucket_views.h"
 #include "comm_hook.h"
+#include "finite_checks.h"
+#include "grad_hooks.h"
 #include "grad_slot.h"
-#include "../util/step_cost.h"
-#include "step_state.h"
+#include "join_shadow.h"
+#include "mixed_precision.h"
+#include "ready_order.h"
+#include "skip_votes.h"
+#include "static_graph.h"
+#include "step_stats.h"
+#include "unused_parameters.h"
 
 namespace c10d {
 class ProcessGroup;
-class Work;
 }  // namespace c10d
 
 namespace fastddp {
 
-class DeviceTimeline;
-class NonFiniteGuard;
 class OptimizerStep;
-
-// std::shared_ptr<Node> before torch 2.13, c10::intrusive_ptr<Node> from 2.13.
-using GradAccumulatorPtr =
-    decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
 struct ReducerOptions {
   // param.grad become views into the buckets: no copy in or out.
@@ -132,9 +131,11 @@ struct ReducerOptions {
   // Per parameter: its gradients are sparse (a bucket of its own, see
   // Bucket::sparse). Empty: none is.
   std::vector<bool> expect_sparse;
+  // _set_ddp_sink_clone: the output sink returns clones (Reducer::set_sink_clone).
+  bool sink_clone = true;
   // Size limits for the one rebuild after the first iteration, as in
   // plan_buckets (torch's are {first_bucket_bytes, bucket_bytes_cap}).
-  std::vector<size_t> rebuild_limits = {1024 * 1024, 25 * 1024 * 1024};
+  std::vector<size_t> rebuild_limits = {kDefaultFirstBucketBytes, kDefaultBucketCapBytes};
   // Raise on non-finite gradients, see Note [non-finite guard].
   bool check_for_nan_in_grad = false;
   // Slot alignment of the flat buffers in bytes, 0: packed (Note [aligned
@@ -151,42 +152,6 @@ struct ReducerOptions {
   // torch 2.15's lazy_bucket_allocation: bucket buffers only while a backward
   // reduces (Note [lazy bucket storage] in bucket.h).
   bool lazy_bucket_allocation = false;
-};
-
-// Timings of one bucket in the last synchronized backward, in microseconds
-// since that backward's first gradient.
-struct BucketTiming {
-  double ready_us = 0;     // its last gradient was copied in
-  double launched_us = 0;  // the comm hook's run() returned
-  double done_us = 0;      // its future was waited on and the grads written
-};
-
-struct CommStats {
-  int64_t steps = 0;  // synchronized backward passes
-  // On a device (a GPU), timings, exposed_us, backward_start_ns and the totals
-  // are those of the latest timed backward the device has finished, from CUDA
-  // events read without a wait (Note [device timeline]); on the host's clock
-  // those of the last synchronized backward.
-  bool device_clock = false;
-  // The iteration (synchronized forwards counted, Reducer::num_iterations) of
-  // the backward the timings are from; 0: none yet (a device whose first
-  // timed backward has not finished).
-  int64_t timed_iteration = 0;
-  std::vector<int64_t> bucket_bytes;
-  std::vector<int64_t> wire_bytes;
-  std::vector<BucketTiming> timings;
-  std::vector<bool> skipped;  // last step: not reduced (Note [skipping unused buckets])
-  int64_t backward_start_ns = 0;  // its first gradient, steady clock (CLOCK_MONOTONIC)
-  double exposed_us = 0;        // its last gradient ready -> grads final
-  double total_exposed_us = 0;  // over timed_steps steps
-  int64_t timed_steps = 0;      // host clock: every step; device: the timed ones read
-  // Last step: the collectives issued on the group from the end of its forward
-  // to the end of its backward, counted by c10d itself (the group's sequence
-  // number, not our own bookkeeping); -1 where the backend keeps no count.
-  int64_t collectives = -1;
-  // Last step: what the reducer and its hook moved outside the collectives,
-  // counted (Note [counted cost], step_cost.h).
-  cost::Totals cost{};
 };
 
 class Reducer : public std::enable_shared_from_this<Reducer> {
@@ -245,8 +210,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // Bytes of bucket storage the reducer holds now (join()'s shadows included):
   // the whole layout, or with lazy_bucket_allocation 0 between backwards.
   int64_t held_bucket_bytes() const;
-  bool has_rebuilt_buckets() const { return has_rebuilt_; }
-  int64_t num_backward_syncs() const { return num_syncs_; }
+  bool has_rebuilt_buckets() const { return ready_order_.rebuilt(); }
+  int64_t num_backward_syncs() const { return stats_.steps(); }
   int64_t num_iterations() const { return num_iterations_; }
   // Buckets the last synchronized backward reduced (Note [skipping unused buckets]).
   int64_t num_buckets_reduced() const;
@@ -284,19 +249,20 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     kReduced,    // this forward's backward is done; see Note [a backward after the reduction]
   };
 
+  // Puts the reducer's post-hooks on the parameters' current grad accumulators.
   void install_hooks();
-  // Puts the reducer's post-hook on parameter i's current grad accumulator
-  // (moving it from the one it was on, if that changed).
-  void hook_accumulator(size_t i);
-  // mixed_precision (reducer_mixed_precision.cpp): the write-back's .grad for
-  // parameter `index`, of the master's dtype; the masters back into the
-  // parameters; whether a parameter's dtype is one it may have.
-  void full_precision_grad(size_t index, bool keep_values);
-  void restore_masters();
-  bool expected_dtype(size_t index, c10::ScalarType dtype) const;
   void on_grad_ready(size_t index);
   void handle_grad_ready(size_t index);  // on_grad_ready under the lock
   void mark_ready(size_t index);
+  // Gradient `grad` of parameter `index` into slot `slot` of bucket b, by the comm hook.
+  void copy_in(size_t index, size_t b, size_t slot, const at::Tensor& grad);
+  // Raises unless `grad` is what parameter `index`'s slot `view` expects.
+  void check_grad(size_t index, const at::Tensor& grad, const Bucket& bucket,
+                  const at::Tensor& view) const;
+  // A synchronized backward has marked gradients ready and not finished.
+  bool reducing() const;
+  int rank() const;
+  int world_size() const;
   void launch_ready_buckets();
   void queue_finalize();
   void finalize_backward();
@@ -308,8 +274,6 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void finish_completed_buckets();
   void reduce_all_delayed();  // the first static-graph iteration, see Note [static graph]
   void write_back(Bucket& bucket, const c10::IValue& result);
-  bool globally_unused(size_t index);
-  void launch_used_map_allreduce();
   void reset_iteration();
   // check_for_nan_in_grad: shares this step's findings and raises, on every
   // rank, if a gradient was not finite (Note [non-finite guard]).
@@ -324,9 +288,6 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void rebuild_buckets();
   std::vector<std::vector<size_t>> broadcast_plan(const std::vector<std::vector<size_t>>& plan);
   void reset_bucket_views();
-  // Note [lazy bucket storage]: the buffers for this backward, and their release.
-  void allocate_buckets();
-  void release_buckets();
 
   void ensure_prior_reduction_finished() const;
   // Raises if a parameter changed dtype, device or shape since wrapping.
@@ -335,104 +296,53 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void check_not_ready(size_t index) const;
   std::string unready_params() const;
   std::vector<size_t> search_unused_parameters(const std::vector<at::Tensor>& outputs) const;
-  void note_backward_start();  // the comm stats' time origin, once per backward
-  double elapsed_us() const;
 
+  // Note [skipping unused buckets]: whether this step votes, on which candidates.
+  bool skip_votes_needed() const;
+  void vote_on_skips();  // after the forward: launches the votes
+  bool skippable(size_t bucket) const;  // all its parameters are unused
+  void queue_delayed_reduce();  // Note [static graph]
+
+  // The core: the parameters, the buckets, the hook and the step's order.
   std::vector<at::Tensor> params_;
-  std::vector<c10::ScalarType> master_dtypes_;  // the parameters' dtypes at construction
   std::vector<std::string> names_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   std::shared_ptr<CommHook> hook_;
   std::shared_ptr<OptimizerStep> optimizer_step_;
   ReducerOptions options_;
-  int rank_;
-  int world_size_;
-
   std::vector<Bucket> buckets_;
-  std::vector<Bucket> shadow_buckets_;  // join(): zero copies of buckets_, made on first use
-  // Where each parameter lives: bucket index and slot within the bucket.
-  std::vector<std::pair<size_t, size_t>> locator_;
-
-  std::vector<GradAccumulatorPtr> grad_accumulators_;
   GradSlot grad_slot_;  // Note [distributed autograd]
-  std::vector<uintptr_t> hook_keys_;
-
   mutable std::mutex mutex_;
   Phase phase_ = Phase::kIdle;
   int64_t num_iterations_ = 0;  // synchronized forwards
-  int64_t num_syncs_ = 0;       // synchronized backwards completed
   std::vector<bool> ready_;
-  size_t num_ready_ = 0;
   size_t next_bucket_ = 0;
   bool finalize_queued_ = false;
-  bool hooks_seen_ = false;  // a hook fired in this backward
   // Whether a backward that fired this iteration's hooks retained its graph
   // (retain_graph=True). Note [a backward after the reduction].
   bool graph_retained_ = false;
-  int64_t divide_factor_ = 0;  // 0: the world size
 
-  // Note [skipping unused buckets].
-  bool skip_votes_needed() const;
-  void vote_on_skips();          // after the forward: launches the votes
-  bool skips(size_t bucket);     // skipped this backward? a candidate's first call waits
-  void read_skip_votes();        // waits for the votes, decides
-  void decide_skips(const int32_t* votes);
-  void drop_skip_votes();        // forgets unread votes, without waiting
-  bool skippable(size_t bucket) const;  // all its parameters are in unused_
-  std::vector<bool> skip_;       // per bucket, once the votes are read: every rank skips it
-  std::vector<bool> skipped_;    // per bucket, this backward: was skipped
-  std::vector<bool> my_votes_;   // per bucket: this rank voted to skip (empty: shadowing)
-  bool hook_registered_ = false;  // set_comm_hook() was called: not torch's default reduction
-  at::Tensor skip_votes_;        // int32 [2 * buckets]: skip votes, then reduce votes
-  c10::intrusive_ptr<c10d::Work> skip_work_;  // their allreduce
-  bool skip_pending_ = false;    // launched, not yet read
-  int64_t buckets_reduced_ = 0;  // this backward's hook runs (torch's num_buckets_reduced_)
+  // The features, each owning its state. The step calls them at its named
+  // points: armed (reset_iteration, after_forward), a gradient ready
+  // (handle_grad_ready, mark_ready), a bucket launched (launch_ready_buckets),
+  // the end (finalize_backward, finish_bucket, write_back) and a failure
+  // (fail_iteration).
+  BucketViews views_;  // where each parameter lives; bucket views, lazy buffers
+  SkipVotes skip_votes_;  // Note [skipping unused buckets]
+  UnusedParameters unused_;  // Note [unused parameters]
+  StaticGraph static_graph_;  // Note [static graph]
+  MixedPrecision mixed_precision_;  // Note [mixed precision]
+  JoinShadow join_;  // join()'s zero buckets and divisor
+  ReadyOrder ready_order_;  // for the one rebuild, and the last backward's
+  // The step's figures and the device timeline. Reading them (comm_stats)
+  // advances the timeline: the reducer's own state, guarded by mutex_ like
+  // the rest, hence mutable.
+  mutable StepStats stats_;
+  FiniteChecks finite_;  // Note [non-finite guard], Note [a bad step leaves no trace]
 
-  // Unused-parameter accounting (Note [unused parameters]).
-  std::vector<size_t> unused_;
-  bool marked_unused_ = false;
-  at::Tensor used_map_;      // int32 on the CPU: 1 where a grad arrived
-  at::Tensor used_map_dev_;  // its copy on the parameters' device, allreduced
-  c10::intrusive_ptr<c10d::Work> used_work_;
-  bool used_map_reduced_ = false;
-
-  // Static graph (Note [static graph]).
-  std::vector<int64_t> expected_hooks_;  // learned in the first iteration
-  std::vector<int64_t> hooks_left_;      // this iteration
-  bool delayed_reduce_queued_ = false;
-  bool delay_from_first_hook_ = false;  // armed by prepare_for_backward: no sink
-  void queue_delayed_reduce();
-
-  // mixed_precision: the parameters cast for the last forward and their
-  // full-precision data (Note [mixed precision]).
-  std::vector<at::Tensor> cast_params_;
-  std::vector<at::Tensor> masters_;
-
-  bool sink_clone_ = true;
-  bool has_rebuilt_ = false;
-  std::vector<size_t> ready_order_;       // for the rebuild
-  std::vector<int64_t> last_ready_order_;  // introspection
-
-  CommStats stats_;
-  // c10d's count of the group's collectives (-1: none kept), read when a
-  // backward is armed and when it ends (CommStats::collectives).
-  int64_t collective_count() const;
-  bool counts_collectives_ = false;
-  int64_t collectives_at_start_ = 0;
-  std::unique_ptr<DeviceTimeline> timeline_;  // the same points on the device's clock
-  std::unique_ptr<NonFiniteGuard> nonfinite_;  // check_for_nan_in_grad only
-  bool drop_hook_state_ = false;  // the failing step was non-finite
-  // Note [a bad step leaves no trace]: the hook's state before this step, and
-  // the averaged gradients its write-backs produced.
-  StepState step_state_;
-  cost::Totals cost_at_start_{};  // the process's totals when this step's backward was armed
-  std::vector<at::Tensor> reduced_;
-  bool track_finite_ = false;
-  at::Tensor last_finite_;  // 0-dim bool, the last step's check (set_track_finite)
-  std::string last_error_;
-  std::chrono::steady_clock::time_point backward_start_;
-  int64_t backward_iteration_ = 0;  // num_iterations_ when the last backward started
-  double last_ready_us_ = 0;
+  // The post-hooks on the grad accumulators, calling on_grad_ready. Declared
+  // last: destroyed first, so no hook outlives the state it reaches.
+  GradHooks grad_hooks_;
 };
 
 }  // namespace fastddp

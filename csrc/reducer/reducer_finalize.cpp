@@ -6,7 +6,6 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include "device_timeline.h"
 #include "../util/message.h"
 #include "optimizer_step.h"
 #include "../util/profile_range.h"
@@ -15,25 +14,19 @@ namespace fastddp {
 
 void Reducer::finalize_backward() {
   try {
-    if (nonfinite_) check_finite_gradients();
+    if (finite_.guard()) check_finite_gradients();
     for (size_t b = 0; b < buckets_.size(); ++b) {
-      if (skipped_[b] || buckets_[b].future) finish_bucket(b);  // else finished in backward
+      // Else finished during backward.
+      if (skip_votes_.skipped(b) || buckets_[b].future) finish_bucket(b);
     }
-    if (track_usage() && used_work_ && !used_map_reduced_) used_work_->wait();
-    if (options_.mixed_precision) restore_masters();
+    if (track_usage()) unused_.wait();
+    if (mixed_precision_.on()) mixed_precision_.restore_masters();
     at::Tensor kept;  // undefined: nothing checked, the step stands
     {  // Note [a bad step leaves no trace]
       const at::NoGradGuard no_grad;
-      at::Tensor finite;
-      if (!reduced_.empty()) {
-        finite = all_finite(reduced_);
-        if (track_finite_) last_finite_ = finite;
-        reduced_.clear();
-      }
+      const at::Tensor finite = finite_.check();
       if (hook_->settles_own_state()) {  // Note [double-buffered step state]
         kept = hook_->settle_step(finite);
-      } else if (finite.defined()) {
-        kept = step_state_.keep_if_finite(hook_->step_state(), finite);
       }
     }
     hook_->after_step(kept);
@@ -45,33 +38,19 @@ void Reducer::finalize_backward() {
     fail_iteration(std::current_exception());
     throw;
   }
-  if (dynamic_find_unused()) {
-    used_map_.zero_();
-    used_map_reduced_ = false;
-  }
+  if (dynamic_find_unused()) unused_.zero(/*unread=*/true);
   phase_ = Phase::kReduced;
-  divide_factor_ = 0;
+  join_.set_divide_factor(0);
   grad_slot_.reset();
-  release_buckets();
-  timeline_->mark_end();
-  ++num_syncs_;
-  stats_.steps = num_syncs_;
-  stats_.skipped = skipped_;
-  stats_.backward_start_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                 backward_start_.time_since_epoch())
-                                 .count();
-  stats_.exposed_us = std::max(0.0, elapsed_us() - last_ready_us_);
-  stats_.total_exposed_us += stats_.exposed_us;
-  stats_.collectives = counts_collectives_ ? collective_count() - collectives_at_start_ : -1;
-  const cost::Totals now = cost::totals();
-  for (int k = 0; k < cost::kKinds; ++k) stats_.cost[k] = now[k] - cost_at_start_[k];
+  views_.release(buckets_);
+  stats_.end_step(*group_, skip_votes_.skipped());
 }
 
 void Reducer::finish_bucket(size_t b) {
   Bucket& bucket = buckets_[b];
   // A skipped bucket (Note [skipping unused buckets]) was not reduced: its
   // grads stay as the copy-in left them, as torch's finalize passes it by.
-  if (!skipped_[b]) {
+  if (!skip_votes_.skipped(b)) {
     {
       FASTDDP_PROFILE_RANGE("fastddp wait");
       bucket.future->wait();
@@ -79,7 +58,7 @@ void Reducer::finish_bucket(size_t b) {
     if (bucket.future->hasError()) {
       const char* what = hook_->launched_collective(b);
       FASTDDP_CHECK(false, "fastddp: the reduction of bucket ", b, " (comm hook '",
-                    hook_->name(), "') failed on rank ", rank_, ": ", what ? what : "",
+                    hook_->name(), "') failed on rank ", rank(), ": ", what ? what : "",
                     what ? " failed: " : "", bucket.future->tryRetrieveErrorMessage());
     }
     {
@@ -88,8 +67,7 @@ void Reducer::finish_bucket(size_t b) {
     }
     bucket.future.reset();
   }
-  stats_.timings[b].done_us = elapsed_us();
-  timeline_->mark(b, DeviceTimeline::kDone);
+  stats_.bucket_done(b);
   if (optimizer_step_) {
     // A skipped bucket's .grad are what optimizer.step() sees after torch's
     // backward (None stays None, and the step passes such a parameter by).
@@ -101,7 +79,7 @@ void Reducer::finish_bucket(size_t b) {
 void Reducer::finish_completed_buckets() {
   // Not where the write-back waits for the whole backward (Note [overlapped
   // optimizer]), nor on an accelerator, whose futures complete at enqueue.
-  if (!optimizer_step_ || track_usage() || nonfinite_ || options_.mixed_precision ||
+  if (!optimizer_step_ || track_usage() || finite_.guard() || options_.mixed_precision ||
       !params_.front().device().is_cpu()) {
     return;
   }
@@ -117,38 +95,35 @@ void Reducer::fail_iteration(const std::exception_ptr& error) {
   try {
     std::rethrow_exception(error);
   } catch (const c10::Error& e) {
-    last_error_ = e.what_without_backtrace();
+    stats_.set_error(e.what_without_backtrace());
   } catch (const std::exception& e) {
-    last_error_ = e.what();
+    stats_.set_error(e.what());
   } catch (...) {
-    last_error_ = "unknown error";
+    stats_.set_error("unknown error");
   }
   // Collectives already issued finish (every rank issued them) before the next
   // step writes into their buffers; then the next forward starts afresh
   // instead of reporting unready parameters.
   hook_->abandon_step();
-  drop_skip_votes();
+  skip_votes_.drop();
   for (Bucket& bucket : buckets_) {
     if (bucket.future) bucket.future->wait();  // its error, if any, is this step's
     bucket.future.reset();
   }
-  release_buckets();  // nothing writes into them any more
+  views_.release(buckets_);  // nothing writes into them any more
   // A double-buffered hook's step wrote only its spare buffers: whatever the
   // failure, the state it read stands (Note [double-buffered step state]).
   if (hook_->settles_own_state()) hook_->discard_step();
-  if (drop_hook_state_) {  // check_for_nan_in_grad: the state from before the step
-    step_state_.restore(hook_->step_state());
-    drop_hook_state_ = false;
+  if (finite_.take_guard_failed()) {  // check_for_nan_in_grad: discard_step kept the state read
     hook_->after_step(at::zeros({}, at::kBool));
   } else {
     hook_->after_step(at::Tensor());
   }
-  reduced_.clear();
+  finite_.drop();
   phase_ = Phase::kIdle;
-  divide_factor_ = 0;
+  join_.set_divide_factor(0);
   grad_slot_.reset();
-  used_map_.zero_();
-  used_map_reduced_ = false;
+  unused_.zero(/*unread=*/true);
 }
 
 void Reducer::write_back(Bucket& bucket, const c10::IValue& result) {
@@ -157,7 +132,7 @@ void Reducer::write_back(Bucket& bucket, const c10::IValue& result) {
     // The reduced sparse tensor becomes the gradient, as in torch's reducer.
     const size_t index = bucket.params[0];
     bucket.sparse_grad.reset();
-    if (check_usage && globally_unused(index)) return;
+    if (check_usage && unused_.globally_unused(index)) return;
     at::Tensor reduced = hook_->result_tensor(result);
     FASTDDP_CHECK(reduced.is_sparse() && reduced.sizes() == params_[index].sizes(),
                   "fastddp: comm hook '", hook_->name(), "' returned a ",
@@ -173,10 +148,12 @@ void Reducer::write_back(Bucket& bucket, const c10::IValue& result) {
   std::vector<at::Tensor> dsts(bucket.params.size());
   for (size_t k = 0; k < bucket.params.size(); ++k) {
     const size_t index = bucket.params[k];
-    const bool unused = check_usage && globally_unused(index);
+    const bool unused = check_usage && unused_.globally_unused(index);
     // As torch's upcast hook: every gradient of the bucket back to the master's dtype,
     // keeping its values only where the reduction does not overwrite them.
-    if (options_.mixed_precision) full_precision_grad(index, unused);
+    if (mixed_precision_.on()) {
+      mixed_precision_.full_precision_grad(grad_slot_, params_[index], index, unused);
+    }
     if (unused) continue;  // .grad stays as it is
     at::Tensor& view = bucket.views[k];
     grad_slot_.with_grad(params_[index], [&](at::Tensor& grad) {
@@ -194,7 +171,7 @@ void Reducer::write_back(Bucket& bucket, const c10::IValue& result) {
       } else {
         if (!grad.defined()) {
           // Of the parameter's dtype: the bucket's is reduce_dtype under mixed_precision.
-          grad = at::empty_like(view, view.options().dtype(master_dtypes_[index]),
+          grad = at::empty_like(view, view.options().dtype(mixed_precision_.master_dtype(index)),
                                 at::MemoryFormat::Preserve);
           replaced = true;
         }
@@ -207,10 +184,7 @@ void Reducer::write_back(Bucket& bucket, const c10::IValue& result) {
   // require grad (create_graph=True).
   const at::NoGradGuard no_grad;
   hook_->write_back(bucket, result, dsts);
-  if (step_state_.empty() && !track_finite_ && !hook_->settles_own_state()) return;
-  for (const at::Tensor& dst : dsts) {
-    if (dst.defined()) reduced_.push_back(dst);  // checked once all are in
-  }
+  finite_.collect(dsts, hook_->settles_own_state());
 }
 
 }  // namespace fastddp

@@ -62,13 +62,13 @@ std::vector<at::Tensor> Reducer::after_forward(bool sync, std::vector<at::Tensor
     }
     phase_ = Phase::kExpecting;
     reset_iteration();
-    if (dynamic_find_unused()) unused_ = search_unused_parameters(outputs);
+    if (dynamic_find_unused()) unused_.set(search_unused_parameters(outputs));
     vote_on_skips();  // Note [skipping unused buckets]
-    sink = dynamic_find_unused() || (static_first_iteration() && !delayed_reduce_queued_);
-    sink_clone = sink_clone_;
+    sink = dynamic_find_unused() || (static_first_iteration() && !static_graph_.delayed_queued());
+    sink_clone = options_.sink_clone;
     // No output to hang the sink on: as prepare_for_backward, queue the first
     // static-graph iteration's reduction from the first gradient hook.
-    delay_from_first_hook_ = static_first_iteration() && outputs.empty();
+    static_graph_.set_delay_from_first_hook(static_first_iteration() && outputs.empty());
   }
   if (!sink || outputs.empty()) return outputs;
   // A TensorList, not the vector: apply() tracks only tensor arguments it
@@ -81,9 +81,9 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   std::lock_guard<std::mutex> lock(mutex_);
   phase_ = Phase::kExpecting;
   reset_iteration();
-  if (dynamic_find_unused()) unused_ = search_unused_parameters(outputs);
+  if (dynamic_find_unused()) unused_.set(search_unused_parameters(outputs));
   vote_on_skips();
-  delay_from_first_hook_ = static_first_iteration();
+  static_graph_.set_delay_from_first_hook(static_first_iteration());
 }
 
 std::vector<size_t> Reducer::search_unused_parameters(
@@ -105,7 +105,9 @@ std::vector<size_t> Reducer::search_unused_parameters(
   }
   std::vector<size_t> unused;
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (seen.count(grad_accumulators_[i].get()) == 0) unused.push_back(i);
+    if (seen.count(const_cast<torch::autograd::Node*>(grad_hooks_.accumulator(i))) == 0) {
+      unused.push_back(i);
+    }
   }
   if (unused.empty()) {
     FASTDDP_WARN_ONCE(
@@ -120,7 +122,7 @@ std::vector<size_t> Reducer::search_unused_parameters(
 }
 
 void Reducer::ensure_prior_reduction_finished() const {
-  if (phase_ != Phase::kExpecting || num_ready_ == 0) return;
+  if (!reducing()) return;
   std::string message =
       "Expected to have finished reduction in the prior iteration before starting a new one. ";
   const std::string outputs_in_loss =
@@ -147,9 +149,9 @@ void Reducer::ensure_prior_reduction_finished() const {
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!ready_[i]) indices.push_back(cat(i));
   }
-  FASTDDP_CHECK(false, message, "\nParameters which did not receive grad for rank ", rank_, ": ",
-                unready_params(), "\nParameter indices which did not receive grad for rank ", rank_,
-                ": ", join(indices, ", "));
+  FASTDDP_CHECK(false, message, "\nParameters which did not receive grad for rank ", rank(), ": ",
+                unready_params(), "\nParameter indices which did not receive grad for rank ",
+                rank(), ": ", join(indices, ", "));
 }
 
 void Reducer::check_not_ready(size_t index) const {
@@ -182,7 +184,7 @@ void Reducer::check_not_ready(size_t index) const {
   FASTDDP_CHECK(false, message, "\nParameter at index ", index, " with name ", names_[index],
                 " has been marked as ready twice. This means that multiple autograd engine  hooks "
                 "have fired for this particular parameter during this iteration (rank ",
-                rank_, ").");
+                rank(), ").");
 }
 
 std::string Reducer::unready_params() const {

@@ -12,7 +12,7 @@ namespace fastddp {
 void Reducer::set_comm_hook(std::shared_ptr<CommHook> hook) {
   std::lock_guard<std::mutex> lock(mutex_);
   FASTDDP_CHECK(hook, "fastddp: set_comm_hook needs a hook");
-  if (phase_ == Phase::kExpecting && num_ready_ > 0) {
+  if (reducing()) {
     // The backward in flight cannot finish reducing (this call comes from
     // inside it): fail it, so that the next forward starts afresh.
     try {
@@ -25,8 +25,8 @@ void Reducer::set_comm_hook(std::shared_ptr<CommHook> hook) {
   check_hook_supports(*hook);
   hook_->set_nonfinite_guard(nullptr);
   hook_ = std::move(hook);
-  hook_registered_ = true;
-  hook_->set_nonfinite_guard(nonfinite_.get());
+  skip_votes_.note_hook_registered();
+  hook_->set_nonfinite_guard(finite_.guard());
   hook_->on_new_buckets(buckets_);
 }
 
@@ -43,7 +43,7 @@ void Reducer::check_hook_supports(const CommHook& hook) const {
 
 void Reducer::set_optimizer_step(std::shared_ptr<OptimizerStep> step) {
   std::lock_guard<std::mutex> lock(mutex_);
-  FASTDDP_CHECK(phase_ != Phase::kExpecting || num_ready_ == 0,
+  FASTDDP_CHECK(!reducing(),
                 "fastddp: the overlapped optimizer cannot be changed while a backward is reducing");
   optimizer_step_ = std::move(step);
 }

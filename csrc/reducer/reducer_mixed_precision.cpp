@@ -1,10 +1,8 @@
-// The reducer's side of DDP's mixed_precision (Note [mixed precision]): the
-// grad accumulators of the cast parameters, the full-precision .grad the
-// write-back fills, and the masters put back at the end of backward.
-#include <ATen/ATen.h>
-
-#include "reducer.h"
+// The reducer's side of DDP's mixed_precision (Note [mixed precision]): a
+// forward cast the parameters. The grads and masters are MixedPrecision's
+// (mixed_precision.h).
 #include "../util/message.h"
+#include "reducer.h"
 
 namespace fastddp {
 
@@ -16,46 +14,13 @@ void Reducer::after_param_cast(std::vector<at::Tensor> params, std::vector<at::T
                 " cast parameters but ", masters.size(), " masters");
   // A forward of the module while its backward is reducing (the masters of this
   // iteration would be replaced half-way).
-  FASTDDP_CHECK(!(phase_ == Phase::kExpecting && num_ready_ > 0),
+  FASTDDP_CHECK(!reducing(),
                 "fastddp: mixed_precision: the module ran a forward while DDP's backward was "
                 "reducing its gradients");
-  cast_params_ = std::move(params);
-  masters_ = std::move(masters);
+  mixed_precision_.set_cast(std::move(params), std::move(masters));
   // A dtype change (set_data) drops the parameter's grad accumulator: the next
   // backward runs a new one, which must carry the hook.
-  for (size_t i = 0; i < params_.size(); ++i) hook_accumulator(i);
-}
-
-void Reducer::full_precision_grad(size_t index, bool keep_values) {
-  const c10::ScalarType dtype = master_dtypes_[index];
-  grad_slot_.with_grad(params_[index], [&](at::Tensor& grad) {
-    if (!grad.defined() || grad.scalar_type() == dtype) return false;
-    // set_data, as torch's `p.grad.data = p.grad.to(...)`: the same .grad object.
-    grad.set_data(keep_values ? grad.to(dtype)
-                              : at::empty_like(grad, grad.options().dtype(dtype),
-                                               at::MemoryFormat::Preserve));
-    return true;
-  });
-}
-
-void Reducer::restore_masters() {
-  for (size_t k = 0; k < cast_params_.size(); ++k) {
-    const c10::Storage low = cast_params_[k].storage();
-    cast_params_[k].set_data(masters_[k]);
-    // The param_dtype copy's memory is freed until the next forward allocates it
-    // again (its tensor, param._mp_param, keeps its shape), as torch's hook frees it
-    // (_free_storage).
-    if (!low.is_alias_of(masters_[k].storage())) low.unsafeGetStorageImpl()->reset();
-  }
-  cast_params_.clear();
-  masters_.clear();
-}
-
-bool Reducer::expected_dtype(size_t index, c10::ScalarType dtype) const {
-  // Between a forward and its synchronized backward (or after a forward without
-  // one, as in torch) a parameter is of param_dtype.
-  return dtype == master_dtypes_[index] ||
-         (options_.mixed_precision && options_.param_dtype == dtype);
+  install_hooks();
 }
 
 }  // namespace fastddp

@@ -9,10 +9,11 @@ namespace fastddp {
 
 void Reducer::check_finite_gradients() {
   const at::Device device = params_[0].device();
-  nonfinite_->launch(*group_, device, num_iterations_);
-  const std::vector<NonFiniteGuard::Finding> found = nonfinite_->wait();
+  NonFiniteGuard& guard = *finite_.guard();
+  guard.launch(*group_, device, num_iterations_);
+  const std::vector<NonFiniteGuard::Finding> found = guard.wait();
   if (found.empty()) return;
-  drop_hook_state_ = true;  // fail_iteration restores it once the step's futures are done
+  finite_.note_guard_failed();  // fail_iteration tells the hook, once the step's futures are done
   std::vector<std::string> where;
   for (const auto& f : found) {
     const std::string name = f.param < names_.size() ? names_[f.param] : "?";

@@ -11,12 +11,14 @@ namespace fastddp {
 
 void Reducer::on_output_grad() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!static_first_iteration() || phase_ != Phase::kExpecting || delayed_reduce_queued_) return;
+  if (!static_first_iteration() || phase_ != Phase::kExpecting || static_graph_.delayed_queued()) {
+    return;
+  }
   queue_delayed_reduce();
 }
 
 void Reducer::queue_delayed_reduce() {
-  delayed_reduce_queued_ = true;
+  static_graph_.mark_delayed_queued();
   std::weak_ptr<Reducer> weak = weak_from_this();
   torch::autograd::Engine::get_default_engine().queue_callback([weak] {
     if (auto self = weak.lock()) self->reduce_all_delayed();
@@ -29,19 +31,16 @@ void Reducer::delay_all_reduce() {
     FASTDDP_CHECK(options_.static_graph && num_iterations_ <= 1,
                   "fastddp: reducer._delay_all_reduce() belongs to the first iteration of "
                   "static_graph=True training");
-    if (delayed_reduce_queued_ || phase_ != Phase::kExpecting) return;  // done or queued
-    delayed_reduce_queued_ = true;
+    if (static_graph_.delayed_queued() || phase_ != Phase::kExpecting) return;  // done or queued
+    static_graph_.mark_delayed_queued();
   }
   reduce_all_delayed();
 }
 
 void Reducer::reduce_all_delayed() {
   std::lock_guard<std::mutex> lock(mutex_);
-  note_backward_start();
-  unused_.clear();
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (expected_hooks_[i] == 0) unused_.push_back(i);
-  }
+  stats_.backward_started(num_iterations_);
+  unused_.set(static_graph_.unused());
   finalize_queued_ = true;  // finalized right here, not by a second callback
   try {
     for (size_t i = 0; i < params_.size(); ++i) mark_ready(i);
@@ -49,7 +48,7 @@ void Reducer::reduce_all_delayed() {
     fail_iteration(std::current_exception());
     throw;
   }
-  launch_used_map_allreduce();
+  unused_.launch_allreduce(*group_);
   finalize_backward();
 }
 
