@@ -68,7 +68,8 @@ import torch.distributed as dist
 
 from fastddp import _group_ops, hooks
 from fastddp.hooks import _hierarchical, catalog
-from fastddp.hooks._auto import HIER, LOSSLESS, LOW_RANK, AutoHook
+# lossy: the tests read it as auto.lossy.
+from fastddp.hooks._auto import HIER, LOSSLESS, LOW_RANK, AutoHook, lossy  # noqa: F401
 from fastddp.link.emulator import EmulatedLinkGroup
 from fastddp.link.model import Link, bus_factor
 from fastddp.tuning import advise
