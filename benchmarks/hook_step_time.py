@@ -4,6 +4,7 @@ Training-step time with gradient compression: fastddp's native bf16 hook vs torc
 running torch's bf16_compress_hook, side by side in one run.
 
     python benchmarks/hook_step_time.py [--nproc 2] [--rounds 12] [--block 3] [--width 1024] [--batch 64]
+        [--stateful]
 
 Spawns gloo ranks on 127.0.0.1 (one intra-op thread each). Every variant trains a copy
 of the same MLP (``--depth`` Linear(width, width) layers, ``--batch`` rows): after a warm-up,
@@ -39,7 +40,7 @@ def build(width: int, depth: int) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(width, 16))
 
 
-def variants(base: nn.Module) -> dict[str, nn.Module]:
+def variants(base: nn.Module, stateful: bool = False) -> dict[str, nn.Module]:
     def fast(hook):
         model = fastddp.DistributedDataParallel(_copy(base))
         if hook is not None:
@@ -50,6 +51,10 @@ def variants(base: nn.Module) -> dict[str, nn.Module]:
               "fastddp bf16 fp32-acc": fast(fastddp.hooks.bf16(accumulate="fp32")),
               "fastddp fp32": fast(None),
               "torch fp32": TorchDDP(_copy(base))}
+    if stateful:  # the hooks with error feedback, whose state is double-buffered (issue 43)
+        models.update({"fastddp bf16 ef": fast(fastddp.hooks.bf16(error_feedback=True)),
+                       "fastddp fp16 ef": fast(fastddp.hooks.fp16(error_feedback=True)),
+                       "fastddp int8": fast(fastddp.hooks.int8())})
     torch_bf16 = TorchDDP(_copy(base))
     try:
         torch_bf16.register_comm_hook(None, dh.bf16_compress_hook)
@@ -70,7 +75,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
-    models = variants(build(args.width, args.depth))
+    models = variants(build(args.width, args.depth), args.stateful)
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, 16, generator=g)
@@ -107,6 +112,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--stateful", action="store_true",
+                        help="also bf16 and fp16 with error feedback, and int8")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -3,9 +3,12 @@
 // The loops are branch-free (the rounding helpers use selects, not ifs) so the
 // compiler vectorizes them; on x86-64 GCC builds each loop is cloned for
 // AVX-512, AVX2 and baseline SSE2 and the loader picks one for the running CPU,
-// so the one portable binary still gets wide vectors. Threading is the
-// caller's business (the hooks split large buffers with at::parallel_for).
+// so the one portable binary still gets wide vectors. float16 takes the F16C
+// instructions where the CPU has them (half_cast_f16c.h): GCC does not
+// vectorize the portable float16 rounding. Threading is the caller's business
+// (the hooks split large buffers with at::parallel_for).
 #include "half_cast.h"
+#include "half_cast_f16c.h"
 #include "vector_clones.h"
 
 namespace fastddp::kernels {
@@ -92,11 +95,30 @@ FASTDDP_VECTOR_CLONES void sum_shards(const uint16_t* __restrict shards, int64_t
   }
 }
 
+// sum_shards<kFloat16> with the F16C conversions, blocked the same way.
+void sum_shards_f16c(const uint16_t* shards, int64_t stride, int64_t count, uint16_t* out,
+                     int64_t n) {
+  constexpr int64_t kBlock = 1024;
+  float acc[kBlock];
+  for (int64_t begin = 0; begin < n; begin += kBlock) {
+    const int64_t len = n - begin < kBlock ? n - begin : kBlock;
+    f16c::to_float(shards + begin, acc, len);
+    for (int64_t r = 1; r < count; ++r) f16c::add_to_float(shards + r * stride + begin, acc, len);
+    f16c::from_float(acc, out + begin, len);
+  }
+}
+
 }  // namespace
 
 void compress_cpu(HalfKind kind, const float* src, float scale, const float* residual,
                   float* new_residual, uint16_t* dst, int64_t n, int32_t* nonfinite) {
   const bool bf16 = kind == HalfKind::kBFloat16;
+  if (!bf16 && f16c::available()) {
+    if (f16c::compress(src, scale, residual, new_residual, dst, n, nonfinite != nullptr)) {
+      *nonfinite = 1;
+    }
+    return;
+  }
   const float* r = residual;
   float* nr = new_residual;
   if (nonfinite == nullptr) {
@@ -112,6 +134,10 @@ void compress_cpu(HalfKind kind, const float* src, float scale, const float* res
 void cast_divide_cpu(HalfKind kind, const float* src, float divisor, uint16_t* dst, int64_t n,
                      int32_t* nonfinite) {
   const bool bf16 = kind == HalfKind::kBFloat16;
+  if (!bf16 && f16c::available()) {
+    if (f16c::cast_divide(src, divisor, dst, n, nonfinite != nullptr)) *nonfinite = 1;
+    return;
+  }
   if (nonfinite == nullptr) {
     bf16 ? cast_divide<HalfKind::kBFloat16, false>(src, divisor, dst, n)
          : cast_divide<HalfKind::kFloat16, false>(src, divisor, dst, n);
@@ -123,6 +149,9 @@ void cast_divide_cpu(HalfKind kind, const float* src, float divisor, uint16_t* d
 }
 
 void decompress_cpu(HalfKind kind, const uint16_t* src, float* dst, int64_t n) {
+  if (kind == HalfKind::kFloat16 && f16c::available()) {
+    return f16c::to_float(src, dst, n);
+  }
   kind == HalfKind::kBFloat16 ? decompress<HalfKind::kBFloat16>(src, dst, n)
                               : decompress<HalfKind::kFloat16>(src, dst, n);
 }
@@ -130,6 +159,9 @@ void decompress_cpu(HalfKind kind, const uint16_t* src, float* dst, int64_t n) {
 void sum_shards_cpu(HalfKind kind, const uint16_t* shards, int64_t stride, int64_t count,
                     uint16_t* out, int64_t n) {
   if (count <= 0) return;
+  if (kind == HalfKind::kFloat16 && f16c::available()) {
+    return sum_shards_f16c(shards, stride, count, out, n);
+  }
   kind == HalfKind::kBFloat16 ? sum_shards<HalfKind::kBFloat16>(shards, stride, count, out, n)
                               : sum_shards<HalfKind::kFloat16>(shards, stride, count, out, n);
 }

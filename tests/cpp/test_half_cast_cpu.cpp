@@ -5,10 +5,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
 #include "kernels/half_cast.h"
+#include "kernels/half_cast_f16c.h"
 
 using fastddp::HalfKind;
 namespace k = fastddp::kernels;
@@ -92,5 +94,50 @@ TEST_CASE("sum_shards adds in rank order in float and rounds once") {
         REQUIRE(same(back(kind, out[i]), back(kind, to_half(kind, acc))));
       }
     }
+  }
+}
+
+static float fp16_back(uint16_t h) { return back(HalfKind::kFloat16, h); }
+static uint16_t fp16_to(float f) { return to_half(HalfKind::kFloat16, f); }
+
+TEST_CASE("float16 through F16C equals the portable rounding, edge values included") {
+  // The F16C loops (half_cast_f16c.h) replace the portable ones on CPUs that have it: they
+  // must give every bit the portable conversion gives (NaN: NaN-ness only, Note [half
+  // rounding]). Values at the edges: zeros, the largest float16 and the rounding boundary
+  // to infinity (65520), subnormals and the halfway points below the smallest one, ties.
+  if (!k::f16c::available()) return;
+  std::vector<float> v = {0.0f, -0.0f, 65504.0f, 65519.99f, 65520.0f, -65520.0f, 1e30f,
+                          std::numeric_limits<float>::infinity(),
+                          -std::numeric_limits<float>::infinity(),
+                          std::numeric_limits<float>::quiet_NaN(), 5.960464477539063e-08f,
+                          2.9802322387695312e-08f, 2.9802326e-08f, 8.940697e-08f,
+                          6.103515625e-05f, 6.1035156e-05f, 1.00048828125f, 1.0009765625f,
+                          1.00146484375f, 1e-40f, -3.0e-06f};
+  const auto random = random_floats(4099, 11);
+  for (float x : random) {
+    for (float scale : {1.0f, 1e-3f, 1e-6f, 1e3f}) v.push_back(x * scale);
+  }
+  const auto n = static_cast<int64_t>(v.size());
+  std::vector<uint16_t> got(v.size()), back_bits(v.size());
+  std::vector<float> residual(v.size(), 1e-7f), next(v.size());
+  k::f16c::from_float(v.data(), got.data(), n);
+  for (int64_t i = 0; i < n; ++i) {
+    INFO("value " << v[i]);
+    REQUIRE(same(fp16_back(got[i]), fp16_back(fp16_to(v[i]))));
+  }
+  std::vector<float> as_float(v.size());
+  k::f16c::to_float(got.data(), as_float.data(), n);
+  for (int64_t i = 0; i < n; ++i) REQUIRE(same(as_float[i], fp16_back(got[i])));
+  REQUIRE_FALSE(k::f16c::compress(v.data(), 0.5f, residual.data(), next.data(), got.data(), 2, true));
+  REQUIRE(k::f16c::compress(v.data(), 0.5f, residual.data(), next.data(), got.data(), n, true));
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = v[i] * 0.5f + 1e-7f;
+    REQUIRE(same(fp16_back(got[i]), fp16_back(fp16_to(x))));
+    REQUIRE(same(next[i], x - fp16_back(fp16_to(x))));
+  }
+  k::f16c::cast_divide(v.data(), 3.0f, got.data(), n, false);
+  for (int64_t i = 0; i < n; ++i) {
+    const float cast = fp16_back(fp16_to(v[i]));
+    REQUIRE(same(fp16_back(got[i]), fp16_back(fp16_to(cast / 3.0f))));
   }
 }
