@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fastddp import hooks
 from fastddp.ddp._mixed_precision import refuse_comm_hook
+from fastddp.ddp._tuner_handle import TunerHandle
 from fastddp.hooks import AutoHook, _powersgd_live
 from fastddp.tuning.auto import AutoTuner
 
@@ -25,7 +26,7 @@ def install(ddp: DistributedDataParallel, state: object, hook: Any) -> None:
         if state is not None and state is not ddp.process_group:
             raise ValueError(f"{hook!r}: state must be None (the model's process group), "
                              f"got {type(state).__name__}")
-        state, ddp._auto = None, AutoTuner(ddp, hook, ddp._auto_install)
+        state, ddp._auto = None, AutoTuner(TunerHandle(ddp), hook, ddp._auto_install)
         hook = ddp._auto.initial_hook()
     native = hooks.resolve(state, hook, ddp.process_group, ddp._reducer_params)
     # torch's PowerSGDState: its training state goes into the native hook (raises, before

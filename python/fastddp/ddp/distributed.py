@@ -30,8 +30,7 @@ from fastddp.ddp._options import bucket_align_bytes, world1_reducer_requested
 from fastddp.ddp._reducer_proxy import ReducerProxy
 
 _MIB = 1024 * 1024
-# torch's defaults (bucket_cap_mb=25, a first bucket of 1 MiB), defined once in
-# csrc/core/bucket_plan.h.
+# torch's defaults (25 MiB, a first bucket of 1 MiB), defined once: csrc/core/bucket_plan.h
 _DEFAULT_BUCKET_CAP_MB = _C.DEFAULT_BUCKET_CAP_BYTES / _MIB
 _DEFAULT_FIRST_BUCKET_BYTES = _C.DEFAULT_FIRST_BUCKET_BYTES
 

@@ -104,10 +104,12 @@ def hook_for(name: str, groups: tuple | None = None) -> Any:
 class AutoTuner:
     """Note [auto tuning], for one model. ``before_forward`` is its one entry point."""
 
-    def __init__(self, ddp: Any, spec: AutoHook, install: Any):
-        self.ddp, self.spec, self._install = ddp, spec, install
-        self.group = ddp.process_group
-        self.cap_mb = ddp.bucket_bytes_cap / _MIB
+    def __init__(self, model: Any, spec: AutoHook, install: Any):
+        # model: the tuned model's TunerHandle (fastddp/ddp/_tuner_handle.py), what the
+        # tuner may read and set of it.
+        self.model, self.spec, self._install = model, spec, install
+        self.group = model.process_group
+        self.cap_mb = model.bucket_bytes_cap / _MIB
         self.hier_groups = self._hier_groups() if self.group.size() > 1 else None
         self.names = spec.candidates(self.cap_mb, self.hier_groups is not None)
         self.rank0 = self.group.rank() == 0
@@ -148,17 +150,16 @@ class AutoTuner:
         if self.choice is not None:
             return
         now = time.perf_counter()
-        stats = self.ddp.comm_stats()
-        reducer = id(self.ddp._reducer)
+        stats = self.model.comm_stats()
+        reducer = self.model.reducer_id()
         if self._checked_reducer != reducer:  # a new reducer (a rebuild) checks too
             self._checked_reducer = reducer
-            self.ddp._reducer.set_track_finite(True)
-            self.ddp._reducer.set_time_every_step(True)  # device figures of each step
+            self.model.check_each_step(True)  # NaN/Inf checks, device figures of each step
         last, self._last = self._last, (reducer, stats["steps"], now)
         if last is None or last[:2] != (reducer, stats["steps"] - 1):
             return  # no synchronized step completed since the last forward seen
         self.step += 1
-        if self.ddp._reducer.last_step_finite() is False:
+        if self.model.last_step_finite() is False:
             return  # an overflow (GradScaler skips that step): no figure from it
         if self._skip > 0:
             self._skip -= 1
@@ -186,8 +187,8 @@ class AutoTuner:
         # else: a second block in a row of the same configuration; measure on
 
     def _shapes(self) -> list[list[tuple[int, ...]]]:
-        params = self.ddp._reducer_params
-        return [[tuple(params[i].shape) for i in b] for b in self.ddp._reducer.bucket_plan()]
+        params = self.model.params
+        return [[tuple(params[i].shape) for i in b] for b in self.model.bucket_plan()]
 
     def _plan_trials(self) -> None:
         """Rank 0 ranks the candidates with the cost model; every rank gets the trial list.
@@ -201,7 +202,7 @@ class AutoTuner:
                 hier = None if hier_links is None else (self.hier_groups[0].size(), *hier_links)
                 self.predicted, self.link, ranked = predict(
                     self._samples, self.names, self.group.size(),
-                    str(self.ddp._reducer_params[0].device), link, hier)
+                    str(self.model.params[0].device), link, hier)
                 tries = self._worth_trying(ranked)[: self.spec.trials]
                 order[: len(tries)] = [self.names.index(n) for n in tries]
             except Exception as e:  # noqa: BLE001 -- a failed model keeps the baseline
@@ -232,9 +233,9 @@ class AutoTuner:
 
     def _probe_links(self) -> tuple[Link, tuple[Link, Link] | None]:
         """The model group's link and, on several nodes, the intra- and inter-node links."""
-        params = self.ddp._reducer_params
+        params = self.model.params
         device = params[0].device
-        largest = max(sum(params[i].numel() for i in b) for b in self.ddp._reducer.bucket_plan())
+        largest = max(sum(params[i].numel() for i in b) for b in self.model.bucket_plan())
         link = self._probe(self.group, largest, device)
         if self.hier_groups is None:
             return link, None
@@ -271,8 +272,7 @@ class AutoTuner:
         self.choice = self.names[self._broadcast([index])[0]]
         self.chosen_at_step = self.step
         self._switch(self.choice, fresh=True)
-        self.ddp._reducer.set_track_finite(False)  # tuned: no check per step from here
-        self.ddp._reducer.set_time_every_step(False)  # and the logger's sampling again
+        self.model.check_each_step(False)  # tuned: no check per step, the logger's sampling
         self._natives.clear()
         if self.rank0 and self.spec.verbose:
             print(self.log_line(), flush=True)
@@ -290,24 +290,25 @@ class AutoTuner:
         a switch (and a PowerSGD hook's plain warm-up steps) are not measured."""
         cap = advise.variant_cap(name)
         cap_bytes = int((cap if cap is not None else self.cap_mb) * _MIB)
-        rebuilt = cap_bytes != self.ddp.bucket_bytes_cap
+        rebuilt = cap_bytes != self.model.bucket_bytes_cap
         native = None if fresh else self._natives.get(name)
         first = native is None
         if first:
             native = hooks.resolve(None, hook_for(name, self.hier_groups), self.group,
-                                   self.ddp._reducer_params)
+                                   self.model.params)
             self._natives[name] = native
         self._install(native, cap_bytes)
         self.current, self._samples = name, []
         self.history.append((self.step, name, first))
-        self._last = (id(self.ddp._reducer), self.ddp.comm_stats()["steps"], time.perf_counter())
+        self._last = (self.model.reducer_id(), self.model.comm_stats()["steps"],
+                      time.perf_counter())
         # After a rebuild, the first step runs on the not yet reordered buckets.
         self._skip = _SWITCH_WARMUP + (1 if rebuilt else 0) + (
             _POWERSGD_START_ITER if first and name in LOW_RANK else 0)
 
     def _broadcast(self, values: list[int]) -> list[int]:
         """Rank 0's ``values`` on every rank (one small broadcast on the model's group)."""
-        device = self.ddp._reducer_params[0].device
+        device = self.model.params[0].device
         t = torch.tensor(values, dtype=torch.int64, device=device)
         _group_ops.broadcast(self.group, t, src=0)
         return t.tolist()
