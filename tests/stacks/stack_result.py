@@ -23,9 +23,11 @@ def describe_wrapper(wrapper: object) -> dict:
             "gradient_as_bucket_view": getattr(wrapper, "gradient_as_bucket_view", None)}
 
 
-def write_result(out: str, wrapper: dict, losses: list[float], module: nn.Module) -> None:
-    """Writes ``{out}.rank{RANK}.json``; ``wrapper`` is describe_wrapper()'s."""
-    rank = int(os.environ.get("RANK", "0"))
+def write_result(out: str, wrapper: dict, losses: list[float], module: nn.Module,
+                 rank: int | None = None) -> None:
+    """Writes ``{out}.rank{rank}.json``; ``wrapper`` is describe_wrapper()'s. ``rank``
+    defaults to torchrun's RANK (Lightning's own launcher sets no RANK: pass it)."""
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     state = {name: t.detach().double().flatten().tolist()
              for name, t in module.state_dict().items() if torch.is_floating_point(t)}
     result = {"rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
