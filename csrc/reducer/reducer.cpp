@@ -190,7 +190,7 @@ void Reducer::mark_ready(size_t index) {
   if (!bucket.allocated()) views_.allocate(buckets_);  // lazy buckets: this backward's first
   grad_slot_.with_grad(params_[index], [&](at::Tensor& grad) {
     check_grad(index, grad, bucket, bucket.views[slot]);
-    copy_in(index, b, slot, grad);
+    copy_in(b, slot, grad);
     return views_.adopt(grad, bucket.views[slot], bucket.sparse);  // gradient_as_bucket_view
   });
   if (--bucket.pending > 0) return;
@@ -198,7 +198,7 @@ void Reducer::mark_ready(size_t index) {
   launch_ready_buckets();
 }
 
-void Reducer::copy_in(size_t index, size_t b, size_t slot, const at::Tensor& grad) {
+void Reducer::copy_in(size_t b, size_t slot, const at::Tensor& grad) {
   FASTDDP_PROFILE_RANGE("fastddp copy-in");
   Bucket& bucket = buckets_[b];
   // Note [skipping unused buckets]: under a registered hook a skipped

@@ -254,8 +254,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void on_grad_ready(size_t index);
   void handle_grad_ready(size_t index);  // on_grad_ready under the lock
   void mark_ready(size_t index);
-  // Gradient `grad` of parameter `index` into slot `slot` of bucket b, by the comm hook.
-  void copy_in(size_t index, size_t b, size_t slot, const at::Tensor& grad);
+  // A gradient into slot `slot` of bucket b, by the comm hook.
+  void copy_in(size_t b, size_t slot, const at::Tensor& grad);
   // Raises unless `grad` is what parameter `index`'s slot `view` expects.
   void check_grad(size_t index, const at::Tensor& grad, const Bucket& bucket,
                   const at::Tensor& view) const;
