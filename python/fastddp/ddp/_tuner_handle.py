@@ -1,7 +1,8 @@
-"""What ``fastddp.hooks.auto()``'s tuner (fastddp/tuning/auto.py) reads and sets of the model
-it tunes, and no more: its group, bucket cap, parameters and step figures, and the reducer's
-per-step checks while it measures. The tuner gets this handle, not the
-DistributedDataParallel object (issue 44 item 2); the reducer it reaches may be rebuilt
+"""What ``fastddp.hooks.auto()``'s tuner (fastddp/tuning/auto.py) and the launcher's
+``--advise`` sampler (fastddp/tuning/advise.py) read and set of the model they observe, and
+no more: its group, bucket cap, parameters and step figures, and the reducer's per-step
+checks while they measure. They get this handle, not the DistributedDataParallel object
+(issue 44 item 2); the reducer it reaches may be rebuilt
 (a new bucket cap), so each call asks the model for the current one."""
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ class TunerHandle:
     def reducer_id(self) -> int:
         """Changes when the reducer is rebuilt: the new one must be told to check too."""
         return id(self._ddp._reducer)
+
+    def time_every_step(self, on: bool) -> None:
+        """Every step timed on the device's clock (Note [device timeline]); off: the DDP
+        logger's sampling again. A model with no reducer yet has nothing to time."""
+        reducer = getattr(self._ddp, "_reducer", None)
+        if reducer is not None:
+            reducer.set_time_every_step(on)
 
     def check_each_step(self, on: bool) -> None:
         """While tuning, every step's averaged gradients checked for NaN/Inf (an

@@ -25,6 +25,7 @@ from torch import nn
 
 from fastddp.ddp import DistributedDataParallel as FastDDP
 from fastddp.ddp import _compile
+from fastddp.ddp._tuner_handle import TunerHandle
 from fastddp.launch._emulate_link import LinkEmulation
 # The --hook option's names, re-exported: the launcher, benchmarks and tests import them here.
 from fastddp.launch.hook_spec import (FP8_FORMATS, HOOK_NAMES, HookSpec,  # noqa: F401
@@ -296,7 +297,7 @@ def _hook_factory(spec: HookSpec | None, disabled: bool,
 @_compile.eager
 def _advise_before_forward(advisor: Advisor, model: nn.Module) -> None:
     if _rank() == 0:
-        advisor.before_forward(model)
+        advisor.before_forward(model, TunerHandle(model))  # one small object, rank 0 only
 
 
 def _patched_class(base: type, owner: Patch) -> type:

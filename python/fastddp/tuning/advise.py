@@ -60,8 +60,9 @@ class Advisor:
         self.warmup, self.max_samples = warmup, max_samples
         self.records: list[dict[str, Any]] = []
 
-    def before_forward(self, model: Any) -> None:
-        """Called at the start of every forward of a wrapped model (rank 0 only)."""
+    def before_forward(self, model: Any, handle: Any) -> None:
+        """Called at the start of every forward of a wrapped model (rank 0 only); ``handle``:
+        the model's TunerHandle (fastddp/ddp/_tuner_handle.py), what sampling reads."""
         state = getattr(model, "_fastddp_advice", None)
         if state is None:
             state = {"forwards": 0, "steps": None, "at": 0.0, "samples": [],
@@ -73,28 +74,27 @@ class Advisor:
                 or "error" in state):
             return
         try:
-            self._sample(model, state)
+            self._sample(handle, state)
         except Exception as e:  # noqa: BLE001 -- observing must never fail the training run
             state["error"] = f"{type(e).__name__}: {e}"
 
     @staticmethod
-    def _sample(model: Any, state: dict[str, Any]) -> None:
+    def _sample(handle: Any, state: dict[str, Any]) -> None:
         now = time.perf_counter()
-        stats = model.comm_stats()
-        reducer = getattr(model, "_reducer", None)
+        stats = handle.comm_stats()
         # A sample is one synchronized step between two forwards (no no_sync, no eval), with
         # figures of a step not sampled yet (on a GPU they trail the host).
         timed = stats.get("timed_iteration", 0)
         if (state["steps"] is not None and stats["steps"] == state["steps"] + 1
                 and stats["buckets"] and timed > state.get("timed", 0)):
-            params = model._reducer_params
-            shapes = [[tuple(params[i].shape) for i in b] for b in reducer.bucket_plan()]
+            params = handle.params
+            shapes = [[tuple(params[i].shape) for i in b] for b in handle.bucket_plan()]
             state["samples"].append({"step_ms": (now - state["at"]) * 1e3, "stats": stats,
                                      "shapes": shapes})
             state["timed"] = timed
         state["steps"], state["at"] = stats["steps"], now
-        if reducer is not None:  # every step timed on a GPU while sampling, then torch's rate
-            reducer.set_time_every_step(len(state["samples"]) < MAX_SAMPLES)
+        # Every step timed on a GPU while sampling, then torch's rate.
+        handle.time_every_step(len(state["samples"]) < MAX_SAMPLES)
 
 
 def estimate_link(stats: dict[str, Any]) -> Link | None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import fastddp
+from fastddp.ddp._tuner_handle import TunerHandle
 from fastddp.launch.launcher import _advised_command, split_command_line
 from fastddp.launch.launcher import main as launcher_main
 from fastddp.link import Link
@@ -205,7 +206,7 @@ def test_a_failing_comm_stats_never_fails_the_run(tmp_path: Path) -> None:
     handle.unpatch()
     model = Broken(2, 2)
     for _ in range(handle.advisor.warmup + 3):
-        handle.advisor.before_forward(model)
+        handle.advisor.before_forward(model, TunerHandle(model))
     text = handle.advice_text(str(tmp_path))
     assert text == "[fastddp] advice unavailable: reading comm_stats() failed: RuntimeError: boom"
     assert not (tmp_path / "fastddp_advice.json").exists()
