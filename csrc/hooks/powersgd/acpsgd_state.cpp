@@ -3,6 +3,8 @@
 // slot, the error of the others).
 #include <ATen/ATen.h>
 
+#include <utility>
+
 #include "../../util/message.h"
 #include "../common/spare_state.h"
 #include "acpsgd.h"
@@ -95,7 +97,8 @@ void AcpSgdHook::on_new_buckets(const std::vector<Bucket>& buckets) {
 at::Tensor AcpSgdHook::settle_step(const at::Tensor& finite) {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<Spare> written;
-  std::vector<const BucketState*> held;  // buckets whose wires held factors before the step
+  // Every bucket, and whether its wires held factors before the step.
+  std::vector<std::pair<const BucketState*, bool>> buckets;
   for (auto& entry : states_) {
     BucketState& s = *entry.second;
     const bool fresh = s.pending && s.fresh;
@@ -106,17 +109,15 @@ at::Tensor AcpSgdHook::settle_step(const at::Tensor& finite) {
     }
     s.pending = false;
     s.fresh = false;
-    held.push_back(fresh ? nullptr : &s);
+    buckets.emplace_back(&s, !fresh);
   }
   if (written.empty()) return finite;
   // The state as the step found it.
-  return settle_spares(written, finite, [this, held](bool witness) {
+  return settle_spares(written, finite, [&buckets](bool witness) {
     std::vector<at::Tensor> read;
-    size_t i = 0;
-    for (auto& entry : states_) {
-      const BucketState* s = held[i++];
-      if (!witness) read.push_back(entry.second->error);
-      if (s == nullptr) continue;  // its wires held nothing before the step
+    for (const auto& [s, held] : buckets) {
+      if (!witness) read.push_back(s->error);
+      if (!held) continue;  // its wires held nothing before the step
       // The factors, past the wires' uncompressed part (scratch). On a device
       // they stand for the state, as PowerSGD's Qs do: a non-finite error
       // makes that step's factor non-finite.

@@ -197,10 +197,7 @@ void powersgd_orthogonalize_from(const at::Tensor& src, at::Tensor& matrices, do
   FASTDDP_CHECK(src.sizes() == matrices.sizes(),
                 "fastddp powersgd_orthogonalize_from: src is ", src.sizes(), ", matrices ",
                 matrices.sizes());
-  if (matrices.dim() == 3 && matrices.size(2) <= matrices.size(1) &&
-      fused_orthogonalize(matrices, epsilon, src)) {
-    return;
-  }
+  if (fused_orthogonalize(matrices, epsilon, src)) return;
   matrices.copy_(src);
   cost::add(cost::kStateCopy, 2 * static_cast<int64_t>(matrices.nbytes()));
   powersgd_orthogonalize(matrices, epsilon);
