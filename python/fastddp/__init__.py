@@ -7,8 +7,10 @@ _compat.load()  # before anything imports _C: a module built for another torch i
 from fastddp._build import build_info  # noqa: E402
 from fastddp import hooks  # noqa: E402
 from fastddp.ddp import DistributedDataParallel  # noqa: E402
+from fastddp.diloco import DiLoCo  # noqa: E402
 from fastddp.launch.patch import patch  # noqa: E402
 from fastddp.link import EmulatedLinkGroup, Link  # noqa: E402
 
-__all__ = ["DistributedDataParallel", "EmulatedLinkGroup", "Link", "build_info", "hooks", "patch"]
+__all__ = ["DiLoCo", "DistributedDataParallel", "EmulatedLinkGroup", "Link", "build_info", "hooks",
+           "patch"]
 __version__ = "0.1.0"

@@ -1,0 +1,52 @@
+"""The anchor: the weights every rank agrees on, kept flat (one buffer per device and dtype) so
+that a pseudo-gradient is one subtraction and the reset to the anchor one foreach copy per
+buffer, with no Python loop over the parameters on the sync path."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch._utils import _flatten_dense_tensors
+
+
+class Anchor:
+    """Flat copies of `params`, grouped by (device, dtype) in first-appearance order."""
+
+    def __init__(self, params: Sequence[torch.Tensor]):
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for p in params:
+            groups.setdefault((p.device, p.dtype), []).append(p)
+        self.params: list[list[torch.Tensor]] = list(groups.values())
+        with torch.no_grad():
+            # Leaf tensors without autograd: the outer optimizer steps them.
+            self.flats: list[torch.Tensor] = [
+                _flatten_dense_tensors(ps).clone() for ps in self.params]
+        self.views: list[list[torch.Tensor]] = [
+            [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in ps]), ps)]
+            for flat, ps in zip(self.flats, self.params)]
+
+    def pseudo_gradients(self) -> list[torch.Tensor]:
+        """anchor - current weights, one flat tensor per group (fresh buffers)."""
+        with torch.no_grad():
+            return [torch.sub(flat, _flatten_dense_tensors(ps))
+                    for flat, ps in zip(self.flats, self.params)]
+
+    def reset_model(self) -> None:
+        """Copies the anchor into the parameters."""
+        with torch.no_grad():
+            for ps, views in zip(self.params, self.views):
+                torch._foreach_copy_(ps, views)
+
+    def load(self, flats: Sequence[torch.Tensor]) -> None:
+        """Copies saved anchors in, after checking they fit."""
+        if len(flats) != len(self.flats):
+            raise ValueError(f"fastddp.DiLoCo.load_state_dict: 'anchor' has {len(flats)} "
+                             f"buffers, this model's parameters make {len(self.flats)}")
+        for i, (mine, saved) in enumerate(zip(self.flats, flats)):
+            if saved.shape != mine.shape or saved.dtype != mine.dtype:
+                raise ValueError(
+                    f"fastddp.DiLoCo.load_state_dict: anchor buffer {i} is {saved.dtype} "
+                    f"{tuple(saved.shape)}, this model's is {mine.dtype} {tuple(mine.shape)}")
+        with torch.no_grad():
+            torch._foreach_copy_(self.flats, list(flats))

@@ -1,0 +1,104 @@
+"""DiLoCo's arguments, checked before anything is allocated or communicated: a bad value raises
+an exception naming the argument, an argument fastddp does not implement (yet) raises
+NotImplementedError."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+# The averaging wires (fastddp/diloco/_wire.py); "int4" waits for csrc/kernels/quant4*.
+WIRES = ("fp32", "bf16", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig:
+    """What a DiLoCo was built with; its state_dict carries it so that a state is only
+    loaded into a DiLoCo that would have produced it."""
+
+    sync_every: int
+    outer_lr: float
+    outer_momentum: float
+    fragments: int
+    wire: str
+    overlap: int
+    error_feedback: bool
+    broadcast_buffers: bool
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _integer(name: str, value: object, minimum: int) -> int:
+    # bool is an int to Python; True as sync_every is a mistake, not 1.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"fastddp.DiLoCo: {name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"fastddp.DiLoCo: {name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _real(name: str, value: object, low: float, high: float | None) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"fastddp.DiLoCo: {name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    # `not (a <= v)` also refuses NaN.
+    if not (low <= value) or (high is not None and not (value <= high)):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"fastddp.DiLoCo: {name} must be {bound}, got {value}")
+    return value
+
+
+def check_config(model: object, inner_optimizer: object, sync_every: object, outer_lr: object,
+                 outer_momentum: object, fragments: object, wire: object, overlap: object,
+                 error_feedback: object, broadcast_buffers: object) -> DiLoCoConfig:
+    """The checked configuration, or the exception that names the culprit."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fastddp.DiLoCo: model must be a torch.nn.Module, got "
+                        f"{type(model).__name__}")
+    if not isinstance(inner_optimizer, torch.optim.Optimizer):
+        raise TypeError(f"fastddp.DiLoCo: inner_optimizer must be a torch.optim.Optimizer, "
+                        f"got {type(inner_optimizer).__name__}")
+    config = DiLoCoConfig(
+        sync_every=_integer("sync_every", sync_every, 1),
+        outer_lr=_real("outer_lr", outer_lr, 0.0, None),
+        outer_momentum=_real("outer_momentum", outer_momentum, 0.0, 1.0),
+        fragments=_integer("fragments", fragments, 1),
+        wire=_wire(wire),
+        overlap=_integer("overlap", overlap, 0),
+        error_feedback=_flag("error_feedback", error_feedback),
+        broadcast_buffers=_flag("broadcast_buffers", broadcast_buffers),
+    )
+    if config.outer_momentum == 1.0:
+        raise ValueError("fastddp.DiLoCo: outer_momentum must be < 1 (1 never forgets a step)")
+    if config.fragments > 1:
+        raise NotImplementedError(
+            f"fastddp.DiLoCo: fragments={config.fragments}: streaming DiLoCo (issue 47 item 2) "
+            "is not implemented yet; use fragments=1")
+    if config.overlap != 0:
+        raise NotImplementedError(
+            f"fastddp.DiLoCo: overlap={config.overlap}: overlapping the exchange with local "
+            "steps (streaming DiLoCo, issue 47 item 2) is not implemented yet; use overlap=0")
+    return config
+
+
+def _wire(wire: object) -> str:
+    if not isinstance(wire, str):
+        raise TypeError(f"fastddp.DiLoCo: wire must be a str, got {type(wire).__name__}")
+    if wire not in WIRES:
+        raise ValueError(f"fastddp.DiLoCo: wire must be one of {WIRES}, got {wire!r}")
+    if wire == "int4":
+        # TODO(issue 47): the 4-bit pack/unpack kernels (csrc/kernels/quant4*) are being
+        # written; the int4 wire plugs into _wire.py once _C exposes them.
+        raise NotImplementedError("fastddp.DiLoCo: wire='int4' needs fastddp's 4-bit kernels, "
+                                  "which are not built yet; use wire='int8' or 'bf16'")
+    return wire
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"fastddp.DiLoCo: {name} must be a bool, got {type(value).__name__}")
+    return value

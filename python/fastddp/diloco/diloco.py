@@ -1,0 +1,161 @@
+"""DiLoCo (arXiv 2311.08105): every rank takes `sync_every` steps of its own inner optimizer with
+no collective; then the ranks average the pseudo-gradient (anchor weights minus current
+weights), an outer torch.optim.SGD with Nesterov momentum steps the anchor with that average as
+its gradient, and every rank's model is reset to the new anchor.
+
+The sync runs from a post-hook on the inner optimizer's step(), so a training loop written for
+torch DDP (forward, backward, optimizer.step()) needs no other change than building a DiLoCo
+instead of wrapping the model.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fastddp.ddp._module_sync import broadcast_tensors
+from fastddp.diloco._anchor import Anchor
+from fastddp.diloco._args import check_config
+from fastddp.diloco._wire import make_wire
+
+_STATE_KEYS = ("config", "step", "anchor", "outer_optimizer", "residuals")
+
+
+class DiLoCo:
+    """DiLoCo over `process_group` (the default group when None).
+
+    Args:
+        model: the module every rank trains; its parameters and buffers are broadcast from
+            rank 0 now (as torch DDP does at construction) and become the first anchor.
+        inner_optimizer: the optimizer of the local steps (AdamW in the paper); each of its
+            step() calls is one inner step; it must hold only `model`'s parameters.
+        sync_every: H, the inner steps between two syncs.
+        outer_lr, outer_momentum: the outer torch.optim.SGD's (nesterov=True; plain SGD when
+            outer_momentum is 0, where torch refuses Nesterov and the two coincide).
+        fragments, overlap: streaming DiLoCo (arXiv 2501.18512); only 1 and 0 for now.
+        wire: "fp32" (allreduce), "bf16" or "int8" (allgather of codes, float32 sum, error
+            feedback on the pseudo-gradient when `error_feedback`); "int4" is not built yet.
+        broadcast_buffers: after each sync, rank 0's buffers are copied to every rank, as
+            torch DDP's broadcast_buffers does before each forward.
+
+    state_dict() / load_state_dict() carry the step counter, the anchor, the outer momentum
+    and the wire's residuals; with the model's and the inner optimizer's state dicts they
+    restart a run exactly. Load them after building the DiLoCo: building it broadcasts rank
+    0's weights, which would overwrite the other ranks' loaded local weights.
+    """
+
+    def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, sync_every: int,
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9, fragments: int = 1,
+                 wire: str = "fp32", overlap: int = 0, error_feedback: bool = True,
+                 broadcast_buffers: bool = True,
+                 process_group: dist.ProcessGroup | None = None):
+        self.config = check_config(model, inner_optimizer, sync_every, outer_lr, outer_momentum,
+                                   fragments, wire, overlap, error_feedback, broadcast_buffers)
+        self.group = _group(process_group)
+        self.model, self.inner_optimizer = model, inner_optimizer
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("fastddp.DiLoCo: model has no parameter that requires grad")
+        _check_inner_params(model, inner_optimizer)
+        self._buffers = list(model.buffers())
+        with torch.no_grad():
+            broadcast_tensors(self.group, [t.detach() for t in model.parameters()]
+                              + self._buffers, 0)
+        self._anchor = Anchor(params)
+        self._wire = make_wire(self.config.wire, self.group, self._anchor.flats,
+                               self.config.error_feedback)
+        momentum = self.config.outer_momentum
+        self.outer_optimizer = torch.optim.SGD(self._anchor.flats, lr=self.config.outer_lr,
+                                               momentum=momentum, nesterov=momentum > 0)
+        self._step = 0
+        self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
+
+    @property
+    def step(self) -> int:
+        """Inner steps taken since the start of training (restored by load_state_dict)."""
+        return self._step
+
+    def _after_inner_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._step += 1
+        if self._step % self.config.sync_every == 0:
+            self.sync()
+
+    def sync(self) -> None:
+        """Averages the pseudo-gradient, steps the anchor, resets the model to it (a
+        collective: every rank calls it; the inner optimizer's hook calls it every H steps)."""
+        pseudo = self._anchor.pseudo_gradients()
+        exchanges = [self._wire.start(i, g) for i, g in enumerate(pseudo)]
+        for flat, exchange in zip(self._anchor.flats, exchanges):
+            flat.grad = exchange.wait()
+        self.outer_optimizer.step()
+        self.outer_optimizer.zero_grad(set_to_none=True)
+        self._anchor.reset_model()
+        if self.config.broadcast_buffers and self._buffers:
+            broadcast_tensors(self.group, self._buffers, 0)
+
+    def close(self) -> None:
+        """Stops syncing: removes the hook on the inner optimizer."""
+        self._hook.remove()
+
+    def __enter__(self) -> "DiLoCo":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """A snapshot (copies, not views) of what a restart needs besides the model's and the
+        inner optimizer's own state dicts."""
+        return {
+            "config": self.config.as_dict(),
+            "step": self._step,
+            "anchor": [f.detach().clone() for f in self._anchor.flats],
+            "outer_optimizer": copy.deepcopy(self.outer_optimizer.state_dict()),
+            "residuals": self._wire.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise KeyError(f"fastddp.DiLoCo.load_state_dict: state lacks {missing}")
+        mine = self.config.as_dict()
+        for key, value in state["config"].items():
+            if mine.get(key) != value:
+                raise ValueError(f"fastddp.DiLoCo.load_state_dict: the state was saved with "
+                                 f"{key}={value!r}, this DiLoCo has {key}={mine.get(key)!r}")
+        step = state["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"fastddp.DiLoCo.load_state_dict: 'step' must be an int >= 0, "
+                             f"got {step!r}")
+        self._anchor.load(state["anchor"])
+        self._wire.load_state_dict(state["residuals"])
+        self.outer_optimizer.load_state_dict(copy.deepcopy(state["outer_optimizer"]))
+        self._step = step
+
+
+def _group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    if process_group is not None:
+        if not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"fastddp.DiLoCo: process_group must be a "
+                            f"torch.distributed.ProcessGroup, got {type(process_group).__name__}")
+        return process_group
+    if not dist.is_initialized():
+        raise RuntimeError("fastddp.DiLoCo: torch.distributed is not initialized; call "
+                           "torch.distributed.init_process_group first or pass process_group")
+    return dist.group.WORLD
+
+
+def _check_inner_params(model: nn.Module, inner_optimizer: torch.optim.Optimizer) -> None:
+    """A parameter the inner optimizer steps but the anchor does not know would drift apart
+    across ranks, never averaged."""
+    known = {id(p) for p in model.parameters()}
+    for g, group in enumerate(inner_optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in known:
+                raise ValueError(
+                    f"fastddp.DiLoCo: inner_optimizer's param_groups[{g}] holds a tensor of "
+                    f"shape {tuple(p.shape)} that is not a parameter of model")
