@@ -1,0 +1,66 @@
+"""fastddp.DiLoCo on real gloo ranks (2 and 3) against references fastddp did not write: torch
+DDP + SGD at H = 1, torch.optim.SGD(nesterov=True) for the outer step, an uninterrupted run for
+restarts; and its refusals of bad and unsupported arguments."""
+
+import pytest
+import torch
+
+import fastddp
+from tests.python.diloco import diloco_scenarios
+
+WIRES = ["fp32", "bf16", "int8"]
+
+
+def test_h1_matches_torch_ddp(world):
+    world.check(diloco_scenarios.h1_matches_torch_ddp, steps=5)
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_outer_step_is_nesterov_sgd(world, wire):
+    world.check(diloco_scenarios.outer_step_is_nesterov_sgd, wire=wire, syncs=3, sync_every=2)
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_restart_is_exact(world, wire):
+    # Stopped mid-period (step 4 of H = 3): the local weights, the anchor, the outer momentum
+    # and the residuals all carry over.
+    world.check(diloco_scenarios.restart_is_exact, wire=wire, stop_at=4, steps=10)
+
+
+def test_buffers_follow_rank0(world):
+    world.check(diloco_scenarios.buffers_follow_rank0, sync_every=2)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"fragments": 2}, NotImplementedError, "fragments=2"),
+    ({"overlap": 1}, NotImplementedError, "overlap=1"),
+    ({"wire": "int4"}, NotImplementedError, "wire='int4'"),
+    ({"wire": "bf16", "float64": True}, NotImplementedError, "torch.float64"),
+    ({"wire": "fp8"}, ValueError, "wire must be one of"),
+    ({"sync_every": 0}, ValueError, "sync_every must be >= 1"),
+    ({"sync_every": 2.0}, TypeError, "sync_every must be an int"),
+    ({"outer_lr": -1.0}, ValueError, "outer_lr must be >= 0.0"),
+    ({"outer_momentum": 1.0}, ValueError, "outer_momentum must be < 1"),
+    ({"model": "mlp"}, TypeError, "model must be a torch.nn.Module"),
+    ({"inner_optimizer": None}, TypeError, "inner_optimizer must be a torch.optim.Optimizer"),
+    ({"foreign_parameter": True}, ValueError, "not a parameter of model"),
+    ({"process_group": "world"}, TypeError, "process_group must be"),
+])
+def test_bad_argument(world, kwargs, error, match):
+    world.expect_error(diloco_scenarios.bad_argument, error, match=match, **kwargs)
+
+
+@pytest.mark.parametrize("what, error, match", [
+    ("config", ValueError, "saved with wire='fp32'"),
+    ("missing", KeyError, "lacks ['anchor']"),
+    ("shape", ValueError, "anchor buffer 0"),
+])
+def test_load_mismatch(world, what, error, match):
+    world.expect_error(diloco_scenarios.load_mismatch, error, match=match, what=what)
+
+
+def test_needs_a_process_group():
+    """Without init_process_group (this test process has none) and no process_group."""
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+        fastddp.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2)
