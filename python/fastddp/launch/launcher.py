@@ -15,6 +15,7 @@ import socket
 import sys
 import textwrap
 
+from fastddp.diloco.sync_patch import sync_patch
 from fastddp.hooks import catalog
 from fastddp.launch.patch import HookUnavailableError, parse_hook_spec, patch
 from fastddp.link.model import parse_link
@@ -79,11 +80,12 @@ examples:
   python -m fastddp --report -- train.py --lr 0.1
   torchrun --nproc_per_node=4 -m fastddp --advise --advise-out runs/ train.py
   torchrun --nproc_per_node=8 -m fastddp --hook auto:bf16 train.py
+  torchrun --nproc_per_node=8 -m fastddp --sync diloco:H=100,wire=int8 train.py
   torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
       -m fastddp --hook hier:bf16 train.py   (on each node)"""
 
 # Launcher options that consume the next token; needed to find where the script path is.
-_VALUE_OPTIONS = ("--hook", "--bucket-cap-mb", "--emulate-link", "--advise-out")
+_VALUE_OPTIONS = ("--hook", "--bucket-cap-mb", "--emulate-link", "--advise-out", "--sync")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="register this communication hook on every wrapped model: "
                              + ", ".join(c.usage() for c in catalog.CONFIGS)
                              + ", auto[:POLICY], hier[:INNER]")
+    parser.add_argument("--sync", metavar="diloco:H=STEPS[,KEY=VALUE...]",
+                        help="no per-step gradient collective: fastddp.DiLoCo every H "
+                             "optimizer steps; keys outer_lr, outer_momentum, wire "
+                             "(fp32|bf16|int8), see docs/diloco.md; excludes the other options")
     parser.add_argument("--bucket-cap-mb", metavar="X", type=_positive_float,
                         help="bucket size in MiB for every wrapped model (overrides the "
                              "script's bucket_cap_mb and bucket_cap_mb_list)")
@@ -161,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m fastddp: error: script {script!r} not found", file=sys.stderr)
         return 2
     single = _default_to_world_of_one()
+    if options.sync is not None:
+        return _run_synced(parser, options, script, script_args, single)
     try:
         handle = patch(hook=hook, bucket_cap_mb=options.bucket_cap_mb,
                        report=options.report, _option="--hook",
@@ -175,11 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         where = " [single process: world size 1]" if single else ""
         print(handle.describe() + where, flush=True)
 
-    sys.argv = [script, *script_args]
-    # As `python train.py` would: the script's folder first, so its sibling modules import.
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
-        runpy.run_path(script, run_name="__main__")
+        _run_script(script, script_args)
     finally:
         # Also after sys.exit() in the script; rank 0 only, like the one-line summary.
         if options.report and rank == 0:
@@ -187,6 +192,37 @@ def main(argv: list[str] | None = None) -> int:
         if options.advise and rank == 0:
             print(handle.advice_text(options.advise_out or ".",
                                      _advised_command(own, script, script_args)), flush=True)
+    return 0
+
+
+def _run_script(script: str, script_args: list[str]) -> None:
+    sys.argv = [script, *script_args]
+    # As `python train.py` would: the script's folder first, so its sibling modules import.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+
+
+def _run_synced(parser: argparse.ArgumentParser, options: argparse.Namespace, script: str,
+                script_args: list[str], single: bool) -> int:
+    """--sync: the script's DDP models train locally, synced by DiLoCo (fastddp/diloco/
+    sync_patch.py). The per-step options have nothing to act on there."""
+    per_step = [name for name, given in (
+        ("--hook", options.hook), ("--bucket-cap-mb", options.bucket_cap_mb),
+        ("--emulate-link", options.emulate_link), ("--advise", options.advise),
+        ("--report", options.report),
+        ("--check-for-nan-in-grad", options.check_for_nan_in_grad)) if given]
+    if per_step:
+        parser.error(f"--sync excludes {', '.join(per_step)} (no per-step gradient collective)")
+    try:
+        handle = sync_patch(options.sync)
+    except ValueError as e:
+        print(f"python -m fastddp: error: {e}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        where = " [single process: world size 1]" if single else ""
+        print(handle.describe() + where, flush=True)
+    with handle:
+        _run_script(script, script_args)
     return 0
 
 

@@ -1,0 +1,46 @@
+"""``torchrun -m fastddp --sync diloco:H=...`` on an unmodified torch DDP script
+(sync_script.py, 2 gloo ranks): the run equals the same script written against
+fastddp.DiLoCo, bit for bit; bad specs and per-step options are refused."""
+
+from pathlib import Path
+
+import pytest
+
+from tests.python.launch.launch_script import run_launcher
+
+SCRIPT = Path(__file__).resolve().parent / "sync_script.py"
+TIMEOUT_S = 240  # a no-hang deadline only: a run takes about 15 s on 2 loaded cores
+
+
+def launched(tmp_path: Path, name: str, launcher_args: list[str],
+             script_args: list[str]) -> tuple[dict, str]:
+    result, code, output, _ = run_launcher(SCRIPT, tmp_path / f"{name}.json", launcher_args,
+                                           script_args, timeout_s=TIMEOUT_S)
+    assert code == 0 and result is not None, f"{name} failed ({code}):\n{output}"
+    return result, output
+
+
+@pytest.mark.parametrize("wire", ["fp32", "int8"])
+def test_sync_equals_the_api(tmp_path, wire):
+    # 6 steps of H = 3: two syncs, the last one at the end, so the ranks agree there.
+    synced, output = launched(tmp_path, "synced", ["--sync", f"diloco:H=3,wire={wire}"],
+                              ["--steps", "6"])
+    direct, _ = launched(tmp_path, "direct", [], ["--steps", "6", "--direct", "3",
+                                                  "--wire", wire])
+    assert "fastddp.DiLoCo(sync_every=3" in output, output
+    assert synced["class"] == "fastddp.diloco.sync_patch", synced["class"]
+    assert synced["ranks_agree"] and direct["ranks_agree"]
+    assert synced["params"] == direct["params"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sync", "diloco"], "H=STEPS (inner steps between syncs) is required"),
+    (["--sync", "localsgd:H=2"], "the only method is 'diloco'"),
+    (["--sync", "diloco:H=2,lr=1"], "'lr=1' is not KEY=VALUE"),
+    (["--sync", "diloco:H=two"], "H='two' is not a valid int"),
+    (["--sync", "diloco:H=2", "--hook", "bf16"], "--sync excludes --hook"),
+])
+def test_bad_sync(tmp_path, args, message):
+    _, code, output, _ = run_launcher(SCRIPT, tmp_path / "bad.json", args, [], nproc=None,
+                                      timeout_s=TIMEOUT_S)
+    assert code == 2 and message in output, output
