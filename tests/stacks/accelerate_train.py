@@ -3,12 +3,21 @@
 ``accelerator.trigger_sync_in_backward`` after forwards under ``accelerator.no_sync``.
 
     torchrun --nproc_per_node=2 -m fastddp accelerate_train.py --out OUT
+
+With ``--fastddp``, fastddp.integrations.accelerate's Accelerator instead of Accelerate's, for
+``accelerate launch`` (tests/python/launch/test_accelerate_integration.py); ``--comm-hook``,
+``--comm-wrapper`` and ``--comm-state`` (JSON) fill Accelerate's DistributedDataParallelKwargs:
+
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 accelerate_train.py \
+        --out OUT --fastddp --comm-hook bf16
 """
 
 import argparse
+import json
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -18,9 +27,33 @@ from stack_result import describe_wrapper, shutdown, write_result
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--fastddp", action="store_true",
+                        help="fastddp.integrations.accelerate.Accelerator")
+    parser.add_argument("--comm-hook", help="DistributedDataParallelKwargs.comm_hook")
+    parser.add_argument("--comm-wrapper", help="DistributedDataParallelKwargs.comm_wrapper")
+    parser.add_argument("--comm-state", help="comm_state_option, as JSON")
+    parser.add_argument("--fastddp-hook", help="FastDDPKwargs(hook=...), a --hook spelling")
     args = parser.parse_args()
 
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    # Enum members: Accelerate looks its hooks up by member, and a plain string finds none.
+    options = {key: value for key, value in (
+        ("comm_hook", args.comm_hook and DDPCommunicationHookType(args.comm_hook)),
+        ("comm_wrapper", args.comm_wrapper and DDPCommunicationHookType(args.comm_wrapper)),
+        ("comm_state_option", json.loads(args.comm_state) if args.comm_state else None))
+        if value is not None}
+    handlers = [DistributedDataParallelKwargs(**options)] if options else None
+    if args.fastddp:
+        from fastddp.integrations.accelerate import Accelerator as FastDDPAccelerator
+        from fastddp.integrations.accelerate import FastDDPKwargs
+
+        if args.fastddp_hook:
+            handlers = [FastDDPKwargs(hook=args.fastddp_hook, **options)]
+        accelerator = FastDDPAccelerator(cpu=True, gradient_accumulation_steps=2,
+                                         kwargs_handlers=handlers)
+    else:
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2,
+                                  kwargs_handlers=handlers)
+
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(64, 8, generator=generator)
     noise = 0.1 * torch.randn(64, 1, generator=generator)
@@ -52,7 +85,13 @@ def main() -> None:
         optimizer.zero_grad()
         losses += [loss_a.item(), loss_b.item()]
 
-    write_result(args.out, describe_wrapper(model), losses, accelerator.unwrap_model(model))
+    wrapper = describe_wrapper(model)
+    # The hooks registered: torch's functions (torch DDP), and the C++ hook fastddp runs.
+    wrapper["comm_hooks"] = [getattr(h, "__name__", type(h).__name__)
+                             for h, _ in getattr(model, "_comm_hooks", [])]
+    native = getattr(model, "_native_hook", None)
+    wrapper["native_hook"] = native.name if native is not None else None
+    write_result(args.out, wrapper, losses, accelerator.unwrap_model(model))
 
 
 if __name__ == "__main__":

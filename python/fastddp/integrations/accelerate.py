@@ -1,0 +1,161 @@
+"""fastddp in Hugging Face Accelerate: an ``Accelerator`` whose ``prepare()`` wraps the model in
+fastddp.DistributedDataParallel, started with ``accelerate launch`` (no ``-m fastddp``).
+
+    from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+    from fastddp.integrations.accelerate import Accelerator   # instead of accelerate's
+
+    accelerator = Accelerator(kwargs_handlers=[
+        DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.BF16)])
+
+Everything else is Accelerate's (checked on 1.15): this class is a subclass of
+``accelerate.Accelerator``, and fastddp's wrapper a subclass of torch's, so Accelerate's
+``isinstance(model, DistributedDataParallel)`` checks (``no_sync``, ``unwrap_model``) hold.
+
+Why a subclass and not only a kwargs handler: Accelerate files a handler by its exact class
+(``handler_class_to_attr[handler.__class__]``), so it refuses a subclass of
+``DistributedDataParallelKwargs``; and ``prepare_model`` builds the wrapper by the name
+``torch.nn.parallel.DistributedDataParallel`` itself. ``Accelerator.prepare_model`` here runs
+Accelerate's own ``prepare_model`` code with one global of its own changed: ``torch``, seen
+through an overlay that answers fastddp's class for ``torch.nn.parallel
+.DistributedDataParallel`` (see ``_with_fastddp``). Nothing is patched: torch, Accelerate's
+module and other threads keep torch's class.
+
+``DDPCommunicationHookType`` choices (``DistributedDataParallelKwargs.comm_hook``) run as
+fastddp's native C++ hooks: Accelerate registers torch's hook functions on the wrapper, and
+fastddp's ``register_comm_hook`` runs those natively (docs/hooks.md): FP16 -> ``fp16``, BF16 ->
+``bf16``, POWER_SGD -> ``powersgd`` and BATCHED_POWER_SGD -> ``powersgd_batched``, with the
+``PowerSGDState`` built from ``comm_state_option``. ``comm_wrapper`` of the hook's own
+precision (FP16 on FP16, BF16 on BF16) changes no value (the bucket is already in that
+precision when the hook casts it) and runs as the hook alone; any other ``comm_wrapper`` raises
+NotImplementedError (fastddp has no native PowerSGD in half precision, nor a cast to one half
+format before a hook in the other). fastddp's other hooks: ``FastDDPKwargs(hook=...)``.
+"""
+
+import copy
+import dataclasses
+import types
+from typing import Any
+
+import accelerate
+import torch
+from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+
+from fastddp.ddp import DistributedDataParallel
+from fastddp.launch.hook_spec import fastddp_hook, parse_hook_spec
+
+@dataclasses.dataclass
+class FastDDPKwargs(DistributedDataParallelKwargs):
+    """``DistributedDataParallelKwargs`` with ``hook``: one of fastddp's hooks, as a ``--hook``
+    spelling (``"int8"``, ``"powersgd:4"``) or a ``fastddp.hooks`` object. Give it to this
+    module's ``Accelerator`` (Accelerate's own refuses subclasses of its handlers); ``hook``
+    and ``comm_hook`` exclude each other (a model takes one communication hook)."""
+
+    hook: Any = None
+
+    def __post_init__(self) -> None:
+        # Members, also from their values ("bf16"): Accelerate looks its hooks up by member,
+        # and its own handler registers nothing for a string.
+        self.comm_hook = DDPCommunicationHookType(self.comm_hook)
+        self.comm_wrapper = DDPCommunicationHookType(self.comm_wrapper)
+        if self.hook is not None and self.comm_hook != DDPCommunicationHookType.NO:
+            raise ValueError("FastDDPKwargs: give either hook or comm_hook, not both (a model "
+                             "takes one communication hook)")
+        if isinstance(self.hook, str):
+            parse_hook_spec(self.hook, "FastDDPKwargs(hook=...)")  # a bad name fails here
+        elif self.hook is not None and not callable(self.hook):
+            raise TypeError(f"FastDDPKwargs: hook must be a --hook spelling or a fastddp.hooks "
+                            f"object, got {type(self.hook).__name__}")
+        wrapper = self.comm_wrapper
+        if (wrapper != DDPCommunicationHookType.NO and self.comm_hook != wrapper
+                and self.comm_hook != DDPCommunicationHookType.NO):
+            raise NotImplementedError(
+                f"fastddp: comm_wrapper={wrapper.value!r} on comm_hook="
+                f"{self.comm_hook.value!r} has no native hook (fastddp's PowerSGD reduces in "
+                f"float32, and no hook casts to one half format before another); use "
+                f"comm_wrapper='no'")
+
+    @classmethod
+    def of(cls, handler: DistributedDataParallelKwargs) -> "FastDDPKwargs":
+        """Accelerate's handler as one of these (the same fields, no fastddp hook)."""
+        return cls(**{f.name: getattr(handler, f.name)
+                      for f in dataclasses.fields(DistributedDataParallelKwargs)})
+
+    def to_dict(self, ignore_keys=("comm_hook", "comm_wrapper", "comm_state_option", "hook")):
+        # The wrapper's keyword arguments, as Accelerate's to_kwargs() reads them (its
+        # to_dict deep-copies every field first, a hook object too: not done here).
+        return {k: copy.deepcopy(v) for k, v in vars(self).items() if k not in ignore_keys}
+
+    def register_comm_hook(self, model: torch.nn.Module) -> None:
+        if self.hook is not None:
+            state, hook = None, self.hook
+            if isinstance(hook, str):
+                # Built now, once the process group exists (a hook's state may need it), and
+                # per model, so no two models share a hook's state.
+                state, hook = fastddp_hook(parse_hook_spec(hook, "FastDDPKwargs(hook=...)"),
+                                           "FastDDPKwargs(hook=...)")
+            model.register_comm_hook(state, hook)
+            return
+        # A wrapper of the hook's own precision casts a bucket the hook then casts to the same
+        # format: the hook alone, which fastddp runs natively (a wrapped hook would not be).
+        plain = dataclasses.replace(self, comm_wrapper=DDPCommunicationHookType.NO)
+        DistributedDataParallelKwargs.register_comm_hook(plain, model)
+
+
+class _Overlay(types.ModuleType):
+    """A module that answers ``overrides`` by name and everything else from ``base``."""
+
+    def __init__(self, base: types.ModuleType, **overrides: Any) -> None:
+        super().__init__(base.__name__, base.__doc__)
+        vars(self).update(overrides)
+        self._overlay_base = base
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._overlay_base, name)
+
+
+def _with_fastddp(function: types.FunctionType, ddp_class: type) -> types.FunctionType:
+    """``function`` (Accelerate's prepare_model) with its module's globals, but ``torch``
+    overlaid so that ``torch.nn.parallel.DistributedDataParallel`` is ``ddp_class``. The
+    globals are copied at each call, so the function sees the module as it is then."""
+    if "DistributedDataParallel" not in function.__code__.co_names:
+        raise NotImplementedError(
+            f"fastddp: accelerate {accelerate.__version__}'s {function.__qualname__} does not "
+            "build torch.nn.parallel.DistributedDataParallel by name (checked on 1.15); use "
+            "fastddp.patch() before prepare(), or the -m fastddp launcher")
+    overlay = _Overlay(torch, nn=_Overlay(torch.nn, parallel=_Overlay(
+        torch.nn.parallel, DistributedDataParallel=ddp_class)))
+    scope = dict(function.__globals__, torch=overlay)
+    copy = types.FunctionType(function.__code__, scope, function.__name__,
+                              function.__defaults__, function.__closure__)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    return copy
+
+
+class Accelerator(accelerate.Accelerator):
+    """``accelerate.Accelerator`` whose ``prepare()`` wraps models in
+    fastddp.DistributedDataParallel; takes Accelerate's arguments, and in ``kwargs_handlers``
+    a ``DistributedDataParallelKwargs`` or a ``FastDDPKwargs`` (one of them)."""
+
+    def __init__(self, *args: Any, kwargs_handlers: list | None = None, **kwargs: Any) -> None:
+        handlers = list(kwargs_handlers or [])
+        ddp = [h for h in handlers if isinstance(h, DistributedDataParallelKwargs)]
+        if len(ddp) > 1:
+            raise ValueError("fastddp Accelerator: pass one DistributedDataParallelKwargs or "
+                             "FastDDPKwargs in kwargs_handlers, got "
+                             f"{', '.join(type(h).__name__ for h in ddp)}")
+        handlers = [h for h in handlers if not isinstance(h, DistributedDataParallelKwargs)]
+        super().__init__(*args, kwargs_handlers=handlers, **kwargs)
+        # Set after Accelerate filed the others: it refuses FastDDPKwargs (a subclass).
+        self.ddp_handler = (ddp[0] if ddp and isinstance(ddp[0], FastDDPKwargs)
+                            else FastDDPKwargs.of(ddp[0]) if ddp else None)
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> torch.nn.Module:
+        # Under the launcher (fastddp.patch()), torch's name already holds fastddp's class
+        # with the launcher's overrides; keep that one.
+        current = torch.nn.parallel.DistributedDataParallel
+        ddp_class = current if issubclass(current, DistributedDataParallel) \
+            else DistributedDataParallel
+        prepare = _with_fastddp(accelerate.Accelerator.prepare_model, ddp_class)
+        return prepare(self, model, device_placement, evaluation_mode)
+
