@@ -151,6 +151,9 @@ class Accelerator(accelerate.Accelerator):
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> torch.nn.Module:
+        if self.ddp_handler is not None and not isinstance(self.ddp_handler, FastDDPKwargs):
+            # One set after __init__ (or passed positionally): checked and mapped as well.
+            self.ddp_handler = FastDDPKwargs.of(self.ddp_handler)
         # Under the launcher (fastddp.patch()), torch's name already holds fastddp's class
         # with the launcher's overrides; keep that one.
         current = torch.nn.parallel.DistributedDataParallel
