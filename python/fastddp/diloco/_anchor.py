@@ -32,11 +32,15 @@ class Anchor:
             return [torch.sub(flat, _flatten_dense_tensors(ps))
                     for flat, ps in zip(self.flats, self.params)]
 
-    def reset_model(self) -> None:
-        """Copies the anchor into the parameters."""
+    def reset_model(self, alpha: float = 0.0) -> None:
+        """Sets the parameters to the anchor (alpha 0), or to lerp(anchor, parameters,
+        alpha): torchft's merge of the new anchor with the local weights."""
         with torch.no_grad():
             for ps, views in zip(self.params, self.views):
-                torch._foreach_copy_(ps, views)
+                if alpha == 0.0:
+                    torch._foreach_copy_(ps, views)
+                else:
+                    torch._foreach_copy_(ps, torch._foreach_lerp(views, ps, alpha))
 
     def load(self, flats: Sequence[torch.Tensor]) -> None:
         """Copies saved anchors in, after checking they fit."""

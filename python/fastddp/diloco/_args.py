@@ -25,6 +25,7 @@ class DiLoCoConfig:
     fragments: int
     wire: str
     overlap: int
+    merge_alpha: float
     error_feedback: bool
     broadcast_buffers: bool
 
@@ -54,7 +55,8 @@ def _real(name: str, value: object, low: float, high: float | None) -> float:
 
 def check_config(model: object, inner_optimizer: object, sync_every: object, outer_lr: object,
                  outer_momentum: object, fragments: object, wire: object, overlap: object,
-                 error_feedback: object, broadcast_buffers: object) -> DiLoCoConfig:
+                 merge_alpha: object, error_feedback: object,
+                 broadcast_buffers: object) -> DiLoCoConfig:
     """The checked configuration, or the exception that names the culprit."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fastddp.DiLoCo: model must be a torch.nn.Module, got "
@@ -66,23 +68,35 @@ def check_config(model: object, inner_optimizer: object, sync_every: object, out
         sync_every=_integer("sync_every", sync_every, 1),
         outer_lr=_real("outer_lr", outer_lr, 0.0, None),
         outer_momentum=_real("outer_momentum", outer_momentum, 0.0, 1.0),
-        fragments=_integer("fragments", fragments, 1),
+        fragments=_fragment_count(fragments),
         wire=_wire(wire),
         overlap=_integer("overlap", overlap, 0),
+        merge_alpha=_real("merge_alpha", merge_alpha, 0.0, 1.0),
         error_feedback=_flag("error_feedback", error_feedback),
         broadcast_buffers=_flag("broadcast_buffers", broadcast_buffers),
     )
     if config.outer_momentum == 1.0:
         raise ValueError("fastddp.DiLoCo: outer_momentum must be < 1 (1 never forgets a step)")
-    if config.fragments > 1:
-        raise NotImplementedError(
-            f"fastddp.DiLoCo: fragments={config.fragments}: streaming DiLoCo (issue 47 item 2) "
-            "is not implemented yet; use fragments=1")
-    if config.overlap != 0:
-        raise NotImplementedError(
-            f"fastddp.DiLoCo: overlap={config.overlap}: overlapping the exchange with local "
-            "steps (streaming DiLoCo, issue 47 item 2) is not implemented yet; use overlap=0")
+    # torchft's DiLoCo's schedule: one fragment syncs every sync_every / fragments steps, so
+    # each fragment every sync_every steps; its exchange is launched `overlap` steps earlier.
+    if config.sync_every % config.fragments:
+        raise ValueError(f"fastddp.DiLoCo: sync_every={config.sync_every} must be a multiple of "
+                         f"the number of fragments ({config.fragments})")
+    period = config.sync_every // config.fragments
+    if config.overlap >= period:
+        raise ValueError(f"fastddp.DiLoCo: overlap={config.overlap} must be < sync_every / "
+                         f"fragments = {period}: a fragment's exchange must land before the "
+                         "next one is launched")
     return config
+
+
+def _fragment_count(fragments: object) -> int:
+    """fragments is a count or the modules that make each fragment (checked in _split.py)."""
+    if isinstance(fragments, (list, tuple)):
+        if not fragments:
+            raise ValueError("fastddp.DiLoCo: fragments is an empty list")
+        return len(fragments)
+    return _integer("fragments", fragments, 1)
 
 
 def _wire(wire: object) -> str:

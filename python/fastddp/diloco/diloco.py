@@ -3,14 +3,19 @@ no collective; then the ranks average the pseudo-gradient (anchor weights minus 
 weights), an outer torch.optim.SGD with Nesterov momentum steps the anchor with that average as
 its gradient, and every rank's model is reset to the new anchor.
 
-The sync runs from a post-hook on the inner optimizer's step(), so a training loop written for
+Streaming DiLoCo (arXiv 2501.18512), on torchft's DiLoCo's schedule: with P fragments, one
+fragment syncs every H / P steps, in turn, so each fragment every H steps; with overlap = tau
+its exchange is launched tau inner steps before it is applied (the steps in between run while
+it is in flight) and the fragment's weights become lerp(new anchor, local weights, merge_alpha).
+
+The syncs run from a post-hook on the inner optimizer's step(), so a training loop written for
 torch DDP (forward, backward, optimizer.step()) needs no other change than building a DiLoCo
 instead of wrapping the model.
 """
 
 from __future__ import annotations
 
-import copy
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -18,11 +23,11 @@ import torch.distributed as dist
 from torch import nn
 
 from fastddp.ddp._module_sync import broadcast_tensors
-from fastddp.diloco._anchor import Anchor
 from fastddp.diloco._args import check_config
-from fastddp.diloco._wire import make_wire
+from fastddp.diloco._fragment import Fragment
+from fastddp.diloco._split import split_parameters
 
-_STATE_KEYS = ("config", "step", "anchor", "outer_optimizer", "residuals")
+_STATE_KEYS = ("config", "step", "fragments")
 
 
 class DiLoCo:
@@ -36,41 +41,47 @@ class DiLoCo:
         sync_every: H, the inner steps between two syncs.
         outer_lr, outer_momentum: the outer torch.optim.SGD's (nesterov=True; plain SGD when
             outer_momentum is 0, where torch refuses Nesterov and the two coincide).
-        fragments, overlap: streaming DiLoCo (arXiv 2501.18512); only 1 and 0 for now.
+        fragments: P, streaming DiLoCo's fragments: contiguous runs of the parameters of
+            about equal size, or a list of modules whose parameters make each fragment
+            (torchft's model_fragments); sync_every must be a multiple of P.
+        overlap: tau < sync_every / P, the inner steps a fragment's exchange overlaps.
+        merge_alpha: a synced fragment's weights become new anchor + merge_alpha * (local -
+            new anchor) (torchft's fragment_update_alpha; 0: the new anchor).
         wire: "fp32" (allreduce), "bf16" or "int8" (allgather of codes, float32 sum, error
             feedback on the pseudo-gradient when `error_feedback`); "int4" is not built yet.
         broadcast_buffers: after each sync, rank 0's buffers are copied to every rank, as
             torch DDP's broadcast_buffers does before each forward.
 
-    state_dict() / load_state_dict() carry the step counter, the anchor, the outer momentum
-    and the wire's residuals; with the model's and the inner optimizer's state dicts they
+    state_dict() / load_state_dict() carry the step counter and per fragment the anchor, the
+    outer momentum, the wire's residuals and an exchange in flight (waited for); with the model's and the inner optimizer's state dicts they
     restart a run exactly. Load them after building the DiLoCo: building it broadcasts rank
     0's weights, which would overwrite the other ranks' loaded local weights.
     """
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, sync_every: int,
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9, fragments: int = 1,
-                 wire: str = "fp32", overlap: int = 0, error_feedback: bool = True,
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 fragments: int | Sequence[nn.Module] = 1, wire: str = "fp32", overlap: int = 0,
+                 merge_alpha: float = 0.0, error_feedback: bool = True,
                  broadcast_buffers: bool = True,
                  process_group: dist.ProcessGroup | None = None):
         self.config = check_config(model, inner_optimizer, sync_every, outer_lr, outer_momentum,
-                                   fragments, wire, overlap, error_feedback, broadcast_buffers)
+                                   fragments, wire, overlap, merge_alpha, error_feedback,
+                                   broadcast_buffers)
         self.group = _group(process_group)
         self.model, self.inner_optimizer = model, inner_optimizer
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("fastddp.DiLoCo: model has no parameter that requires grad")
         _check_inner_params(model, inner_optimizer)
+        shares = split_parameters(params, fragments)
         self._buffers = list(model.buffers())
         with torch.no_grad():
             broadcast_tensors(self.group, [t.detach() for t in model.parameters()]
                               + self._buffers, 0)
-        self._anchor = Anchor(params)
-        self._wire = make_wire(self.config.wire, self.group, self._anchor.flats,
-                               self.config.error_feedback)
-        momentum = self.config.outer_momentum
-        self.outer_optimizer = torch.optim.SGD(self._anchor.flats, lr=self.config.outer_lr,
-                                               momentum=momentum, nesterov=momentum > 0)
+        c = self.config
+        self.fragments = [Fragment(share, self.group, c.wire, c.error_feedback, c.outer_lr,
+                                   c.outer_momentum, c.merge_alpha) for share in shares]
+        self._period = c.sync_every // c.fragments
         self._step = 0
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
 
@@ -79,23 +90,40 @@ class DiLoCo:
         """Inner steps taken since the start of training (restored by load_state_dict)."""
         return self._step
 
+    @property
+    def outer_optimizer(self) -> torch.optim.Optimizer:
+        """The outer optimizer of the only fragment (fragments=1)."""
+        if len(self.fragments) != 1:
+            raise AttributeError("fastddp.DiLoCo: with fragments, each has its own outer "
+                                 "optimizer: fragments[i].outer")
+        return self.fragments[0].outer
+
     def _after_inner_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._step += 1
-        if self._step % self.config.sync_every == 0:
-            self.sync()
+        # The fragment whose turn ends at the next multiple of the period (torchft's order).
+        fragment = self.fragments[((self._step - 1) // self._period) % len(self.fragments)]
+        within = self._step % self._period
+        if within == (self._period - self.config.overlap) % self._period:
+            fragment.prepare()
+        if within == 0:
+            fragment.perform()
+            self._after_sync()
 
-    def sync(self) -> None:
-        """Averages the pseudo-gradient, steps the anchor, resets the model to it (a
-        collective: every rank calls it; the inner optimizer's hook calls it every H steps)."""
-        pseudo = self._anchor.pseudo_gradients()
-        exchanges = [self._wire.start(i, g) for i, g in enumerate(pseudo)]
-        for flat, exchange in zip(self._anchor.flats, exchanges):
-            flat.grad = exchange.wait()
-        self.outer_optimizer.step()
-        self.outer_optimizer.zero_grad(set_to_none=True)
-        self._anchor.reset_model()
+    def _after_sync(self) -> None:
         if self.config.broadcast_buffers and self._buffers:
             broadcast_tensors(self.group, self._buffers, 0)
+
+    def sync(self) -> None:
+        """Syncs every fragment now (a collective: every rank calls it); the inner
+        optimizer's hook syncs on the schedule by itself."""
+        if any(f.in_flight for f in self.fragments):
+            raise RuntimeError("fastddp.DiLoCo.sync: a fragment's exchange is in flight "
+                               "(overlap); it is applied at its own step")
+        for fragment in self.fragments:
+            fragment.prepare()
+        for fragment in self.fragments:
+            fragment.perform()
+        self._after_sync()
 
     def close(self) -> None:
         """Stops syncing: removes the hook on the inner optimizer."""
@@ -110,13 +138,8 @@ class DiLoCo:
     def state_dict(self) -> dict[str, Any]:
         """A snapshot (copies, not views) of what a restart needs besides the model's and the
         inner optimizer's own state dicts."""
-        return {
-            "config": self.config.as_dict(),
-            "step": self._step,
-            "anchor": [f.detach().clone() for f in self._anchor.flats],
-            "outer_optimizer": copy.deepcopy(self.outer_optimizer.state_dict()),
-            "residuals": self._wire.state_dict(),
-        }
+        return {"config": self.config.as_dict(), "step": self._step,
+                "fragments": [f.state_dict() for f in self.fragments]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = [k for k in _STATE_KEYS if k not in state]
@@ -131,9 +154,12 @@ class DiLoCo:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"fastddp.DiLoCo.load_state_dict: 'step' must be an int >= 0, "
                              f"got {step!r}")
-        self._anchor.load(state["anchor"])
-        self._wire.load_state_dict(state["residuals"])
-        self.outer_optimizer.load_state_dict(copy.deepcopy(state["outer_optimizer"]))
+        if len(state["fragments"]) != len(self.fragments):
+            raise ValueError(f"fastddp.DiLoCo.load_state_dict: the state has "
+                             f"{len(state['fragments'])} fragments, this DiLoCo "
+                             f"{len(self.fragments)}")
+        for fragment, saved in zip(self.fragments, state["fragments"]):
+            fragment.load_state_dict(saved)
         self._step = step
 
 

@@ -79,7 +79,7 @@ def outer_step_is_nesterov_sgd(wire: str, syncs: int, sync_every: int) -> None:
     outer_step = diloco.outer_optimizer.step
 
     def spy(*args, **kwargs):
-        wire_average[:] = [f.grad.clone() for f in diloco._anchor.flats]
+        wire_average[:] = [f.grad.clone() for f in diloco.fragments[0].anchor.flats]
         return outer_step(*args, **kwargs)
     diloco.outer_optimizer.step = spy
     anchor = [p.detach().clone() for p in model.parameters()]
@@ -187,8 +187,9 @@ def load_mismatch(what: str) -> None:
         _, _, other = _build("int8", seed=0)
         other.load_state_dict(state)
     elif what == "missing":
-        del state["anchor"]
+        del state["fragments"]
         diloco.load_state_dict(state)
     elif what == "shape":
-        state["anchor"] = [state["anchor"][0][:-1]]
+        anchor = state["fragments"][0]["anchor"]
+        anchor[0] = anchor[0][:-1]
         diloco.load_state_dict(state)

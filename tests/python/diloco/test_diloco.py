@@ -32,8 +32,9 @@ def test_buffers_follow_rank0(world):
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"fragments": 2}, NotImplementedError, "fragments=2"),
-    ({"overlap": 1}, NotImplementedError, "overlap=1"),
+    ({"fragments": 3}, ValueError, "sync_every=2 must be a multiple of the number of fragm"),
+    ({"fragments": 2, "overlap": 1}, ValueError, "overlap=1 must be < sync_every / fragments"),
+    ({"merge_alpha": 1.5}, ValueError, "merge_alpha must be in [0.0, 1.0]"),
     ({"wire": "int4"}, NotImplementedError, "wire='int4'"),
     ({"wire": "bf16", "float64": True}, NotImplementedError, "torch.float64"),
     ({"wire": "fp8"}, ValueError, "wire must be one of"),
@@ -52,7 +53,7 @@ def test_bad_argument(world, kwargs, error, match):
 
 @pytest.mark.parametrize("what, error, match", [
     ("config", ValueError, "saved with wire='fp32'"),
-    ("missing", KeyError, "lacks ['anchor']"),
+    ("missing", KeyError, "lacks ['fragments']"),
     ("shape", ValueError, "anchor buffer 0"),
 ])
 def test_load_mismatch(world, what, error, match):
