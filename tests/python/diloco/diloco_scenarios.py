@@ -111,31 +111,32 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
         local_step(model, opt, step)
 
 
-def _build(wire: str, seed: int, model_fn=mlp, sync_every: int = 3):
+def _build(wire: str, seed: int, model_fn=mlp, sync_every: int = 3, **streaming):
     torch.manual_seed(seed)
     model = model_fn()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     diloco = fastddp.DiLoCo(model, opt, sync_every=sync_every, outer_lr=0.7,
-                            outer_momentum=0.9, wire=wire)
+                            outer_momentum=0.9, wire=wire, **streaming)
     return model, opt, diloco
 
 
-def restart_is_exact(wire: str, stop_at: int, steps: int) -> None:
+def restart_is_exact(wire: str, stop_at: int, steps: int, **streaming) -> None:
     """Train `steps` inner steps straight through; train `stop_at`, save the model's, the
     inner optimizer's and DiLoCo's state dicts, build everything afresh (other initial
-    weights), load them, train on: the same weights bit for bit."""
-    model, opt, diloco = _build(wire, seed=0)
+    weights), load them, train on: the same weights bit for bit. `streaming`: sync_every,
+    fragments, overlap, merge_alpha."""
+    model, opt, diloco = _build(wire, seed=0, **streaming)
     _train(model, opt, range(steps))
     straight = [p.detach().clone() for p in model.parameters()]
     diloco.close()
 
-    model, opt, diloco = _build(wire, seed=0)
+    model, opt, diloco = _build(wire, seed=0, **streaming)
     _train(model, opt, range(stop_at))
     saved = copy.deepcopy((model.state_dict(), opt.state_dict(), diloco.state_dict()))
     diloco.close()
     del model, opt, diloco
 
-    model, opt, diloco = _build(wire, seed=1)
+    model, opt, diloco = _build(wire, seed=1, **streaming)
     model.load_state_dict(saved[0])
     opt.load_state_dict(saved[1])
     diloco.load_state_dict(saved[2])

@@ -27,6 +27,15 @@ def test_restart_is_exact(world, wire):
     world.check(diloco_scenarios.restart_is_exact, wire=wire, stop_at=4, steps=10)
 
 
+@pytest.mark.parametrize("wire", WIRES)
+def test_streaming_restart_is_exact(world, wire):
+    # 2 fragments of H = 4: one syncs every 2 steps, its exchange launched a step earlier
+    # (overlap 1). Stopped at step 5, with fragment 0's exchange in flight: state_dict waits
+    # for it and saves its average.
+    world.check(diloco_scenarios.restart_is_exact, wire=wire, stop_at=5, steps=10,
+                sync_every=4, fragments=2, overlap=1, merge_alpha=0.5)
+
+
 def test_buffers_follow_rank0(world):
     world.check(diloco_scenarios.buffers_follow_rank0, sync_every=2)
 

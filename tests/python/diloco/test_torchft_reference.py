@@ -16,11 +16,22 @@ def lighthouse(world):
     server.shutdown()
 
 
-def test_matches_torchft(world, lighthouse):
-    # Steps: 2 syncs of H = 3 plus 1 local step; the harness deadline is generous since
-    # torchft's Manager and quorum start-up are slow on a loaded machine.
+# (steps, H, streaming kwargs). DiLoCo: 2 syncs of H = 3 plus 1 local step. Streaming: 3
+# fragments of H = 6 (one syncs every 2 steps), each exchange launched 1 step early, merged
+# halfway toward the local weights: every fragment synced twice.
+CASES = {
+    "diloco": (7, 3, {}),
+    "streaming": (12, 6, {"streaming": True, "overlap": 1, "merge_alpha": 0.5}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_torchft(world, lighthouse, case):
+    steps, sync_every, streaming = CASES[case]
+    # The harness deadline is generous: torchft's Manager and quorum start-up are slow on a
+    # loaded machine.
     results = world.run(torchft_scenarios.matches_torchft, timeout_s=300,
-                        lighthouse=lighthouse, steps=7, sync_every=3)
+                        lighthouse=lighthouse, steps=steps, sync_every=sync_every, **streaming)
     failed = [f"rank {r.rank}: {r.error_type}: {r.error}\n{r.traceback}"
               for r in results if not r.ok]
     assert not failed, "\n".join(failed)

@@ -19,16 +19,23 @@ from tests.python.scenarios import agree, mlp, rounding_ulps
 TORCHFT_TIMEOUT = timedelta(seconds=90)
 
 
+def _fragments(model: torch.nn.Module, streaming: bool) -> list[torch.nn.Module]:
+    """The whole model, or its three Linear layers (mlp()'s modules 0, 2 and 4) as fragments."""
+    return [model[0], model[2], model[4]] if streaming else [model]
+
+
 def _torchft_run(lighthouse: str, base: torch.nn.Module, steps: int, sync_every: int,
-                 outer_lr: float, outer_momentum: float) -> torch.nn.Module:
+                 outer_lr: float, outer_momentum: float, streaming: bool, overlap: int,
+                 merge_alpha: float) -> torch.nn.Module:
     from torchft.local_sgd import DiLoCo as TorchftDiLoCo
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
 
     model = copy.deepcopy(base)
     inner = torch.optim.AdamW(model.parameters(), lr=0.01)
-    outer = torch.optim.SGD(model.parameters(), lr=outer_lr, momentum=outer_momentum,
-                            nesterov=True)
+    fragments = _fragments(model, streaming)
+    outer = [torch.optim.SGD(f.parameters(), lr=outer_lr, momentum=outer_momentum,
+                             nesterov=True) for f in fragments]
     store = dist.TCPStore(host_name="localhost", port=0, is_master=True,
                           wait_for_workers=False)
     manager = Manager(
@@ -53,7 +60,8 @@ def _torchft_run(lighthouse: str, base: torch.nn.Module, steps: int, sync_every:
         init_sync=False,
     )
     try:
-        with TorchftDiLoCo(manager, [model], inner, outer, sync_every=sync_every):
+        with TorchftDiLoCo(manager, fragments, inner, outer, sync_every=sync_every,
+                           fragment_sync_delay=overlap, fragment_update_alpha=merge_alpha):
             for step in range(steps):
                 local_step(model, inner, step)
     finally:
@@ -61,9 +69,12 @@ def _torchft_run(lighthouse: str, base: torch.nn.Module, steps: int, sync_every:
     return model
 
 
-def matches_torchft(lighthouse: str, steps: int, sync_every: int) -> None:
+def matches_torchft(lighthouse: str, steps: int, sync_every: int, streaming: bool = False,
+                    overlap: int = 0, merge_alpha: float = 0.0) -> None:
     """The same model, data, AdamW inner optimizer and outer SGD(0.7, 0.9, nesterov) under
-    both; the weights after `steps` inner steps agree.
+    both; the weights after `steps` inner steps agree. `streaming`: the three Linear layers
+    as fragments (torchft's model_fragments, one outer optimizer each), with `overlap`
+    (torchft's fragment_sync_delay) and `merge_alpha` (its fragment_update_alpha).
 
     Both average the fp32 pseudo-gradient as a SUM allreduce over gloo then a division by the
     number of ranks, and step the same torch SGD: on 2 ranks bit for bit (measured). On 3,
@@ -75,10 +86,13 @@ def matches_torchft(lighthouse: str, steps: int, sync_every: int) -> None:
     base = mlp()
     model = copy.deepcopy(base)
     inner = torch.optim.AdamW(model.parameters(), lr=0.01)
-    with fastddp.DiLoCo(model, inner, sync_every=sync_every, outer_lr=0.7, outer_momentum=0.9):
+    with fastddp.DiLoCo(model, inner, sync_every=sync_every, outer_lr=0.7, outer_momentum=0.9,
+                        fragments=_fragments(model, streaming), overlap=overlap,
+                        merge_alpha=merge_alpha):
         for step in range(steps):
             local_step(model, inner, step)
-    theirs = _torchft_run(lighthouse, base, steps, sync_every, 0.7, 0.9)
+    theirs = _torchft_run(lighthouse, base, steps, sync_every, 0.7, 0.9, streaming, overlap,
+                          merge_alpha)
     ulps = rounding_ulps() * (steps // sync_every)
 
     def check() -> None:
