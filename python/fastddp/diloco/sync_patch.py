@@ -26,7 +26,9 @@ from fastddp.launch.patch import _set_ddp_names, imported_bindings
 
 # --sync diloco:KEY=VALUE,... : the DiLoCo argument each key sets, and its type.
 SYNC_KEYS = {"H": ("sync_every", int), "outer_lr": ("outer_lr", float),
-             "outer_momentum": ("outer_momentum", float), "wire": ("wire", str)}
+             "outer_momentum": ("outer_momentum", float), "wire": ("wire", str),
+             "fragments": ("fragments", int), "overlap": ("overlap", int),
+             "merge_alpha": ("merge_alpha", float)}
 
 
 def parse_sync_spec(text: str) -> dict[str, Any]:

@@ -17,6 +17,9 @@ parser.add_argument("--out", required=True)
 parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--direct", type=int, default=0, help="build fastddp.DiLoCo(H) directly")
 parser.add_argument("--wire", default="fp32")
+parser.add_argument("--fragments", type=int, default=1)
+parser.add_argument("--overlap", type=int, default=0)
+parser.add_argument("--merge-alpha", type=float, default=0.0)
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -28,7 +31,9 @@ if args.direct:
 
     net = model
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    diloco = fastddp.DiLoCo(model, optimizer, sync_every=args.direct, wire=args.wire)
+    diloco = fastddp.DiLoCo(model, optimizer, sync_every=args.direct, wire=args.wire,
+                            fragments=args.fragments, overlap=args.overlap,
+                            merge_alpha=args.merge_alpha)
 else:
     net = DDP(model)
     optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)

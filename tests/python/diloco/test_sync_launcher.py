@@ -33,6 +33,18 @@ def test_sync_equals_the_api(tmp_path, wire):
     assert synced["params"] == direct["params"]
 
 
+def test_sync_streaming_equals_the_api(tmp_path):
+    # 2 fragments of H = 4, overlap 1: a fragment syncs every 2 steps. merge_alpha keeps half
+    # of each rank's local weights, so the ranks differ: compare rank 0's.
+    spec = "diloco:H=4,fragments=2,overlap=1,merge_alpha=0.5"
+    synced, output = launched(tmp_path, "synced", ["--sync", spec], ["--steps", "8"])
+    direct, _ = launched(tmp_path, "direct", [], ["--steps", "8", "--direct", "4",
+                                                  "--fragments", "2", "--overlap", "1",
+                                                  "--merge-alpha", "0.5"])
+    assert "fragments=2, overlap=1, merge_alpha=0.5" in output, output
+    assert synced["params"] == direct["params"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--sync", "diloco"], "H=STEPS (inner steps between syncs) is required"),
     (["--sync", "localsgd:H=2"], "the only method is 'diloco'"),
