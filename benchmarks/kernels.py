@@ -1,10 +1,10 @@
-"""fastddp's kernels (half casts, 8-bit, orthogonalization) vs torch: prints GB/s and speed-up.
+"""fastddp's kernels (half casts, 8-bit, 4-bit, orthogonalization) vs torch: GB/s and speed-up.
 
 Throughput of fastddp's kernels against plain torch: half casts, 8-bit block quantization
 and PowerSGD orthogonalization.
 
     python benchmarks/kernels.py [--device cpu|cuda] [--threads N] [--sizes 1e6,16e6]
-                                 [--kernels half,quant8,ortho]
+                                 [--kernels half,quant8,quant4,ortho]
 
 compress:   float32 grad -> bf16(grad * 1/world)   fastddp: one pass; torch: mul, then cast
 compress+ef: the same with error feedback          torch: v = x*s + r; c = v.to(bf16); r = v - c
@@ -20,6 +20,9 @@ quantize (5 B/element: read float32, write the code; scales are 1/64 B), quantiz
 (9 B: also the error-feedback error), dequantize (5 B), against the same in torch ops
 (per-block amax, divide, round or fp8 cast, and back) and, for scale, torch's bf16 cast
 x.to(bfloat16) (6 B). Both sides allocate their outputs here.
+
+quant4: the int4 wire's kernels (Note [int4 wire format], DiLoCo's wire="int4"), blocks of
+256, into preallocated outputs, beside int8's quantize; torch: round, clamp, nibble packing.
 
 ortho: PowerSGD's orthogonalization of a batch of (n, r) P matrices in place, fastddp's
 fused kernel (_C.fused_orthogonalize) against torch's powerSGD_hook._orthogonalize
@@ -159,6 +162,48 @@ def quant8_table(device: str, sizes: str, reps: int) -> None:
                       f"{n_bytes / t_theirs / 1e9:.1f} | {t_theirs / t_ours:.2f}x |")
 
 
+def torch_quantize4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks = x.view(-1, 256)
+    scale = blocks.abs().amax(dim=1) / 7.0
+    q = torch.clamp(torch.round(blocks / torch.where(scale > 0, scale, 1.0)[:, None]), -7, 7)
+    nib = q.to(torch.int8).view(torch.uint8).view(-1) & 0xF
+    return nib[0::2] | (nib[1::2] << 4), scale
+
+
+def torch_dequantize4(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    nib = torch.stack([codes & 0xF, codes >> 4], dim=1).view(-1, 256).to(torch.int8)
+    return (torch.where(nib >= 8, nib - 16, nib).float() * scale[:, None]).view(-1)
+
+
+def quant4_table(device: str, sizes: str, reps: int) -> None:
+    """The int4 wire (Note [int4 wire format]) beside int8's quantize: 4.5 B/element
+    (read float32, write half a byte), 8.5 B with the error, dequantize 4.5 B."""
+    print("\n| kernel | elements | fastddp GB/s | torch ops GB/s | speed-up |")
+    print("|---|---:|---:|---:|---:|")
+    for size in sizes.split(","):
+        n = int(float(size)) // 256 * 256
+        x = torch.randn(n, device=device)
+        codes = torch.empty(n // 2, dtype=torch.uint8, device=device)
+        scales = torch.empty(n // 256, device=device)
+        err, out = torch.empty_like(x), torch.empty_like(x)
+        _C.quantize4(x, 256, codes, scales)
+        tc, ts = torch_quantize4(x)
+        rows = [
+            ("quantize int8", 5 * n, lambda: _C._quantize8(x, "int8"),
+             lambda: torch_quantize(x, "int8")),
+            ("quantize int4", 4.5 * n, lambda: _C.quantize4(x, 256, codes, scales),
+             lambda: torch_quantize4(x)),
+            ("quantize+err int4", 8.5 * n, lambda: _C.quantize4(x, 256, codes, scales, err),
+             lambda: x - torch_dequantize4(*torch_quantize4(x))),
+            ("dequantize int4", 4.5 * n, lambda: _C.dequantize4(codes, scales, n, 256, out),
+             lambda: torch_dequantize4(tc, ts)),
+        ]
+        for name, n_bytes, ours, theirs in rows:
+            t_ours, t_theirs = timed(ours, device, reps), timed(theirs, device, reps)
+            print(f"| {name} | {n:,} | {n_bytes / t_ours / 1e9:.1f} | "
+                  f"{n_bytes / t_theirs / 1e9:.1f} | {t_theirs / t_ours:.2f}x |")
+
+
 # (batch, n): 24 matrices of ViT-Base's 1024-row or ViT-Large's 4096-row gradients, then
 # tall ones, which take the tall path from rank 3 (Note [tall orthogonalization]): GPT-2's
 # 50257-row token embedding alone, and 4 of 16384 rows (a 4x-wide MLP of width 4096).
@@ -190,7 +235,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="1e6,16e6", help="elements per buffer")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--kernels", default="half,quant8,ortho",
-                        help="which tables: half, quant8, ortho")
+                        help="which tables: half, quant8, quant4, ortho")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -208,6 +253,8 @@ def main() -> None:
         half_table(device, args.sizes, args.reps, peak)
     if "quant8" in kernels:
         quant8_table(device, args.sizes, args.reps)
+    if "quant4" in kernels:
+        quant4_table(device, args.sizes, args.reps)
     if "ortho" in kernels:
         ortho_table(device, args.reps)
 

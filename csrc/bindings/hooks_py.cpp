@@ -10,10 +10,12 @@
 #include <utility>
 
 #include "../core/numpy_random.h"
+#include "../kernels/quant4.h"
 #include "../hooks/half/half_ops.h"
 #include "../hooks/hierarchical/hierarchical.h"
 #include "../hooks/powersgd/orthogonalize.h"
 #include "../hooks/powersgd/powersgd_plan.h"
+#include "../hooks/quant4/quant4_ops.h"
 #include "../hooks/quant8/quant8_ops.h"
 #include "../hooks/common/registry.h"
 #include "../hooks/common/side_stream.h"
@@ -156,6 +158,39 @@ void bind_hooks(py::module& m) {
         "'e5m2'; Note [8-bit wire formats]); with error=True also src - dequantized.");
   m.def("_dequantize8", &dequantize8, py::arg("codes"), py::arg("scales"), py::arg("format"),
         py::arg("block") = 256, "float32 values of 8-bit codes and their block scales.");
+  // The int4 wire (Note [int4 wire format] in csrc/kernels/quant4.h), into caller buffers:
+  // DiLoCo quantizes straight into its wire buffer.
+  m.def(
+      "quantize4",
+      [](const at::Tensor& flat, int64_t block, const at::Tensor& codes_out,
+         const at::Tensor& scales_out, std::optional<at::Tensor> err) {
+        quantize4_into(flat, block, codes_out, scales_out, err ? &*err : nullptr);
+      },
+      py::arg("flat"), py::arg("block"), py::arg("codes_out"), py::arg("scales_out"),
+      py::arg("err") = py::none(),
+      "int4 codes (uint8, two a byte) and float32 block scales of flat (float32) into the "
+      "out tensors; with err (may be flat itself), err = flat - dequantized.");
+  m.def(
+      "dequantize4",
+      [](const at::Tensor& codes, const at::Tensor& scales, int64_t n, int64_t block,
+         at::Tensor out) {
+        dequantize4_into(codes, scales, n, block, out);
+        return out;
+      },
+      py::arg("codes"), py::arg("scales"), py::arg("n"), py::arg("block"), py::arg("out"),
+      "The n float32 values of int4 codes and their block scales, into out; returns out.");
+  m.def(
+      "sum_shards4",
+      [](const at::Tensor& shards, int64_t count, int64_t n, int64_t block, at::Tensor out) {
+        sum_shards4_into(shards, count, n, block, out);
+        return out;
+      },
+      py::arg("shards"), py::arg("count"), py::arg("n"), py::arg("block"), py::arg("out"),
+      "The float32 sum in shard order of `count` packed int4 shards of n values (each "
+      "quant4_shard_bytes(n, block) bytes: codes, zero padding to 4 bytes, scales) into out.");
+  m.def("quant4_shard_bytes", &kernels::quant4_shard_bytes, py::arg("n"), py::arg("block"));
+  m.def("quant4_scales_offset", &kernels::quant4_scales_offset, py::arg("n"),
+        "Byte offset of the scales in a packed int4 shard of n values.");
 
   m.def(
       "powersgd_orthogonalize",

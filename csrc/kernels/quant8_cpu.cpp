@@ -8,6 +8,7 @@
 #include <algorithm>
 
 #include "quant8.h"
+#include "block_absmax.h"
 #include "vector_clones.h"
 
 namespace fastddp::kernels {
@@ -15,15 +16,6 @@ namespace fastddp::kernels {
 namespace {
 
 #define FASTDDP_QUANT8_INLINE inline __attribute__((always_inline))
-
-FASTDDP_QUANT8_INLINE uint32_t absmax_bits(const float* __restrict x, int64_t len) {
-  uint32_t m = 0;
-  for (int64_t i = 0; i < len; ++i) {
-    const uint32_t b = float_bits(x[i]) & 0x7FFFFFFFu;
-    m = b > m ? b : m;
-  }
-  return m;
-}
 
 template <Quant8Format F>
 FASTDDP_QUANT8_INLINE void encode(const float* __restrict x, int64_t len, float divisor,
@@ -41,7 +33,7 @@ FASTDDP_QUANT8_INLINE void residual(const uint8_t* __restrict codes, int64_t len
 template <Quant8Format F>
 FASTDDP_QUANT8_INLINE void quantize_block(const float* x, int64_t len, uint8_t* codes,
                                           float* scale_out, float* err) {
-  const float scale = quant8_scale_from_absmax_bits<F>(absmax_bits(x, len));
+  const float scale = quant8_scale_from_absmax_bits<F>(block_absmax_bits(x, len));
   *scale_out = scale;
   if (scale != scale) {
     // A NaN or an infinity: codes 0 and a NaN scale, so the block reads back as NaN.

@@ -12,8 +12,12 @@ QMAX = {"int8": 127.0, "e4m3": 448.0, "e5m2": 57344.0}
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
-def quantize(x: torch.Tensor, fmt: str, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes uint8, scales float32) of a 1-D float32 tensor; the last block may be short."""
+def block_scales(x: torch.Tensor, qmax: float,
+                 block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(blocks, bad, scales, divisors) of a 1-D float32 tensor: its blocks as rows (the last
+    one zero padded), whether a row holds a NaN or an infinity, absmax / qmax per row (NaN
+    for a bad row), and what a row is divided by (its scale, or 1 for a 0 scale). Shared
+    with the int4 reference (quant4_reference.py)."""
     n = x.numel()
     nb = math.ceil(n / block)
     padded = torch.zeros(nb * block, dtype=torch.float32, device=x.device)
@@ -21,9 +25,17 @@ def quantize(x: torch.Tensor, fmt: str, block: int = BLOCK) -> tuple[torch.Tenso
     blocks = padded.view(nb, block)
     bad = ~torch.isfinite(blocks).all(dim=1)
     absmax = blocks.abs().amax(dim=1)
-    scale = absmax / torch.full_like(absmax, QMAX[fmt])
+    # A tensor divisor: torch may turn a division by a Python scalar into a multiplication.
+    scale = absmax / torch.full_like(absmax, qmax)
     scale = torch.where(bad, torch.full_like(scale, float("nan")), scale)
     divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return blocks, bad, scale, divisor
+
+
+def quantize(x: torch.Tensor, fmt: str, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8, scales float32) of a 1-D float32 tensor; the last block may be short."""
+    n = x.numel()
+    blocks, bad, scale, divisor = block_scales(x, QMAX[fmt], block)
     v = (blocks / divisor[:, None]).clamp(-QMAX[fmt], QMAX[fmt])
     if fmt == "int8":
         codes = torch.round(v).to(torch.int8).view(torch.uint8)
