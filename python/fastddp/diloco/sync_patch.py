@@ -62,6 +62,9 @@ class SyncPatch:
         self.diloco_kwargs = diloco_kwargs
         self.models: list[weakref.ref] = []
         self.dilocos: dict[int, DiLoCo] = {}
+        # Optimizers found over no wrapped model, with how many models there were then: they
+        # are looked at again only once another model is wrapped.
+        self._unmatched: dict[int, int] = {}
         self._original = nn.parallel.distributed.DistributedDataParallel
         self.cls = _local_replica_class(self)
         self._rebound = imported_bindings(self._original)
@@ -78,7 +81,8 @@ class SyncPatch:
                 "each wrapped model")
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if id(optimizer) in self.dilocos:
+        if id(optimizer) in self.dilocos or self._unmatched.get(id(optimizer)) == len(
+                self.models):
             return
         params = {id(p) for g in optimizer.param_groups for p in g["params"]}
         for ref in self.models:
@@ -88,6 +92,7 @@ class SyncPatch:
                                                      process_group=model.process_group,
                                                      **self.diloco_kwargs)
                 return
+        self._unmatched[id(optimizer)] = len(self.models)
 
     def unpatch(self) -> None:
         self._hook.remove()
