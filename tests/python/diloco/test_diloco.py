@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fastddp
-from tests.python.diloco import diloco_scenarios
+from tests.python.diloco import diloco_scenarios, wire_scenarios
 
 WIRES = ["fp32", "bf16", "int8"]
 
@@ -74,3 +74,9 @@ def test_needs_a_process_group():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
         fastddp.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2)
+
+
+@pytest.mark.parametrize("wire", ["bf16", "int8"])
+def test_wire_average_matches_reference(world, wire):
+    # 1000 values: 3 whole 256-value blocks and a short one.
+    world.check(wire_scenarios.average_matches_reference, wire=wire, numel=1000, rounds=3)

@@ -1,0 +1,53 @@
+"""DiLoCo's averaging wires (fastddp/diloco/_wire.py) against their algorithm written again in
+torch ops, run on every rank of a harness world: each rank gathers every rank's inputs and
+replays every rank's encoding (torch's ``.to(torch.bfloat16)`` rounding; the 8-bit codes of
+tests/python/hooks/quant8_reference.py, torch.round half to even), its error feedback, and the
+float32 sum in rank order. Bit for bit: the same float32 operations on the same numbers.
+"""
+
+import torch
+import torch.distributed as dist
+
+from fastddp.diloco._wire import make_wire
+from tests.python.hooks import quant8_reference as q8
+from tests.python.scenarios import agree
+
+
+def _encode(wire: str, staged: torch.Tensor) -> torch.Tensor:
+    """What rank's `staged` (pseudo-gradient / world + residual) reads back as."""
+    if wire == "bf16":
+        return staged.to(torch.bfloat16).float()
+    codes, scales = q8.quantize(staged, "int8")
+    return q8.dequantize(codes, scales, "int8")
+
+
+def average_matches_reference(wire: str, numel: int, rounds: int) -> None:
+    """`rounds` averages of fresh random tensors of `numel` values (not a multiple of the
+    256-value block), error feedback carried from one round to the next."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    first = torch.zeros(numel)
+    ours = make_wire(wire, dist.group.WORLD, [first], error_feedback=True)
+    residuals = [torch.zeros(numel) for _ in range(world)]
+    for round_ in range(rounds):
+        g = torch.Generator().manual_seed(100 * round_ + rank)
+        mine = torch.randn(numel, generator=g) * (1 + rank)
+        inputs = [torch.empty(numel) for _ in range(world)]
+        dist.all_gather(inputs, mine)
+        average = ours.start(0, mine.clone()).wait()
+
+        decoded = []
+        for r in range(world):
+            staged = inputs[r] * (1.0 / world) + residuals[r]
+            decoded.append(_encode(wire, staged))
+            residuals[r] = staged - decoded[-1]
+        expected = decoded[0].clone()
+        for r in range(1, world):
+            expected += decoded[r]
+
+        def check() -> None:
+            assert torch.equal(average, expected), (
+                f"round {round_}: the {wire} wire's average differs from the reference by "
+                f"{(average - expected).abs().max().item():.3g}")
+            assert torch.equal(ours.residuals[0], residuals[rank]), (
+                f"round {round_}: the {wire} wire's residual differs from the reference")
+        agree(check)
