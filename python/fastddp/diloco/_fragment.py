@@ -28,6 +28,7 @@ class Fragment:
         self.outer = torch.optim.SGD(self.anchor.flats, lr=outer_lr, momentum=outer_momentum,
                                      nesterov=outer_momentum > 0)
         self.alpha = alpha
+        self.syncs = 0  # outer steps applied (statistics, not restored by load_state_dict)
         self._exchanges: list[Exchange] = []
         # The averages of an exchange that landed before perform() (state_dict waits for one).
         self._landed: list[torch.Tensor] | None = None
@@ -60,6 +61,7 @@ class Fragment:
         self.outer.zero_grad(set_to_none=True)
         self._landed = None
         self.anchor.reset_model(self.alpha)
+        self.syncs += 1
 
     def state_dict(self) -> dict[str, Any]:
         # An exchange in flight is waited for (every rank saves at the same step, so every rank

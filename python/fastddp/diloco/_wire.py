@@ -55,6 +55,8 @@ class Wire:
         keep = self.quantized and error_feedback
         self.residuals: list[torch.Tensor | None] = [
             torch.zeros_like(f) if keep else None for f in flats]
+        # What this rank put into the collectives (each one's input buffer), counted as sent.
+        self.payload_bytes = 0
 
     def start(self, index: int, flat: torch.Tensor) -> Exchange:
         raise NotImplementedError
@@ -84,6 +86,7 @@ class Fp32Wire(Wire):
     name, quantized = "fp32", False
 
     def start(self, index: int, flat: torch.Tensor) -> Exchange:
+        self.payload_bytes += flat.numel() * flat.element_size()
         work = _group_ops.all_reduce(self.group, flat, dist.ReduceOp.SUM, async_op=True)
         return Exchange(work, lambda: flat.div_(self.world))
 
@@ -96,6 +99,7 @@ class Bf16Wire(Wire):
         # Gathered as bytes: gloo's allgather takes no 16-bit integers, and bf16 not everywhere.
         gathered = torch.empty(self.world * 2 * codes.numel(), dtype=torch.uint8,
                                device=flat.device)
+        self.payload_bytes += codes.numel() * codes.element_size()
         work = _group_ops.all_gather_single(self.group, gathered, codes.view(torch.uint8))
 
         def finish() -> torch.Tensor:
@@ -125,6 +129,7 @@ class Int8Wire(Wire):
             residual.copy_(quantized[2][:n])
         packed = torch.cat([codes, scales.view(torch.uint8)])
         gathered = torch.empty(self.world, packed.numel(), dtype=torch.uint8, device=flat.device)
+        self.payload_bytes += packed.numel()
         work = _group_ops.all_gather_single(self.group, gathered.view(-1), packed)
 
         def finish() -> torch.Tensor:

@@ -194,3 +194,11 @@ def load_mismatch(what: str) -> None:
         anchor = state["fragments"][0]["anchor"]
         anchor[0] = anchor[0][:-1]
         diloco.load_state_dict(state)
+
+
+def stats_after(wire: str, steps: int, sync_every: int) -> dict[str, int]:
+    """DiLoCo.stats() after `steps` inner steps of mlp()."""
+    model, opt, diloco = _build(wire, seed=0, sync_every=sync_every)
+    _train(model, opt, range(steps))
+    diloco.close()
+    return diloco.stats()

@@ -36,6 +36,17 @@ def test_streaming_restart_is_exact(world, wire):
                 sync_every=4, fragments=2, overlap=1, merge_alpha=0.5)
 
 
+# mlp()'s 1476 parameters, 2 syncs: fp32 4 bytes a value; bf16 2; int8 1476 codes padded
+# to 6 whole blocks of 256 (1536) plus 6 float32 scales.
+PAYLOAD = {"fp32": 2 * 1476 * 4, "bf16": 2 * 1476 * 2, "int8": 2 * (1536 + 6 * 4)}
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_stats_count_the_payload(world, wire):
+    for stats in world.check(diloco_scenarios.stats_after, wire=wire, steps=5, sync_every=2):
+        assert stats == {"inner_steps": 5, "syncs": 2, "payload_bytes": PAYLOAD[wire]}, stats
+
+
 def test_buffers_follow_rank0(world):
     world.check(diloco_scenarios.buffers_follow_rank0, sync_every=2)
 
