@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-# The averaging wires (fastddp/diloco/_wire.py); "int4" waits for csrc/kernels/quant4*.
+# The averaging wires (fastddp/diloco/_wire.py).
 WIRES = ("fp32", "bf16", "int8", "int4")
 
 
@@ -104,11 +104,6 @@ def _wire(wire: object) -> str:
         raise TypeError(f"fastddp.DiLoCo: wire must be a str, got {type(wire).__name__}")
     if wire not in WIRES:
         raise ValueError(f"fastddp.DiLoCo: wire must be one of {WIRES}, got {wire!r}")
-    if wire == "int4":
-        # TODO(issue 47): the 4-bit pack/unpack kernels (csrc/kernels/quant4*) are being
-        # written; the int4 wire plugs into _wire.py once _C exposes them.
-        raise NotImplementedError("fastddp.DiLoCo: wire='int4' needs fastddp's 4-bit kernels, "
-                                  "which are not built yet; use wire='int8' or 'bf16'")
     return wire
 
 

@@ -47,15 +47,16 @@ class DiLoCo:
         overlap: tau < sync_every / P, the inner steps a fragment's exchange overlaps.
         merge_alpha: a synced fragment's weights become new anchor + merge_alpha * (local -
             new anchor) (torchft's fragment_update_alpha; 0: the new anchor).
-        wire: "fp32" (allreduce), "bf16" or "int8" (allgather of codes, float32 sum, error
-            feedback on the pseudo-gradient when `error_feedback`); "int4" is not built yet.
+        wire: "fp32" (allreduce), "bf16", "int8" or "int4" (allgather of codes, float32 sum,
+            error feedback on the pseudo-gradient when `error_feedback`).
         broadcast_buffers: after each sync, rank 0's buffers are copied to every rank, as
             torch DDP's broadcast_buffers does before each forward.
 
     state_dict() / load_state_dict() carry the step counter and per fragment the anchor, the
-    outer momentum, the wire's residuals and an exchange in flight (waited for); with the model's and the inner optimizer's state dicts they
-    restart a run exactly. Load them after building the DiLoCo: building it broadcasts rank
-    0's weights, which would overwrite the other ranks' loaded local weights.
+    outer momentum, the wire's residuals and an exchange in flight (waited for); with the
+    model's and the inner optimizer's state dicts they restart a run exactly. Load them after
+    building the DiLoCo: building it broadcasts rank 0's weights, which would overwrite the
+    other ranks' loaded local weights.
     """
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, sync_every: int,

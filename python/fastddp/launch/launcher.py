@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sync", metavar="diloco:H=STEPS[,KEY=VALUE...]",
                         help="no per-step gradient collective: fastddp.DiLoCo every H "
                              "optimizer steps; keys outer_lr, outer_momentum, wire "
-                             "(fp32|bf16|int8), fragments, overlap, merge_alpha (streaming), "
+                             "(fp32|bf16|int8|int4), fragments, overlap, merge_alpha (streaming), "
                              "see docs/diloco.md; excludes the other options")
     parser.add_argument("--bucket-cap-mb", metavar="X", type=_positive_float,
                         help="bucket size in MiB for every wrapped model (overrides the "

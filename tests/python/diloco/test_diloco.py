@@ -8,7 +8,7 @@ import torch
 import fastddp
 from tests.python.diloco import diloco_scenarios, wire_scenarios
 
-WIRES = ["fp32", "bf16", "int8"]
+WIRES = ["fp32", "bf16", "int8", "int4"]
 
 
 def test_h1_matches_torch_ddp(world):
@@ -37,8 +37,10 @@ def test_streaming_restart_is_exact(world, wire):
 
 
 # mlp()'s 1476 parameters, 2 syncs: fp32 4 bytes a value; bf16 2; int8 1476 codes padded
-# to 6 whole blocks of 256 (1536) plus 6 float32 scales.
-PAYLOAD = {"fp32": 2 * 1476 * 4, "bf16": 2 * 1476 * 2, "int8": 2 * (1536 + 6 * 4)}
+# to 6 whole blocks of 256 (1536) plus 6 float32 scales; int4 738 bytes of codes, padded to
+# 740, plus 24 scales (blocks of 64).
+PAYLOAD = {"fp32": 2 * 1476 * 4, "bf16": 2 * 1476 * 2, "int8": 2 * (1536 + 6 * 4),
+           "int4": 2 * (740 + 24 * 4)}
 
 
 @pytest.mark.parametrize("wire", WIRES)
@@ -55,7 +57,6 @@ def test_buffers_follow_rank0(world):
     ({"fragments": 3}, ValueError, "sync_every=2 must be a multiple of the number of fragm"),
     ({"fragments": 2, "overlap": 1}, ValueError, "overlap=1 must be < sync_every / fragments"),
     ({"merge_alpha": 1.5}, ValueError, "merge_alpha must be in [0.0, 1.0]"),
-    ({"wire": "int4"}, NotImplementedError, "wire='int4'"),
     ({"wire": "bf16", "float64": True}, NotImplementedError, "torch.float64"),
     ({"wire": "fp8"}, ValueError, "wire must be one of"),
     ({"sync_every": 0}, ValueError, "sync_every must be >= 1"),
@@ -87,7 +88,8 @@ def test_needs_a_process_group():
         fastddp.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2)
 
 
-@pytest.mark.parametrize("wire", ["bf16", "int8"])
+@pytest.mark.parametrize("wire", ["bf16", "int8", "int4"])
 def test_wire_average_matches_reference(world, wire):
-    # 1000 values: 3 whole 256-value blocks and a short one.
-    world.check(wire_scenarios.average_matches_reference, wire=wire, numel=1000, rounds=3)
+    # 1001 values: whole 256-value (int8) and 64-value (int4) blocks and a short one, and an
+    # odd count (int4's last byte holds one code).
+    world.check(wire_scenarios.average_matches_reference, wire=wire, numel=1001, rounds=3)

@@ -1,14 +1,16 @@
 """DiLoCo's averaging wires (fastddp/diloco/_wire.py) against their algorithm written again in
 torch ops, run on every rank of a harness world: each rank gathers every rank's inputs and
-replays every rank's encoding (torch's ``.to(torch.bfloat16)`` rounding; the 8-bit codes of
-tests/python/hooks/quant8_reference.py, torch.round half to even), its error feedback, and the
-float32 sum in rank order. Bit for bit: the same float32 operations on the same numbers.
+replays every rank's encoding (torch's ``.to(torch.bfloat16)`` rounding; the 8-bit and 4-bit
+codes of tests/python/hooks/quant8_reference.py and quant4_reference.py, torch.round half to
+even), its error feedback, and the float32 sum in rank order. Bit for bit: the same float32
+operations on the same numbers.
 """
 
 import torch
 import torch.distributed as dist
 
-from fastddp.diloco._wire import make_wire
+from fastddp.diloco._wire import INT4_BLOCK, make_wire
+from tests.python.hooks import quant4_reference as q4
 from tests.python.hooks import quant8_reference as q8
 from tests.python.scenarios import agree
 
@@ -17,6 +19,9 @@ def _encode(wire: str, staged: torch.Tensor) -> torch.Tensor:
     """What rank's `staged` (pseudo-gradient / world + residual) reads back as."""
     if wire == "bf16":
         return staged.to(torch.bfloat16).float()
+    if wire == "int4":
+        codes, scales = q4.quantize(staged, INT4_BLOCK)
+        return q4.dequantize(codes, scales, staged.numel(), INT4_BLOCK)
     codes, scales = q8.quantize(staged, "int8")
     return q8.dequantize(codes, scales, "int8")
 
