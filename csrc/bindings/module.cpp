@@ -3,6 +3,7 @@
 // the hooks, the optimizer step and PowerSGD, the Python comm hook and the
 // hook runner; the rest of csrc/ is plain C++.
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <pybind11/functional.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <stdexcept>
@@ -217,6 +218,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_sink_clone", &Reducer::set_sink_clone, py::arg("clone"), nogil())
       .def("set_static_graph", &Reducer::set_static_graph, nogil())
       .def("set_divide_factor", &Reducer::set_divide_factor, py::arg("factor"), nogil())
+      // Note [fault-tolerant step]: fastddp.integrations.torchft. The sink (a Python
+      // callable taking the failure's text) is called, with the GIL, only on a failure.
+      .def("set_fault_sink", &Reducer::set_fault_sink, py::arg("sink"))
+      .def("set_participants", &Reducer::set_participants, py::arg("count"),
+           py::arg("contributes"), nogil())
+      .def("settle_pending", &Reducer::settle_pending, py::arg("commit"), nogil())
+      .def("settle_waiting", &Reducer::settle_waiting, nogil())
+      .def("freeze_buckets", &Reducer::freeze_buckets, nogil())
       .def("shadow_backward", &Reducer::shadow_backward, nogil())
       .def("record_default_ready_order", &Reducer::record_default_ready_order, nogil())
       .def("bucket_plan", &Reducer::bucket_plan, nogil())

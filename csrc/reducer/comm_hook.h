@@ -72,6 +72,12 @@ class CommHook {
   // torch's do, may ignore it.
   virtual void set_divide_factor(int64_t factor) { (void)factor; }
 
+  // The number of ranks whose gradients the group's sum holds this step: the
+  // group's size, or under a fault-tolerant engine the step's participants
+  // (Note [fault-tolerant step]). For the hooks that divide by the group size
+  // whatever join() asks, as torch's PowerSGD does.
+  virtual void set_group_divisor(int64_t count) { (void)count; }
+
   // Every bucket of this step has been run() or skipped, the last one skipped
   // (skip_all_reduce_unused_params, Note [skipping unused buckets]): no run()
   // was told is_last, so a hook that holds work back for the last bucket

@@ -114,7 +114,13 @@ void Reducer::reset_iteration() {
   for (Bucket& bucket : buckets_) bucket.pending = bucket.params.size();
   skip_votes_.begin_step(buckets_.size());  // vote_on_skips() decides, after the unused search
   if (options_.static_graph) static_graph_.begin_step();
-  hook_->set_divide_factor(join_.divide_factor(world_size()));
+  // Note [fault-tolerant step]: a step armed over an unsettled one would
+  // write its new state over the state that waits for its commit.
+  FASTDDP_CHECK(!fault_.holding(), "fastddp: the previous step's commit was not settled "
+                "(fastddp.integrations.torchft settles it before every forward)");
+  const int64_t participants = fault_.participants(world_size());
+  hook_->set_divide_factor(join_.divide_factor(static_cast<int>(participants)));
+  hook_->set_group_divisor(participants);
   finite_.begin_step();  // Note [a bad step leaves no trace]: nothing collected yet
   stats_.begin_step(*group_);  // the cost and collectives from here on are this step's
 }
@@ -127,15 +133,22 @@ void Reducer::set_divide_factor(int64_t factor) {
 }
 
 void Reducer::on_grad_ready(size_t index) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  try {
-    handle_grad_ready(index);
-  } catch (...) {
-    // The error reaches backward()'s caller; the next forward starts afresh
-    // instead of reporting this iteration's parameters as never ready.
-    fail_iteration(std::current_exception());
-    throw;
+  std::string failure;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    try {
+      handle_grad_ready(index);
+    } catch (...) {
+      // The error reaches backward()'s caller; the next forward starts afresh
+      // instead of reporting this iteration's parameters as never ready.
+      fail_iteration(std::current_exception());
+      if (!fault_.on()) throw;
+      // Note [fault-tolerant step]: backward goes on; the step is failed
+      // (phase kIdle: the later hooks pass, nothing more is launched).
+      failure = fault_.take_failure();
+    }
   }
+  report_failure(std::move(failure));
 }
 
 void Reducer::handle_grad_ready(size_t index) {
@@ -190,7 +203,8 @@ void Reducer::mark_ready(size_t index) {
   if (!bucket.allocated()) views_.allocate(buckets_);  // lazy buckets: this backward's first
   grad_slot_.with_grad(params_[index], [&](at::Tensor& grad) {
     check_grad(index, grad, bucket, bucket.views[slot]);
-    copy_in(b, slot, grad);
+    // Note [fault-tolerant step]: a replica still healing sends zeros.
+    copy_in(b, slot, fault_.contributes() ? grad : at::Tensor());
     return views_.adopt(grad, bucket.views[slot], bucket.sparse);  // gradient_as_bucket_view
   });
   if (--bucket.pending > 0) return;
@@ -285,10 +299,15 @@ void Reducer::queue_finalize() {
   std::weak_ptr<Reducer> weak = weak_from_this();
   torch::autograd::Engine::get_default_engine().queue_callback([weak] {
     if (auto self = weak.lock()) {
-      std::lock_guard<std::mutex> lock(self->mutex_);
-      // Not if the step failed meanwhile (fail_iteration: a hook changed
-      // inside this backward).
-      if (self->phase_ == Phase::kExpecting) self->finalize_backward();
+      std::string failure;
+      {
+        std::lock_guard<std::mutex> lock(self->mutex_);
+        // Not if the step failed meanwhile (fail_iteration: a hook changed
+        // inside this backward).
+        if (self->phase_ == Phase::kExpecting) self->finalize_backward();
+        failure = self->fault_.take_failure();
+      }
+      self->report_failure(std::move(failure));
     }
   });
 }

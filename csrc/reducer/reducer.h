@@ -102,6 +102,7 @@
 #include "bucket.h"
 #include "bucket_views.h"
 #include "comm_hook.h"
+#include "fault_tolerance.h"
 #include "finite_checks.h"
 #include "grad_hooks.h"
 #include "grad_slot.h"
@@ -198,6 +199,21 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // sum by `factor` (the ranks still training) instead of the world size.
   void set_divide_factor(int64_t factor);
 
+  // Note [fault-tolerant step] (fault_tolerance.h), for fastddp.integrations.torchft:
+  // a failed step is reported to `sink` instead of raised, and the hook's new
+  // state waits for settle_pending().
+  void set_fault_sink(FaultTolerance::Sink sink);
+  // The next backward's mean divides by `count` (1..world size) participants;
+  // `contributes` false: this rank sends zeros (a replica still healing).
+  void set_participants(int64_t count, bool contributes);
+  // The last finished step's hook state: kept if `commit`, else put back as
+  // after an overflow step. No-op when nothing waits.
+  void settle_pending(bool commit);
+  bool settle_waiting() const;
+  // The buckets stay as they are (no rebuild from the first step's order), so
+  // that a replica that joins later lays them out as the others did.
+  void freeze_buckets();
+
   // join(): a rank without data runs the collectives of one backward with
   // zero gradients, in the same order as the ranks that still train.
   void shadow_backward();
@@ -279,7 +295,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // rank, if a gradient was not finite (Note [non-finite guard]).
   void check_finite_gradients();
   // Records the error for the logging data; the next forward starts afresh.
+  // Under Note [fault-tolerant step] also notes it for the sink.
   void fail_iteration(const std::exception_ptr& error);
+  // After the lock is released: hands a noted failure to the sink.
+  void report_failure(std::string failure) const;
 
   bool should_rebuild() const;
   bool static_first_iteration() const;
@@ -339,6 +358,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // the rest, hence mutable.
   mutable StepStats stats_;
   FiniteChecks finite_;  // Note [non-finite guard], Note [a bad step leaves no trace]
+  FaultTolerance fault_;  // Note [fault-tolerant step]
 
   // The post-hooks on the grad accumulators, calling on_grad_ready. Declared
   // last: destroyed first, so no hook outlives the state it reaches.

@@ -22,20 +22,25 @@ void Reducer::finalize_backward() {
     if (track_usage()) unused_.wait();
     if (mixed_precision_.on()) mixed_precision_.restore_masters();
     at::Tensor kept;  // undefined: nothing checked, the step stands
+    bool held = false;
     {  // Note [a bad step leaves no trace]
       const at::NoGradGuard no_grad;
-      const at::Tensor finite = finite_.check();
-      if (hook_->settles_own_state()) {  // Note [double-buffered step state]
+      at::Tensor finite = finite_.check();
+      if (hook_->settles_own_state() && fault_.on()) {  // Note [fault-tolerant step]
+        fault_.hold(std::move(finite));
+        held = true;
+      } else if (hook_->settles_own_state()) {  // Note [double-buffered step state]
         kept = hook_->settle_step(finite);
       }
     }
-    hook_->after_step(kept);
+    if (!held) hook_->after_step(kept);
     if (optimizer_step_) {
       FASTDDP_PROFILE_RANGE("fastddp optimizer step");
       optimizer_step_->end_of_backward();
     }
   } catch (...) {
     fail_iteration(std::current_exception());
+    if (fault_.on()) return;  // Note [fault-tolerant step]: the caller reports it
     throw;
   }
   if (dynamic_find_unused()) unused_.zero(/*unread=*/true);
@@ -101,6 +106,7 @@ void Reducer::fail_iteration(const std::exception_ptr& error) {
   } catch (...) {
     stats_.set_error("unknown error");
   }
+  if (fault_.on()) fault_.note_failure(stats_.last_error());
   // Collectives already issued finish (every rank issued them) before the next
   // step writes into their buffers; then the next forward starts afresh
   // instead of reporting unready parameters.
@@ -114,7 +120,9 @@ void Reducer::fail_iteration(const std::exception_ptr& error) {
   // A double-buffered hook's step wrote only its spare buffers: whatever the
   // failure, the state it read stands (Note [double-buffered step state]).
   if (hook_->settles_own_state()) hook_->discard_step();
-  if (finite_.take_guard_failed()) {  // check_for_nan_in_grad: discard_step kept the state read
+  // check_for_nan_in_grad, or Note [fault-tolerant step] (as an overflow
+  // step): discard_step kept the state read.
+  if (finite_.take_guard_failed() || fault_.on()) {
     hook_->after_step(at::zeros({}, at::kBool));
   } else {
     hook_->after_step(at::Tensor());

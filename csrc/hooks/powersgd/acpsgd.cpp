@@ -136,7 +136,14 @@ std::shared_ptr<PipelinedHook::Stage> AcpSgdHook::start(
 
 void AcpSgdHook::after_step(const at::Tensor& kept) {
   if (!step_open_) {  // a second word on a step (a failure after the end of backward)
-    if (kept.defined() && settle_pending_) last_kept_ = kept.cpu();
+    if (kept.defined() && kept.is_cpu()) {  // it overrides the first, settled or not
+      last_kept_ = kept.clone();
+      kept_ready_.reset();
+      settle_pending_ = true;
+      settle_last_step();
+    } else if (kept.defined() && settle_pending_) {
+      last_kept_ = kept.cpu();
+    }
     return;
   }
   step_open_ = false;
@@ -147,6 +154,10 @@ void AcpSgdHook::after_step(const at::Tensor& kept) {
   kept_ready_.reset();
   if (!kept.defined() || kept.is_cpu()) {
     last_kept_ = kept.defined() ? kept.clone() : at::Tensor();
+    // On the host the choice is known now: taken back at once, so that a
+    // state_dict() before the next step (a checkpoint, or a peer's recovery
+    // under torchft, Note [fault-tolerant step]) holds the steps kept only.
+    settle_last_step();
     return;
   }
   // Queued behind the choice on the compute stream; read at the next step.
@@ -185,13 +196,13 @@ c10::IValue AcpSgdHook::decompress(BucketState& state, PowerSGDWork& work,
                                    const at::Tensor& input, const at::Tensor& wire,
                                    int64_t uncompressed_numel) {
   FASTDDP_PROFILE_RANGE("fastddp decompress (acpsgd)");
-  unpack_uncompressed(wire.narrow(0, 0, uncompressed_numel), world_size_, work.uncompressed_dest);
+  unpack_uncompressed(wire.narrow(0, 0, uncompressed_numel), divisor_, work.uncompressed_dest);
   std::vector<PowerSGDBatch>& batches = work.batches;
   // The reduced factor is a sum: the mean gradient is P Q^T / world size (the
   // factor itself stays a sum, as the next step orthogonalizes it).
   for (PowerSGDBatch& b : batches) {
     lowrank_expand(b.p, b.q, b.out);
-    b.out.div_(world_size_);
+    b.out.div_(divisor_);
   }
   // This callback's kernels run on the side stream (complete_on_side_stream).
   record_current_stream({wire, input, state.source, state.error, state.p_spare, state.q_spare});

@@ -123,7 +123,7 @@ void PowerSGDHook::finish(Stage& base) {
   BucketState& state = *stage.state;
   // The reverse of start()'s pack: one multi-tensor copy (one launch on CUDA).
   PowerSGDWork& work = stage.work;
-  unpack_uncompressed(stage.wire.narrow(0, 0, plan.uncompressed_numel), world_size_,
+  unpack_uncompressed(stage.wire.narrow(0, 0, plan.uncompressed_numel), divisor_,
                       work.uncompressed_dest);
   for (at::Tensor& p : work.p_groups) powersgd_orthogonalize(p, options_.orthogonalization_epsilon);
   for (PowerSGDBatch& b : work.batches) lowrank_back_project(b.matrices, b.p, b.q);
@@ -145,7 +145,7 @@ c10::IValue PowerSGDHook::decompress(BucketState& state, PowerSGDWork& work,
                                      const at::Tensor& input, const at::Tensor& input_copy) {
   std::vector<PowerSGDBatch>& batches = work.batches;
   FASTDDP_PROFILE_RANGE("fastddp decompress (powersgd)");
-  state.q_spare.div_(world_size_);
+  state.q_spare.div_(divisor_);
   const bool error_feedback = options_.use_error_feedback;
   // The new error (M - P Q^T) in the same pass as P Q^T where the result
   // goes straight into the bucket, in place of M (b.error views M: the

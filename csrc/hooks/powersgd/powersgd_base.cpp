@@ -76,7 +76,7 @@ PowerSGDBase::PowerSGDBase(c10::intrusive_ptr<c10d::ProcessGroup> group, PowerSG
       iter_(options.iter),
       stats_(options.compression_stats_logging_frequency) {
   FASTDDP_CHECK(group_, "fastddp: the ", hook_name, " comm hook needs a process group");
-  world_size_ = group_->getSize();
+  divisor_ = group_->getSize();
 }
 
 PowerSGDBase::~PowerSGDBase() = default;
@@ -91,7 +91,7 @@ c10::intrusive_ptr<c10::ivalue::Future> PowerSGDBase::maybe_vanilla(Bucket& buck
   if (iter_.load() >= options_.start_powerSGD_iter) return {};
   FASTDDP_PROFILE_RANGE("fastddp launch (powersgd vanilla)");
   if (is_last) ++iter_;
-  bucket.flat.div_(world_size_);
+  bucket.flat.div_(divisor_);
   return allreduce(bucket.flat);
 }
 

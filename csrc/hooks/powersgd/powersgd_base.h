@@ -56,6 +56,9 @@ class PowerSGDBase : public PipelinedHook {
   ~PowerSGDBase() override;  // here ProcessGroup is incomplete
 
   const PowerSGDOptions& options() const { return options_; }
+  // torch's hook divides by the group's size whatever join() asks; under a
+  // fault-tolerant engine, by the step's participants.
+  void set_group_divisor(int64_t count) override { divisor_ = count; }
   int64_t iter() const { return iter_.load(); }
   // torch's PowerSGDState.compression_stats(): (rate, numel before, numel after).
   std::vector<double> compression_stats() const;
@@ -100,7 +103,8 @@ class PowerSGDBase : public PipelinedHook {
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   PowerSGDOptions options_;
   NumpyRandomState rng_;
-  int world_size_;
+  // The group's size, or the step's participants (CommHook::set_group_divisor).
+  int64_t divisor_;
   std::atomic<int64_t> iter_;
   // Guards the statistics and the hooks' bucket state: decompression
   // callbacks run on the process group's threads while run() goes on with

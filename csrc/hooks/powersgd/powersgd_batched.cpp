@@ -133,7 +133,7 @@ void BatchedPowerSGDHook::finish(Stage& base) {
                  [this, state = stage.state, flat = stage.flat, q,
                   input_copy = stage.input_copy]() mutable {
                    FASTDDP_PROFILE_RANGE("fastddp decompress (powersgd_batched)");
-                   q.div_(world_size_);
+                   q.div_(divisor_);
                    const std::vector<int64_t> square{1, state->side, state->side};
                    at::Tensor m = state->padded.view(square);
                    if (options_.use_error_feedback) {

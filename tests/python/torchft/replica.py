@@ -1,0 +1,154 @@
+"""One torchft replica group (one rank) training a small model, in its own process, for
+tests/python/torchft: fastddp's DDP under torchft (``impl="fastddp"``) or torchft's own DDP
+(``impl="torchft"``), the reference we did not write.
+
+Each step's batch depends on the replica and on the manager's step only, so a step that is
+not committed is retried on the same data, and two runs whose quorums change at the same
+steps take the same steps. ``kill_at``: this replica exits (os._exit, as a killed process:
+its sockets close, no clean-up) in that step: ``kill_in="backward"`` (the default) in the
+middle of its backward, after the last layer's gradients are ready (fastddp has launched a
+bucket by then); ``kill_in="between"`` once the step is committed, before the next. The result, written
+with torch.save to ``out``: the weights, the optimizer state, and per step attempted
+(step, participants, committed).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+KILLED_EXIT_CODE = 17
+IN_DIM, HIDDEN, OUT_DIM = 24, 48, 8
+
+
+def make_model(hidden: int = HIDDEN) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN_DIM, hidden), nn.Tanh(), nn.Linear(hidden, hidden),
+                         nn.Tanh(), nn.Linear(hidden, OUT_DIM))
+
+
+def batch(replica: int, step: int, rows: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * replica + step)
+    return torch.randn(rows, IN_DIM, generator=g), torch.randn(rows, OUT_DIM, generator=g)
+
+
+def _wrap(impl: str, manager: Any, model: nn.Module, hook: str | None,
+          bucket_cap_mb: float) -> nn.Module:
+    if impl == "fastddp":
+        from fastddp.integrations.torchft import DistributedDataParallel
+        return DistributedDataParallel(manager, model, hook=hook, bucket_cap_mb=bucket_cap_mb)
+    from torchft.ddp import DistributedDataParallel
+    if hook == "bf16":
+        return _bf16_torchft_ddp()(manager, model, bucket_cap_mb=bucket_cap_mb)
+    assert hook is None, f"torchft's DDP here: allreduce or bf16, not {hook}"
+    return DistributedDataParallel(manager, model, bucket_cap_mb=bucket_cap_mb)
+
+
+def _bf16_torchft_ddp() -> type:
+    """torchft's DDP with torch's bf16 compression (bf16_compress_hook's algorithm) over the
+    manager's allreduce, which averages over the participants: torchft's constructor
+    registers ``self._comm_hook``, overridden here."""
+    from torchft.ddp import DistributedDataParallel
+
+    class Bf16DistributedDataParallel(DistributedDataParallel):
+        @staticmethod
+        def _comm_hook(state: Any, bucket: Any) -> torch.futures.Future:
+            buffer = bucket.buffer()
+            work = state.allreduce(buffer.to(torch.bfloat16))
+            work.wait()
+
+            def decompress(fut: torch.futures.Future) -> torch.Tensor:
+                value = fut.value()
+                buffer.copy_(value[0] if isinstance(value, list) else value)
+                return buffer
+
+            return work.get_future()._fut.then(decompress)
+
+    return Bf16DistributedDataParallel
+
+
+def run(config: dict[str, Any]) -> None:
+    """The replica's whole life; config: replica, lighthouse, steps, impl, hook,
+    min_replicas, kill_at (or None), timeout_s, out; optional kill_in, full, hidden, rows,
+    bucket_cap_mb."""
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.optim import OptimizerWrapper
+
+    replica = config["replica"]
+    model = make_model(config.get("hidden", HIDDEN))
+    inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    timeout = timedelta(seconds=config["timeout_s"])
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timeout),
+        min_replica_size=config["min_replicas"],
+        load_state_dict=lambda s: (model.load_state_dict(s["model"]),
+                                   inner.load_state_dict(s["optim"])),
+        state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
+        replica_id=f"replica_{replica}", store_addr="localhost", store_port=store.port,
+        rank=0, world_size=1, lighthouse_addr=config["lighthouse"], port=0,
+        timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
+    # Small buckets by default: several collectives per step, so that a death lands
+    # between two of them.
+    if config.get("start_together"):
+        _wait_for_all(config)
+    ddp = _wrap(config["impl"], manager, model, config.get("hook"),
+                config.get("bucket_cap_mb", 0.004))
+    optimizer = OptimizerWrapper(manager, inner)
+    armed = [False]
+
+    def arm(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        if armed[0]:  # dies when backward reaches the first layer's output
+            output.register_hook(lambda grad: _die(config))
+
+    model[0].register_forward_hook(arm)
+    log = []
+    try:
+        # With "full": and on, until a step committed with every replica (a killed one
+        # restarted and healed), so that the others wait for it.
+        full = config.get("full")
+        while manager.current_step() < config["steps"] or (
+                full is not None and log and log[-1][1:3] != (full, True)):
+            step = manager.current_step()
+            optimizer.zero_grad()
+            x, y = batch(replica, step, config.get("rows", 16))
+            dies = step == config.get("kill_at")
+            armed[0] = dies and config.get("kill_in", "backward") == "backward"
+            loss = nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+            optimizer.step()
+            if dies and config.get("kill_in") == "between" and manager.current_step() > step:
+                _die(config)
+            log.append((step, manager.num_participants(), manager.current_step() > step,
+                        time.time()))
+        torch.save({"model": model.state_dict(), "optim": inner.state_dict(), "log": log},
+                   config["out"])
+    finally:
+        manager.shutdown(wait=False)
+
+
+def _die(config: dict[str, Any]) -> None:
+    # The time of death, for benchmarks/torchft_recovery.py; then as a killed process does.
+    with open(config["out"] + ".killed", "w") as f:
+        f.write(repr(time.time()))
+    os._exit(KILLED_EXIT_CODE)
+
+
+def _wait_for_all(config: dict[str, Any]) -> None:
+    """Every replica's manager heartbeats before any asks for a quorum, so the Lighthouse's
+    first quorum holds them all (it waits for every heartbeating replica); a restarted
+    replica does not wait (its config says start_together=False)."""
+    ready = config["out"] + ".ready"
+    open(ready, "w").close()
+    folder = os.path.dirname(ready)
+    deadline = time.monotonic() + 120.0  # a hang guard: the others start in seconds
+    while sum(name.endswith(".ready") for name in os.listdir(folder)) < config["start_together"]:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"replica {config['replica']}: the others did not start")
+        time.sleep(0.05)
