@@ -12,6 +12,9 @@ from torch import nn
 
 # The averaging wires (fastddp/diloco/_wire.py).
 WIRES = ("fp32", "bf16", "int8", "int4")
+# How a quantized wire sums: every rank gathers every rank's codes (one quantization), or the
+# "int8" hook's shard sums (fastddp/diloco/_shard_wire.py; fewer bytes from 3 ranks on).
+QUANTIZED_SUMS = ("gather", "shards")
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,7 @@ class DiLoCoConfig:
     wire: str
     overlap: int
     merge_alpha: float
+    quantized_sum: str
     error_feedback: bool
     broadcast_buffers: bool
 
@@ -55,7 +59,7 @@ def _real(name: str, value: object, low: float, high: float | None) -> float:
 
 def check_config(model: object, inner_optimizer: object, sync_every: object, outer_lr: object,
                  outer_momentum: object, fragments: object, wire: object, overlap: object,
-                 merge_alpha: object, error_feedback: object,
+                 merge_alpha: object, quantized_sum: object, error_feedback: object,
                  broadcast_buffers: object) -> DiLoCoConfig:
     """The checked configuration, or the exception that names the culprit."""
     if not isinstance(model, nn.Module):
@@ -72,11 +76,15 @@ def check_config(model: object, inner_optimizer: object, sync_every: object, out
         wire=_wire(wire),
         overlap=_integer("overlap", overlap, 0),
         merge_alpha=_real("merge_alpha", merge_alpha, 0.0, 1.0),
+        quantized_sum=_choice("quantized_sum", quantized_sum, QUANTIZED_SUMS),
         error_feedback=_flag("error_feedback", error_feedback),
         broadcast_buffers=_flag("broadcast_buffers", broadcast_buffers),
     )
     if config.outer_momentum == 1.0:
         raise ValueError("fastddp.DiLoCo: outer_momentum must be < 1 (1 never forgets a step)")
+    if config.quantized_sum == "shards" and config.wire not in ("int8", "int4"):
+        raise ValueError(f"fastddp.DiLoCo: quantized_sum='shards' sums int8 or int4 shards; "
+                         f"wire={config.wire!r} has no such form")
     # torchft's DiLoCo's schedule: one fragment syncs every sync_every / fragments steps, so
     # each fragment every sync_every steps; its exchange is launched `overlap` steps earlier.
     if config.sync_every % config.fragments:
@@ -100,11 +108,15 @@ def _fragment_count(fragments: object) -> int:
 
 
 def _wire(wire: object) -> str:
-    if not isinstance(wire, str):
-        raise TypeError(f"fastddp.DiLoCo: wire must be a str, got {type(wire).__name__}")
-    if wire not in WIRES:
-        raise ValueError(f"fastddp.DiLoCo: wire must be one of {WIRES}, got {wire!r}")
-    return wire
+    return _choice("wire", wire, WIRES)
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"fastddp.DiLoCo: {name} must be a str, got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"fastddp.DiLoCo: {name} must be one of {choices}, got {value!r}")
+    return value
 
 
 def _flag(name: str, value: object) -> bool:

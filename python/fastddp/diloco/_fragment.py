@@ -17,14 +17,18 @@ import torch
 import torch.distributed as dist
 
 from fastddp.diloco._anchor import Anchor
+from fastddp.diloco._shard_wire import ShardSumWire
 from fastddp.diloco._wire import Exchange, make_wire
 
 
 class Fragment:
     def __init__(self, params: Sequence[torch.Tensor], group: dist.ProcessGroup, wire: str,
-                 error_feedback: bool, outer_lr: float, outer_momentum: float, alpha: float):
+                 quantized_sum: str, error_feedback: bool, outer_lr: float,
+                 outer_momentum: float, alpha: float):
         self.anchor = Anchor(params)
-        self.wire = make_wire(wire, group, self.anchor.flats, error_feedback)
+        self.wire = (ShardSumWire(wire, group, self.anchor.flats, error_feedback)
+                     if quantized_sum == "shards"
+                     else make_wire(wire, group, self.anchor.flats, error_feedback))
         self.outer = torch.optim.SGD(self.anchor.flats, lr=outer_lr, momentum=outer_momentum,
                                      nesterov=outer_momentum > 0)
         self.alpha = alpha
@@ -44,6 +48,13 @@ class Fragment:
                                "before the last one was applied")
         pseudo = self.anchor.pseudo_gradients()
         self._exchanges = [self.wire.start(i, g) for i, g in enumerate(pseudo)]
+
+    def advance(self) -> None:
+        """Moves a two-collective exchange (quantized_sum="shards") to its second one."""
+        for exchange in self._exchanges:
+            middle = getattr(exchange, "middle", None)
+            if middle is not None:
+                middle()
 
     def land(self) -> list[torch.Tensor]:
         """Waits for the exchange in flight; its averages."""

@@ -49,6 +49,9 @@ class DiLoCo:
             new anchor) (torchft's fragment_update_alpha; 0: the new anchor).
         wire: "fp32" (allreduce), "bf16", "int8" or "int4" (allgather of codes, float32 sum,
             error feedback on the pseudo-gradient when `error_feedback`).
+        quantized_sum: "gather" (every rank sums every rank's codes) or, for int8 and int4,
+            "shards" (alltoall, a float32 sum per shard, re-quantized allgather: the "int8"
+            hook's form, fewer bytes from 3 ranks on, one more rounding).
         broadcast_buffers: after each sync, rank 0's buffers are copied to every rank, as
             torch DDP's broadcast_buffers does before each forward.
 
@@ -62,12 +65,13 @@ class DiLoCo:
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, sync_every: int,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  fragments: int | Sequence[nn.Module] = 1, wire: str = "fp32", overlap: int = 0,
-                 merge_alpha: float = 0.0, error_feedback: bool = True,
+                 merge_alpha: float = 0.0, quantized_sum: str = "gather",
+                 error_feedback: bool = True,
                  broadcast_buffers: bool = True,
                  process_group: dist.ProcessGroup | None = None):
         self.config = check_config(model, inner_optimizer, sync_every, outer_lr, outer_momentum,
-                                   fragments, wire, overlap, merge_alpha, error_feedback,
-                                   broadcast_buffers)
+                                   fragments, wire, overlap, merge_alpha, quantized_sum,
+                                   error_feedback, broadcast_buffers)
         self.group = _group(process_group)
         self.model, self.inner_optimizer = model, inner_optimizer
         params = [p for p in model.parameters() if p.requires_grad]
@@ -80,8 +84,9 @@ class DiLoCo:
             broadcast_tensors(self.group, [t.detach() for t in model.parameters()]
                               + self._buffers, 0)
         c = self.config
-        self.fragments = [Fragment(share, self.group, c.wire, c.error_feedback, c.outer_lr,
-                                   c.outer_momentum, c.merge_alpha) for share in shares]
+        self.fragments = [Fragment(share, self.group, c.wire, c.quantized_sum,
+                                   c.error_feedback, c.outer_lr, c.outer_momentum,
+                                   c.merge_alpha) for share in shares]
         self._period = c.sync_every // c.fragments
         self._step = 0
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
@@ -104,8 +109,12 @@ class DiLoCo:
         # The fragment whose turn ends at the next multiple of the period (torchft's order).
         fragment = self.fragments[((self._step - 1) // self._period) % len(self.fragments)]
         within = self._step % self._period
-        if within == (self._period - self.config.overlap) % self._period:
+        overlap = self.config.overlap
+        if within == (self._period - overlap) % self._period:
             fragment.prepare()
+        if overlap >= 2 and within == self._period - overlap // 2:
+            # quantized_sum="shards": the second collective, halfway through the window.
+            fragment.advance()
         if within == 0:
             fragment.perform()
             self._after_sync()

@@ -28,7 +28,7 @@ from fastddp.launch.patch import _set_ddp_names, imported_bindings
 SYNC_KEYS = {"H": ("sync_every", int), "outer_lr": ("outer_lr", float),
              "outer_momentum": ("outer_momentum", float), "wire": ("wire", str),
              "fragments": ("fragments", int), "overlap": ("overlap", int),
-             "merge_alpha": ("merge_alpha", float)}
+             "merge_alpha": ("merge_alpha", float), "quantized_sum": ("quantized_sum", str)}
 
 
 def parse_sync_spec(text: str) -> dict[str, Any]:

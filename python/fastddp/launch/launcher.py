@@ -103,8 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sync", metavar="diloco:H=STEPS[,KEY=VALUE...]",
                         help="no per-step gradient collective: fastddp.DiLoCo every H "
                              "optimizer steps; keys outer_lr, outer_momentum, wire "
-                             "(fp32|bf16|int8|int4), fragments, overlap, merge_alpha (streaming), "
-                             "see docs/diloco.md; excludes the other options")
+                             "(fp32|bf16|int8|int4), quantized_sum, fragments, overlap, "
+                             "merge_alpha; see docs/diloco.md; excludes the other options")
     parser.add_argument("--bucket-cap-mb", metavar="X", type=_positive_float,
                         help="bucket size in MiB for every wrapped model (overrides the "
                              "script's bucket_cap_mb and bucket_cap_mb_list)")

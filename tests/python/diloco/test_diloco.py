@@ -49,6 +49,16 @@ def test_stats_count_the_payload(world, wire):
         assert stats == {"inner_steps": 5, "syncs": 2, "payload_bytes": PAYLOAD[wire]}, stats
 
 
+@pytest.mark.parametrize("wire", ["int8", "int4"])
+@pytest.mark.parametrize("stop_at", [4, 5])
+def test_shard_sum_restart_is_exact(world, wire, stop_at):
+    # 2 fragments of H = 6 (period 3), overlap 2: a fragment's alltoall after step 1 of its
+    # turn, its allgather after step 2, applied after step 3. Stopped after the alltoall
+    # (step 4) or the allgather (step 5) of fragment 1's first exchange.
+    world.check(diloco_scenarios.restart_is_exact, wire=wire, stop_at=stop_at, steps=12,
+                sync_every=6, fragments=2, overlap=2, quantized_sum="shards")
+
+
 def test_buffers_follow_rank0(world):
     world.check(diloco_scenarios.buffers_follow_rank0, sync_every=2)
 
@@ -57,6 +67,8 @@ def test_buffers_follow_rank0(world):
     ({"fragments": 3}, ValueError, "sync_every=2 must be a multiple of the number of fragm"),
     ({"fragments": 2, "overlap": 1}, ValueError, "overlap=1 must be < sync_every / fragments"),
     ({"merge_alpha": 1.5}, ValueError, "merge_alpha must be in [0.0, 1.0]"),
+    ({"quantized_sum": "shards"}, ValueError, "wire='fp32' has no such form"),
+    ({"quantized_sum": "ring"}, ValueError, "quantized_sum must be one of"),
     ({"wire": "bf16", "float64": True}, NotImplementedError, "torch.float64"),
     ({"wire": "fp8"}, ValueError, "wire must be one of"),
     ({"sync_every": 0}, ValueError, "sync_every must be >= 1"),
@@ -93,3 +105,8 @@ def test_wire_average_matches_reference(world, wire):
     # 1001 values: whole 256-value (int8) and 64-value (int4) blocks and a short one, and an
     # odd count (int4's last byte holds one code).
     world.check(wire_scenarios.average_matches_reference, wire=wire, numel=1001, rounds=3)
+
+
+@pytest.mark.parametrize("wire", ["int8", "int4"])
+def test_shard_sum_matches_reference(world, wire):
+    world.check(wire_scenarios.shard_sum_matches_reference, wire=wire, numel=1001, rounds=3)

@@ -9,6 +9,7 @@ operations on the same numbers.
 import torch
 import torch.distributed as dist
 
+from fastddp.diloco._shard_wire import ShardSumWire
 from fastddp.diloco._wire import INT4_BLOCK, make_wire
 from tests.python.hooks import quant4_reference as q4
 from tests.python.hooks import quant8_reference as q8
@@ -55,4 +56,40 @@ def average_matches_reference(wire: str, numel: int, rounds: int) -> None:
                 f"{(average - expected).abs().max().item():.3g}")
             assert torch.equal(ours.residuals[0], residuals[rank]), (
                 f"round {round_}: the {wire} wire's residual differs from the reference")
+        agree(check)
+
+
+def shard_sum_matches_reference(wire: str, numel: int, rounds: int) -> None:
+    """quantized_sum="shards": each rank's buffer, zero-padded to world x S values (S whole
+    blocks), encoded once with its error fed back; shard s of the average is the float32 sum
+    in rank order of every rank's decoded shard s, encoded again (not fed back) and decoded."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    block = INT4_BLOCK if wire == "int4" else q8.BLOCK
+    shard = -(-numel // (world * block)) * block
+    ours = ShardSumWire(wire, dist.group.WORLD, [torch.zeros(numel)], error_feedback=True)
+    residuals = [torch.zeros(numel) for _ in range(world)]
+    for round_ in range(rounds):
+        g = torch.Generator().manual_seed(100 * round_ + rank)
+        mine = torch.randn(numel, generator=g) * (1 + rank)
+        inputs = [torch.empty(numel) for _ in range(world)]
+        dist.all_gather(inputs, mine)
+        average = ours.start(0, mine.clone()).wait()
+
+        decoded = []
+        for r in range(world):
+            staged = torch.zeros(world * shard)
+            staged[:numel] = inputs[r] * (1.0 / world) + residuals[r]
+            decoded.append(_encode(wire, staged).view(world, shard))
+            residuals[r] = (staged - decoded[-1].reshape(-1))[:numel]
+        sums = decoded[0].clone()
+        for r in range(1, world):
+            sums += decoded[r]
+        expected = torch.cat([_encode(wire, sums[s]) for s in range(world)])[:numel]
+
+        def check() -> None:
+            assert torch.equal(average, expected), (
+                f"round {round_}: the {wire} shard-sum average differs from the reference by "
+                f"{(average - expected).abs().max().item():.3g}")
+            assert torch.equal(ours.residuals[0], residuals[rank]), (
+                f"round {round_}: the {wire} shard-sum residual differs from the reference")
         agree(check)
