@@ -27,12 +27,12 @@ def _encode(wire: str, staged: torch.Tensor) -> torch.Tensor:
     return q8.dequantize(codes, scales, "int8")
 
 
-def average_matches_reference(wire: str, numel: int, rounds: int) -> None:
-    """`rounds` averages of fresh random tensors of `numel` values (not a multiple of the
-    256-value block), error feedback carried from one round to the next."""
+def _rounds(wire: str, numel: int, rounds: int, ours, reference) -> None:
+    """`rounds` averages by the wire `ours` of fresh random tensors of `numel` values (not a
+    multiple of a block), error feedback carried from one round to the next, each checked
+    bit for bit against reference(inputs of every rank, residuals of every rank), which
+    returns the expected average and updates the residuals in place."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    first = torch.zeros(numel)
-    ours = make_wire(wire, dist.group.WORLD, [first], error_feedback=True)
     residuals = [torch.zeros(numel) for _ in range(world)]
     for round_ in range(rounds):
         g = torch.Generator().manual_seed(100 * round_ + rank)
@@ -40,15 +40,7 @@ def average_matches_reference(wire: str, numel: int, rounds: int) -> None:
         inputs = [torch.empty(numel) for _ in range(world)]
         dist.all_gather(inputs, mine)
         average = ours.start(0, mine.clone()).wait()
-
-        decoded = []
-        for r in range(world):
-            staged = inputs[r] * (1.0 / world) + residuals[r]
-            decoded.append(_encode(wire, staged))
-            residuals[r] = staged - decoded[-1]
-        expected = decoded[0].clone()
-        for r in range(1, world):
-            expected += decoded[r]
+        expected = reference(inputs, residuals)
 
         def check() -> None:
             assert torch.equal(average, expected), (
@@ -59,37 +51,46 @@ def average_matches_reference(wire: str, numel: int, rounds: int) -> None:
         agree(check)
 
 
+def _sum_in_rank_order(values: list[torch.Tensor]) -> torch.Tensor:
+    total = values[0].clone()
+    for v in values[1:]:
+        total += v
+    return total
+
+
+def average_matches_reference(wire: str, numel: int, rounds: int) -> None:
+    """quantized_sum="gather" (and bf16): each rank's pseudo-gradient / world + residual
+    encoded (its error the next residual); the average is the float32 sum in rank order of
+    every rank's decoded buffer."""
+    world = dist.get_world_size()
+
+    def reference(inputs: list[torch.Tensor], residuals: list[torch.Tensor]) -> torch.Tensor:
+        decoded = []
+        for r in range(world):
+            staged = inputs[r] * (1.0 / world) + residuals[r]
+            decoded.append(_encode(wire, staged))
+            residuals[r] = staged - decoded[-1]
+        return _sum_in_rank_order(decoded)
+    ours = make_wire(wire, dist.group.WORLD, [torch.zeros(numel)], error_feedback=True)
+    _rounds(wire, numel, rounds, ours, reference)
+
+
 def shard_sum_matches_reference(wire: str, numel: int, rounds: int) -> None:
     """quantized_sum="shards": each rank's buffer, zero-padded to world x S values (S whole
     blocks), encoded once with its error fed back; shard s of the average is the float32 sum
     in rank order of every rank's decoded shard s, encoded again (not fed back) and decoded."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     block = INT4_BLOCK if wire == "int4" else q8.BLOCK
     shard = -(-numel // (world * block)) * block
-    ours = ShardSumWire(wire, dist.group.WORLD, [torch.zeros(numel)], error_feedback=True)
-    residuals = [torch.zeros(numel) for _ in range(world)]
-    for round_ in range(rounds):
-        g = torch.Generator().manual_seed(100 * round_ + rank)
-        mine = torch.randn(numel, generator=g) * (1 + rank)
-        inputs = [torch.empty(numel) for _ in range(world)]
-        dist.all_gather(inputs, mine)
-        average = ours.start(0, mine.clone()).wait()
 
+    def reference(inputs: list[torch.Tensor], residuals: list[torch.Tensor]) -> torch.Tensor:
         decoded = []
         for r in range(world):
             staged = torch.zeros(world * shard)
             staged[:numel] = inputs[r] * (1.0 / world) + residuals[r]
             decoded.append(_encode(wire, staged).view(world, shard))
             residuals[r] = (staged - decoded[-1].reshape(-1))[:numel]
-        sums = decoded[0].clone()
-        for r in range(1, world):
-            sums += decoded[r]
-        expected = torch.cat([_encode(wire, sums[s]) for s in range(world)])[:numel]
-
-        def check() -> None:
-            assert torch.equal(average, expected), (
-                f"round {round_}: the {wire} shard-sum average differs from the reference by "
-                f"{(average - expected).abs().max().item():.3g}")
-            assert torch.equal(ours.residuals[0], residuals[rank]), (
-                f"round {round_}: the {wire} shard-sum residual differs from the reference")
-        agree(check)
+        sums = _sum_in_rank_order(decoded)
+        return torch.cat([_encode(wire, sums[s]) for s in range(world)])[:numel]
+    ours = ShardSumWire(wire, dist.group.WORLD, [torch.zeros(numel)], error_feedback=True)
+    _rounds(wire, numel, rounds, ours, reference)
