@@ -76,7 +76,8 @@ def _bf16_torchft_ddp() -> type:
 def run(config: dict[str, Any]) -> None:
     """The replica's whole life; config: replica, lighthouse, steps, impl, hook,
     min_replicas, kill_at (or None), timeout_s, out; optional kill_in, full, hidden, rows,
-    bucket_cap_mb."""
+    bucket_cap_mb, stall_at, stall_s and stall_replica (once, that replica's backward of that
+    step sleeps stall_s)."""
     from torchft import Manager, ProcessGroupGloo
     from torchft.optim import OptimizerWrapper
 
@@ -101,14 +102,15 @@ def run(config: dict[str, Any]) -> None:
     ddp = _wrap(config["impl"], manager, model, config.get("hook"),
                 config.get("bucket_cap_mb", 0.004))
     optimizer = OptimizerWrapper(manager, inner)
-    armed = [False]
+    armed = [None]  # what backward does at the first layer's output this step
 
     def arm(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
-        if armed[0]:  # dies when backward reaches the first layer's output
-            output.register_hook(lambda grad: _die(config))
+        if armed[0] is not None:
+            output.register_hook(armed[0])
 
     model[0].register_forward_hook(arm)
     log = []
+    stalled = False
     try:
         # With "full": and on, until a step committed with every replica (a killed one
         # restarted and healed), so that the others wait for it.
@@ -119,7 +121,15 @@ def run(config: dict[str, Any]) -> None:
             optimizer.zero_grad()
             x, y = batch(replica, step, config.get("rows", 16))
             dies = step == config.get("kill_at")
-            armed[0] = dies and config.get("kill_in", "backward") == "backward"
+            armed[0] = None
+            if dies and config.get("kill_in", "backward") == "backward":
+                armed[0] = lambda grad: _die(config)
+            elif (step, replica) == (config.get("stall_at"), config.get("stall_replica")) \
+                    and not stalled:
+                # A replica that is late (its compute, as a sleep inside autograd: the
+                # peers wait in the collective for its bucket, which it sends late).
+                stalled = True
+                armed[0] = lambda grad: time.sleep(config["stall_s"])
             loss = nn.functional.mse_loss(ddp(x), y)
             loss.backward()
             optimizer.step()

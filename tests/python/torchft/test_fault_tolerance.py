@@ -66,7 +66,7 @@ def test_a_death_mid_backward_fails_the_step_on_the_survivor(tmp_path):
     assert_same_training_state(results)
 
 
-@pytest.mark.parametrize("hook", [None, "powersgd", "acpsgd", "int8", "bf16"])
+@pytest.mark.parametrize("hook", [None, "powersgd", "acpsgd", "int8", "fp8", "bf16", "bf16-fp32acc"])
 def test_a_death_fails_one_step_and_the_replica_rejoins(tmp_path, hook):
     # Three replicas, at least two per quorum: the two survivors go on without a restart,
     # the killed one is restarted, rejoins, recovers from a peer (weights, optimizer, hook
@@ -86,4 +86,24 @@ def test_a_death_fails_one_step_and_the_replica_rejoins(tmp_path, hook):
     # peer with the two survivors as the participants; from then on three.
     rejoined = [(step, n) for step, n, _, _ in results[2]["log"]]
     assert rejoined[0] == (0, 2) and all(n == 3 for _, n in rejoined[1:]), rejoined
+    assert_same_training_state(results)
+
+
+def test_a_late_replica_stalls_the_others_one_timeout_at_most(tmp_path):
+    # Replica 2 sends its buckets of step KILL_AT 4 timeouts late (a sleep inside its
+    # backward). The two others wait in that step's collective for one timeout, fail the step
+    # (reported to torchft, not raised), form a quorum without it and go on at two; the late
+    # one fails its step too, heals from them and ends with their bits. Nothing hangs: the
+    # harness's deadline is 20 timeouts. (fastddp's link emulator would not do here: it
+    # delays a collective's completion on its own rank, never what the peers wait for.)
+    timeout = 3.0
+    results = run_replicas(tmp_path, replicas=3, steps=STEPS, timeout_s=timeout,
+                           extra={"full": 3, "stall_at": KILL_AT, "stall_s": 4 * timeout,
+                                  "stall_replica": 2})
+    for fast in (0, 1):
+        log = [(s, n, c) for s, n, c, _ in results[fast]["log"]]
+        first = log.index((KILL_AT, 3, False))  # waited one timeout, then failed
+        assert log[first + 1] == (KILL_AT, 2, True), log  # on without the late one
+    late = [(s, n, c) for s, n, c, _ in results[2]["log"]]
+    assert (KILL_AT, 3, False) in late, late
     assert_same_training_state(results)

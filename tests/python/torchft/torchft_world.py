@@ -27,11 +27,13 @@ TORCHFT_TIMEOUT_S = 30.0
 def run_replicas(tmp_path: Path, *, replicas: int, steps: int, impl: str = "fastddp",
                  hook: str | None = None, min_replicas: int = 2, victim: int | None = None,
                  kill_at: int | None = None,
-                 extra: dict[str, Any] | None = None) -> dict[int, dict[str, Any]]:
+                 extra: dict[str, Any] | None = None,
+                 timeout_s: float | None = None) -> dict[int, dict[str, Any]]:
     """Trains `replicas` replica groups for `steps` committed steps; replica `victim` dies in
     the backward of step `kill_at` and is started again. Returns each replica's result
     (replica.py), the restarted one's from its second life with ``killed_at`` and
-    ``restarted_at`` (time.time()). `extra`: more of replica.run's config (model size)."""
+    ``restarted_at`` (time.time()). `extra`: more of replica.run's config (model size);
+    `timeout_s`: the managers' and their process groups' timeout."""
     from torchft.coordination import LighthouseServer
 
     # join_timeout: how long a quorum waits for a member of the last one that does not come
@@ -45,7 +47,7 @@ def run_replicas(tmp_path: Path, *, replicas: int, steps: int, impl: str = "fast
     def start(r: int, kill: int | None) -> None:
         config = {"replica": r, "lighthouse": lighthouse.address(), "steps": steps,
                   "impl": impl, "hook": hook, "min_replicas": min_replicas, "kill_at": kill,
-                  "timeout_s": TORCHFT_TIMEOUT_S, "out": str(tmp_path / f"replica{r}.pt"),
+                  "timeout_s": timeout_s or TORCHFT_TIMEOUT_S, "out": str(tmp_path / f"replica{r}.pt"),
                   # The first lives start together; a restart joins a running quorum.
                   "start_together": replicas if r not in processes else 0,
                   **(extra or {})}
