@@ -13,8 +13,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
-from tests.python.scenarios import (agree, assert_close_ulps, mlp, rounding_ulps, vector_batch,
-                                    with_batchnorm)
+from tests.python.scenarios import (agree, assert_close_ulps, mlp, partly_frozen, rounding_ulps,
+                                    vector_batch, with_batchnorm)
 
 INNER_LR = 0.05
 
@@ -27,9 +27,10 @@ def local_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
     opt.step()
 
 
-def h1_matches_torch_ddp(steps: int) -> None:
+def h1_matches_torch_ddp(steps: int, model: str = "mlp") -> None:
     """sync_every=1, inner SGD(lr), outer SGD lr 1 without momentum: after every step the
-    weights are torch DDP + SGD(lr)'s.
+    weights are torch DDP + SGD(lr)'s. `model`: "mlp" or "partly_frozen" (frozen parameters
+    in the middle: broadcast once, never averaged, as torch DDP leaves them).
 
     Not bit for bit (measured: 3e-8 apart after the first step): DDP steps p - lr * mean(g),
     DiLoCo p - mean(p - (p - lr * g_r)). Each rank's p - lr * g_r rounds (half an ulp of
@@ -40,7 +41,7 @@ def h1_matches_torch_ddp(steps: int) -> None:
     (rounding_ulps(), tests/python/scenarios.py)."""
     allowed_per_step = 2
     torch.manual_seed(0)
-    base = mlp()
+    base = {"mlp": mlp, "partly_frozen": partly_frozen}[model]()
     ref = TorchDDP(copy.deepcopy(base))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=INNER_LR)
     model = copy.deepcopy(base)

@@ -11,8 +11,9 @@ from tests.python.diloco import diloco_scenarios, wire_scenarios
 WIRES = ["fp32", "bf16", "int8", "int4"]
 
 
-def test_h1_matches_torch_ddp(world):
-    world.check(diloco_scenarios.h1_matches_torch_ddp, steps=5)
+@pytest.mark.parametrize("model", ["mlp", "partly_frozen"])
+def test_h1_matches_torch_ddp(world, model):
+    world.check(diloco_scenarios.h1_matches_torch_ddp, steps=5, model=model)
 
 
 @pytest.mark.parametrize("wire", WIRES)
