@@ -48,10 +48,11 @@ def training_link(probed: Link, samples: list[dict[str, Any]], n: int) -> Link:
 
 def predict(samples: list[dict[str, Any]], names: list[str], n: int, device: str,
             probed: Link, hier_probed: tuple[int, Link, Link] | None
-            ) -> tuple[dict[str, float], str, list[str]]:
+            ) -> tuple[dict[str, float], str, list[str], dict[str, Any]]:
     """The cost model's predicted step per candidate of ``names``, the link it used (as
-    text) and the candidates best first. ``hier_probed``: (local size, intra-node link,
-    inter-node link) on several nodes."""
+    text), the candidates best first, and the advice's DiLoCo verdict (Note [DiLoCo
+    advice]; never a candidate: auto only reports it). ``hier_probed``: (local size,
+    intra-node link, inter-node link) on several nodes."""
     link = training_link(probed, samples, n)
     hier = None
     if hier_probed is not None:
@@ -68,7 +69,7 @@ def predict(samples: list[dict[str, Any]], names: list[str], n: int, device: str
     predicted = {r["candidate"]: r["predicted_step_ms"] for r in rows}
     link_text = str(link) + ("" if hier is None else f"; intra-node {hier[1]}, inter-node "
                              f"{hier[2]}")
-    return predicted, link_text, [r["candidate"] for r in rows]
+    return predicted, link_text, [r["candidate"] for r in rows], result["diloco"]
 
 
 def worth_trying(ranked: list[str], predicted: dict[str, float]) -> list[str]:
@@ -103,6 +104,16 @@ def best_measured(measured: dict[str, float], times: dict[str, list[float]],
     if max([measured[best], *map(statistics.median, blocks)]) > bound:
         return lossless
     return best
+
+
+def diloco_line(diloco: dict[str, Any] | None) -> str | None:
+    """Rank 0's one DiLoCo message (the --advise paragraph), when per-step synchronization
+    bounds the step; None otherwise. auto never switches to DiLoCo itself (docs/auto.md)."""
+    if not diloco or not diloco.get("text"):
+        return None
+    return ("[fastddp] auto: the choice above stays a per-step hook; --hook auto never "
+            "switches to DiLoCo (it changes the training algorithm: restart with --sync "
+            "to use it).\n" + diloco["text"])
 
 
 def log_line(policy: str, choice: str, chosen_at_step: int, measured: dict[str, float],

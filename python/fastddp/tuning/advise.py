@@ -24,6 +24,9 @@ factor times payload, Note [collective cost] in fastddp/link/model.py); and comp
 communication, the step's non-communication time (rest of the step plus backward with the
 candidate's compression) over the link time of its collectives: far above 1, communication
 hides behind backward and compressing more buys nothing; below 1, the link sets the pace.
+When even the fastest candidate is link-bound, a paragraph under the table weighs DiLoCo
+(``--sync diloco:H=...``) against it, citing the quality table (Note [DiLoCo advice] in
+diloco_advice.py).
 """
 
 import dataclasses
@@ -41,7 +44,7 @@ import torch
 from fastddp.hooks import catalog
 from fastddp.hooks._auto import HIER, HIER_INNERS, cap_variant, variant_cap
 from fastddp.link.model import Link, bus_factor
-from fastddp.tuning import cost_model, quality
+from fastddp.tuning import cost_model, diloco_advice, quality
 
 WARMUP_STEPS = 3
 MAX_SAMPLES = 10
@@ -277,13 +280,16 @@ def advise(samples: Sequence[dict[str, Any]], link: Link | None, current: str | 
                      "wire_bytes_per_step": sum(p.link_bytes.values()),
                      "compute_ms": compute_ms, "comm_ms": comm_ms,
                      "compute_to_comm": compute_ms / comm_ms if comm_ms > 0 else None})
+    # Note [DiLoCo advice]: DiLoCo's inner step is the measured step without communication.
+    diloco = diloco_advice.consider(rows, fixed_ms + backward_ms,
+                                    diloco_advice.model_numel(shapes), link, world, shapes)
     if hier is not None:
         link_source += f"; hierarchical: {hier[0]} ranks a node, intra {hier[1]}, inter {hier[2]}"
     return {"world_size": world, "link": str(link), "link_source": link_source,
             "steps_sampled": len(samples), "current": current, "measured_step_ms": step_ms,
             "fixed_ms": fixed_ms, "backward_ms": backward_ms, "candidates": rows,
             "best": rows[0]["candidate"], "best_hook": rows[0]["hook"],
-            "quality": quality.quality_note(rows[0]["candidate"], shapes)}
+            "quality": quality.quality_note(rows[0]["candidate"], shapes), "diloco": diloco}
 
 
 def format_markdown(advice: dict[str, Any], command: str | None = None) -> str:
@@ -314,6 +320,8 @@ def format_markdown(advice: dict[str, Any], command: str | None = None) -> str:
         lines.append(advice["quality"])
     if best:
         lines.append("Compression changes the gradients: check the loss curve before keeping it.")
+    if (advice.get("diloco") or {}).get("text"):
+        lines += ["", advice["diloco"]["text"]]
     return "\n".join(lines)
 
 

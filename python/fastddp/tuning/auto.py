@@ -33,7 +33,10 @@ with gradients on, outside no_sync), from the model's own ``comm_stats()``. In o
    compression changes the gradients, so it has to buy something, every time it is tried.
    The choice is installed afresh: PowerSGD's warm-up and error feedback start at that
    step. Rank 0 logs one line: the choice, its predicted and measured step times, and those
-   of every candidate tried.
+   of every candidate tried. When per-step synchronization bounds the step (Note [DiLoCo
+   advice] in diloco_advice.py), it also prints, once, --advise's DiLoCo paragraph: auto
+   never switches to DiLoCo itself (it changes the training algorithm), it says whether
+   ``--sync diloco:H=...`` is predicted faster and whether the quality table supports it.
 
 All ranks run the same state machine on the same step counts; rank 0 alone measures and
 decides, and its decisions reach the others as one small broadcast on the model's process
@@ -73,8 +76,8 @@ from fastddp.hooks._auto import HIER, LOSSLESS, LOW_RANK, AutoHook, lossy  # noq
 from fastddp.link.emulator import EmulatedLinkGroup
 from fastddp.link.model import Link, bus_factor
 from fastddp.tuning import advise
-from fastddp.tuning._auto_choice import (BLOCK_SAMPLES, best_measured, log_line, predict,
-                                         worth_trying)
+from fastddp.tuning._auto_choice import (BLOCK_SAMPLES, best_measured, diloco_line, log_line,
+                                         predict, worth_trying)
 
 _MIB = 1024 * 1024
 _POWERSGD_START_ITER = 2  # the least torch allows with error feedback
@@ -133,6 +136,7 @@ class AutoTuner:
         self._checked_reducer: int | None = None
         self.error: str | None = None
         self.link: str | None = None  # rank 0: the link the model used
+        self.diloco: dict[str, Any] | None = None  # rank 0: Note [DiLoCo advice]'s verdict
 
     def initial_hook(self) -> Any:
         return hook_for(LOSSLESS)
@@ -144,7 +148,8 @@ class AutoTuner:
                 "history": list(self.history), "error": self.error, "link": self.link,
                 "measured_step_ms": dict(self.measured),
                 "trial_step_ms": {n: list(t) for n, t in self.times.items()},
-                "predicted_step_ms": dict(self.predicted)}
+                "predicted_step_ms": dict(self.predicted),
+                "diloco": None if self.diloco is None else self.diloco["text"]}
 
     def before_forward(self) -> None:
         if self.choice is not None:
@@ -200,7 +205,7 @@ class AutoTuner:
             self.measured[LOSSLESS] = statistics.median(s["step_ms"] for s in self._samples)
             try:
                 hier = None if hier_links is None else (self.hier_groups[0].size(), *hier_links)
-                self.predicted, self.link, ranked = predict(
+                self.predicted, self.link, ranked, self.diloco = predict(
                     self._samples, self.names, self.group.size(),
                     str(self.model.params[0].device), link, hier)
                 tries = self._worth_trying(ranked)[: self.spec.trials]
@@ -276,6 +281,9 @@ class AutoTuner:
         self._natives.clear()
         if self.rank0 and self.spec.verbose:
             print(self.log_line(), flush=True)
+            # Once: _choose runs once per tuner. The choice above is not affected by it.
+            if (line := diloco_line(self.diloco)) is not None:
+                print(line, flush=True)
 
     def _best_measured(self) -> str:
         return best_measured(self.measured, self.times, self.spec.lossy_margin)

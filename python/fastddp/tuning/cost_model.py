@@ -59,6 +59,18 @@ C closes when C bytes have arrived since the previous one closed (the last one a
 and is ready then. Parameter boundaries are ignored: an estimate for ranking bucket sizes,
 which ``--hook auto`` then measures for real.
 
+DiLoCo (:func:`diloco`; fastddp.DiLoCo, docs/diloco.md) is not a hook: the inner steps issue
+no collective, and every H / P steps one of P fragments (numel / P values) is averaged:
+``fp32`` one allreduce of 4 numel / P bytes; ``bf16`` / ``int8`` / ``int4`` with
+``quantized_sum="gather"`` one allgather of every rank's buffer (W b numel / P bytes,
+b = 2, 1 + 4/256, 0.5 + 4/64: codes and block scales), with ``"shards"`` an alltoall and an
+allgather of b numel / P each. The exchange overlaps ``overlap`` inner steps of
+``compute_ms`` each (the measured step without its communication), and only the rest is
+exposed: the amortized step is ``compute_ms + max(0, T - overlap * compute_ms) * P / H``.
+Padding to whole blocks, the pseudo-gradient's and outer step's element-wise kernels (one
+pass over the weights every H / P steps, less than an inner step's optimizer) and the ranks
+drifting apart between syncs are not modelled.
+
 Pure arithmetic on plain numbers, tested with hand-computed cases; ``launch/report.py``'s
 ``projected_step_ms`` is the one-bucket case (see tests/python/tuning/test_cost_model.py).
 """
@@ -312,6 +324,54 @@ def rebucket(buckets: Sequence[Bucket], cap_bytes: float) -> list[Bucket]:
         out.append(Bucket(at, nbytes=target - closed))
         closed = target
     return out
+
+
+# Bytes a value per DiLoCo wire (docs/diloco.md's table): float32, bf16, int8 codes with a
+# float32 scale per 256 (quant8's), int4 codes two a byte with a float32 scale per 64
+# (fastddp/diloco/_wire.py's INT4_BLOCK).
+DILOCO_WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / QUANT8_BLOCK,
+                     "int4": 0.5 + 4.0 / 64}
+
+
+@dataclass(frozen=True)
+class DiLoCoPrediction:
+    """``step_ms``: the amortized step (module docstring); ``sync_ms``: the link time of one
+    fragment's exchange, ``exposed_ms`` the part of it the inner steps do not hide;
+    ``bytes_per_step``: bus bytes per rank a step, amortized over the H steps."""
+
+    step_ms: float
+    sync_ms: float
+    exposed_ms: float
+    bytes_per_step: float
+
+
+def diloco(numel: int, compute_ms: float, link: Link, world: int, sync_every: int,
+           wire: str = "fp32", fragments: int = 1, overlap: int = 0,
+           quantized_sum: str = "gather") -> DiLoCoPrediction:
+    """DiLoCo's amortized step time over ``numel`` parameters (module docstring)."""
+    if wire not in DILOCO_WIRE_BYTES:
+        raise ValueError(f"cost model: DiLoCo wire must be one of {list(DILOCO_WIRE_BYTES)}, "
+                         f"got {wire!r}")
+    if not (isinstance(sync_every, int) and isinstance(fragments, int) and fragments >= 1
+            and sync_every >= fragments and sync_every % fragments == 0):
+        raise ValueError(f"cost model: DiLoCo sync_every={sync_every!r} must be a positive "
+                         f"multiple of fragments={fragments!r}")
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"cost model: world must be a positive int, got {world!r}")
+    values = numel / fragments
+    b = DILOCO_WIRE_BYTES[wire]
+    if wire == "fp32":
+        chain = [("allreduce", 4.0 * values)]
+    elif quantized_sum == "shards":
+        chain = [("alltoall", b * values), ("allgather", b * values)]
+    else:
+        chain = [("allgather", world * b * values)]
+    sync_ms = sum(link.ms(kind, nbytes, world) for kind, nbytes in chain)
+    exposed = max(0.0, sync_ms - overlap * compute_ms)
+    syncs_per_step = fragments / sync_every
+    bus = sum(bus_factor(kind, world) * nbytes for kind, nbytes in chain)
+    return DiLoCoPrediction(compute_ms + exposed * syncs_per_step, sync_ms, exposed,
+                            bus * syncs_per_step)
 
 
 def _check(buckets: Sequence[Bucket], backward_ms: float, world: int) -> None:
