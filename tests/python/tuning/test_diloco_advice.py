@@ -180,6 +180,7 @@ def test_auto_choice_unchanged_and_its_one_message(table, monkeypatch) -> None:
     out = chosen[1][1]
     assert out.count(verdict["text"]) == 1 and out.count("never switches to DiLoCo") == 1
     assert out.splitlines()[0].startswith(f"[fastddp] auto:any chose {ranked[0]}")
+    assert chosen[1][2] == verdict["text"] and chosen[0][2] is None  # model.auto_choice()
 
 
 class _Tuner(auto.AutoTuner):
@@ -198,13 +199,13 @@ class _Model:
 
 
 def _choose(spec: AutoHook, names: list, predicted: dict, measured: dict,
-            verdict: dict | None) -> tuple[str, str]:
+            verdict: dict | None) -> tuple[str, str, str | None]:
     tuner = object.__new__(_Tuner)
     tuner.spec, tuner.names, tuner.rank0, tuner.model = spec, names, True, _Model()
     tuner.measured, tuner.predicted, tuner.diloco, tuner.error = {}, predicted, verdict, None
     tuner.times = {n: [t] * 8 for n, t in measured.items()}
-    tuner.step, tuner._natives = 40, {}
+    tuner.step, tuner._natives, tuner.history, tuner.link = 40, {}, [], None
     out = io.StringIO()
     with redirect_stdout(out):
         tuner._choose()
-    return tuner.choice, out.getvalue()
+    return tuner.choice, out.getvalue(), tuner.summary()["diloco"]
