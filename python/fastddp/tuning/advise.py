@@ -281,8 +281,13 @@ def advise(samples: Sequence[dict[str, Any]], link: Link | None, current: str | 
                      "compute_ms": compute_ms, "comm_ms": comm_ms,
                      "compute_to_comm": compute_ms / comm_ms if comm_ms > 0 else None})
     # Note [DiLoCo advice]: DiLoCo's inner step is the measured step without communication.
-    diloco = diloco_advice.consider(rows, fixed_ms + backward_ms,
-                                    diloco_advice.model_numel(shapes), link, world, shapes)
+    # An aside: its failure must cost neither the table nor auto's choice (auto.py's
+    # _plan_trials keeps the baseline when this function raises).
+    try:
+        diloco = diloco_advice.consider(rows, fixed_ms + backward_ms,
+                                        diloco_advice.model_numel(shapes), link, world, shapes)
+    except Exception as e:  # noqa: BLE001
+        diloco = {"error": f"{type(e).__name__}: {e}", "recommended": None, "text": None}
     if hier is not None:
         link_source += f"; hierarchical: {hier[0]} ranks a node, intra {hier[1]}, inter {hier[2]}"
     return {"world_size": world, "link": str(link), "link_source": link_source,

@@ -44,6 +44,8 @@ CONFIGS = {
 }
 _SYNC_KEYS = {"sync_every": "H", "wire": "wire", "fragments": "fragments", "overlap": "overlap"}
 _STREAMING_EXTRA = ",merge_alpha=0.5"
+# Where the table may hold a row's counted bytes a step (benchmarks/quality.py, issue 47 item 4).
+BYTES_KEYS = ("bytes", "bytes_per_step")
 # Rows cited for comparison, not recommended: the same algorithm in other libraries.
 REFERENCES = ("torchft diloco h50", "torch post-local SGD")
 
@@ -77,7 +79,7 @@ def _row_text(table: dict[str, Any], config: str) -> str:
     final = table["final"][config]
     verdict = "within" if within_tolerance(table, config) else "not within"
     text = f"{config} {final:.4f} ({verdict} {_tolerance_text(table)})"
-    sent = table.get("bytes", {}).get(config)
+    sent = next((table[k][config] for k in BYTES_KEYS if config in table.get(k, {})), None)
     if isinstance(sent, (int, float)):
         text += f", {sent / 1e6:.3g} MB sent a step"
     return text

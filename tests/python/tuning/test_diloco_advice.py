@@ -209,3 +209,16 @@ def _choose(spec: AutoHook, names: list, predicted: dict, measured: dict,
     with redirect_stdout(out):
         tuner._choose()
     return tuner.choice, out.getvalue(), tuner.summary()["diloco"]
+
+
+def test_a_failing_diloco_verdict_costs_nothing_else(table, monkeypatch) -> None:
+    table(ROWS)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(diloco_advice, "consider", broken)
+    advice = _advice(SLOW)
+    assert advice["diloco"] == {"error": "RuntimeError: boom", "recommended": None,
+                                "text": None}
+    assert advice["best"] in ("int8", "fp8") and "DiLoCo" not in advise.format_markdown(advice)
