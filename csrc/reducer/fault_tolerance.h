@@ -13,6 +13,8 @@
 //    state read stands, Note [double-buffered step state]), the error goes to
 //    the sink (the manager's report_error, one Python call, only on a failure)
 //    and backward returns; no later bucket of the step is launched.
+//    check_for_nan_in_grad's finding still raises: it is about the user's
+//    gradients, not the replicas.
 //  - The hook's new state is kept only if the step is committed, which is
 //    decided after backward, by every replica: settle_step() waits for
 //    settle_pending(commit), called before the next step (or before the state
@@ -42,6 +44,7 @@ class FaultTolerance {
   // A failed step's text, noted under the reducer's lock and reported after
   // it is released (the sink calls Python, which takes the GIL).
   void note_failure(std::string what) { failure_ = std::move(what); }
+  bool has_failure() const { return !failure_.empty(); }
   std::string take_failure() { return std::exchange(failure_, std::string()); }
   void report(const std::string& what) const { sink_(what); }
 

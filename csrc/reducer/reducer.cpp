@@ -142,7 +142,7 @@ void Reducer::on_grad_ready(size_t index) {
       // The error reaches backward()'s caller; the next forward starts afresh
       // instead of reporting this iteration's parameters as never ready.
       fail_iteration(std::current_exception());
-      if (!fault_.on()) throw;
+      if (!fault_.has_failure()) throw;
       // Note [fault-tolerant step]: backward goes on; the step is failed
       // (phase kIdle: the later hooks pass, nothing more is launched).
       failure = fault_.take_failure();

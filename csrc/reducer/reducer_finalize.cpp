@@ -40,7 +40,7 @@ void Reducer::finalize_backward() {
     }
   } catch (...) {
     fail_iteration(std::current_exception());
-    if (fault_.on()) return;  // Note [fault-tolerant step]: the caller reports it
+    if (fault_.has_failure()) return;  // Note [fault-tolerant step]: the caller reports it
     throw;
   }
   if (dynamic_find_unused()) unused_.zero(/*unread=*/true);
@@ -106,7 +106,12 @@ void Reducer::fail_iteration(const std::exception_ptr& error) {
   } catch (...) {
     stats_.set_error("unknown error");
   }
-  if (fault_.on()) fault_.note_failure(stats_.last_error());
+  // check_for_nan_in_grad's finding is the user's to see, raised as without
+  // torchft; any other failure fails the step (Note [fault-tolerant step]).
+  const bool guard_failed = finite_.take_guard_failed();
+  if (fault_.on() && !guard_failed) {
+    fault_.note_failure(stats_.last_error().empty() ? "unknown error" : stats_.last_error());
+  }
   // Collectives already issued finish (every rank issued them) before the next
   // step writes into their buffers; then the next forward starts afresh
   // instead of reporting unready parameters.
@@ -122,7 +127,7 @@ void Reducer::fail_iteration(const std::exception_ptr& error) {
   if (hook_->settles_own_state()) hook_->discard_step();
   // check_for_nan_in_grad, or Note [fault-tolerant step] (as an overflow
   // step): discard_step kept the state read.
-  if (finite_.take_guard_failed() || fault_.on()) {
+  if (guard_failed || fault_.on()) {
     hook_->after_step(at::zeros({}, at::kBool));
   } else {
     hook_->after_step(at::Tensor());

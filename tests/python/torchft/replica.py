@@ -39,10 +39,11 @@ def batch(replica: int, step: int, rows: int = 16) -> tuple[torch.Tensor, torch.
 
 
 def _wrap(impl: str, manager: Any, model: nn.Module, hook: str | None,
-          bucket_cap_mb: float) -> nn.Module:
+          bucket_cap_mb: float, **kwargs: Any) -> nn.Module:
     if impl == "fastddp":
         from fastddp.integrations.torchft import DistributedDataParallel
-        return DistributedDataParallel(manager, model, hook=hook, bucket_cap_mb=bucket_cap_mb)
+        return DistributedDataParallel(manager, model, hook=hook, bucket_cap_mb=bucket_cap_mb,
+                                       **kwargs)
     from torchft.ddp import DistributedDataParallel
     if hook == "bf16":
         return _bf16_torchft_ddp()(manager, model, bucket_cap_mb=bucket_cap_mb)
@@ -58,7 +59,7 @@ def _bf16_torchft_ddp() -> type:
 
     class Bf16DistributedDataParallel(DistributedDataParallel):
         @staticmethod
-        def _comm_hook(state: Any, bucket: Any) -> torch.futures.Future:
+        def _comm_hook(state, bucket):  # no hints: torch checks them, and they are strings here
             buffer = bucket.buffer()
             work = state.allreduce(buffer.to(torch.bfloat16))
             work.wait()
@@ -77,7 +78,8 @@ def run(config: dict[str, Any]) -> None:
     """The replica's whole life; config: replica, lighthouse, steps, impl, hook,
     min_replicas, kill_at (or None), timeout_s, out; optional kill_in, full, hidden, rows,
     bucket_cap_mb, stall_at, stall_s and stall_replica (once, that replica's backward of that
-    step sleeps stall_s)."""
+    step sleeps stall_s), nan_at (replica 0's batch has a NaN at that step), ddp_kwargs. An
+    error raised by backward ends the run, logged as (step, None, False, its repr)."""
     from torchft import Manager, ProcessGroupGloo
     from torchft.optim import OptimizerWrapper
 
@@ -100,7 +102,7 @@ def run(config: dict[str, Any]) -> None:
     if config.get("start_together"):
         _wait_for_all(config)
     ddp = _wrap(config["impl"], manager, model, config.get("hook"),
-                config.get("bucket_cap_mb", 0.004))
+                config.get("bucket_cap_mb", 0.004), **config.get("ddp_kwargs", {}))
     optimizer = OptimizerWrapper(manager, inner)
     armed = [None]  # what backward does at the first layer's output this step
 
@@ -120,6 +122,8 @@ def run(config: dict[str, Any]) -> None:
             step = manager.current_step()
             optimizer.zero_grad()
             x, y = batch(replica, step, config.get("rows", 16))
+            if (step, replica) == (config.get("nan_at"), 0):
+                x[0, 0] = float("nan")
             dies = step == config.get("kill_at")
             armed[0] = None
             if dies and config.get("kill_in", "backward") == "backward":
@@ -131,7 +135,11 @@ def run(config: dict[str, Any]) -> None:
                 stalled = True
                 armed[0] = lambda grad: time.sleep(config["stall_s"])
             loss = nn.functional.mse_loss(ddp(x), y)
-            loss.backward()
+            try:
+                loss.backward()
+            except RuntimeError as e:  # recorded, for the tests that expect one
+                log.append((step, None, False, repr(e)))
+                break
             optimizer.step()
             if dies and config.get("kill_in") == "between" and manager.current_step() > step:
                 _die(config)

@@ -107,3 +107,13 @@ def test_a_late_replica_stalls_the_others_one_timeout_at_most(tmp_path):
     late = [(s, n, c) for s, n, c, _ in results[2]["log"]]
     assert (KILL_AT, 3, False) in late, late
     assert_same_training_state(results)
+
+
+def test_check_for_nan_in_grad_still_raises(tmp_path):
+    # A non-finite gradient is the user's to see, as without torchft: check_for_nan_in_grad
+    # raises out of backward on every replica (the check is shared), not a failed step.
+    results = run_replicas(tmp_path, replicas=2, steps=STEPS, extra={
+        "nan_at": 2, "ddp_kwargs": {"check_for_nan_in_grad": True}})
+    for r in (0, 1):
+        step, _, committed, error = results[r]["log"][-1]
+        assert (step, committed) == (2, False) and "non-finite gradient" in error, error
