@@ -109,10 +109,10 @@ def consider(per_step: Sequence[dict[str, Any]], compute_ms: float, numel: int, 
     bound = comm >= COMM_BOUND * own_compute
     faster = [o for o in options if o["gain"] >= MIN_GAIN]
     chosen = next((o for o in faster if o["quality_ok"]), None)
+    pick = chosen if bound else {}
     result = {"bound": bound, "per_step": best["candidate"], "options": options,
-              "recommended": chosen["config"] if chosen and bound else None,
-              "sync": chosen["sync"] if chosen and bound else None,
-              "predicted_step_ms": chosen["predicted_step_ms"] if chosen and bound else None,
+              "recommended": (pick or {}).get("config"), "sync": (pick or {}).get("sync"),
+              "predicted_step_ms": (pick or {}).get("predicted_step_ms"),
               "task": task, "text": None}
     if bound:
         result["text"] = _why(best, options, faster, chosen, table, task)
