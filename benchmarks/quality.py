@@ -4,8 +4,8 @@ Compression quality on real data: which hook trains as well as plain allreduce, 
 sends, and how soon it gets there on a slow link. Side by side in one run.
 
     python benchmarks/quality.py [--nproc 4] [--tasks digits,text] [--steps 300]
-        [--eval-every 25] [--links 1GB/s,10GB/s] [--configs NAME,...] [--quick]
-        [--charts DIR] [--write-table PATH]
+        [--eval-every 25] [--links 1GB/s,10GB/s] [--configs NAME,...|hooks|sync] [--quick]
+        [--charts DIR] [--name quality] [--write-table PATH]
 
 Tasks (benchmarks/common/quality_tasks.py): scikit-learn's handwritten digits (a small CNN,
 held-out accuracy) and the source of Python's standard library (a character-level
@@ -15,19 +15,26 @@ intra-op thread each, and is scored on the held-out split every --eval-every ste
 learning rate decays along a cosine to FINAL_LR of its peak; the low-rank hooks compress
 from 10% of the steps on (START).
 
+Configurations (--configs): "hooks" (the default) are the per-step ones, a DDP comm hook
+each; "sync" is issue 47's comparison of those that synchronize every few steps (torch's
+post-local SGD, fastddp.DiLoCo and streaming DiLoCo, torchft's DiLoCo:
+common/periodic_sync.py) against fp32 allreduce and PowerSGD r4.
+
 Reported per task and configuration: the final score and its difference from fp32
 allreduce's and from torch's bf16 hook's (the 16-bit baseline "Beyond Throughput and
-Compression Ratios" recommends), the bytes one rank sends per step (fastddp's comm_stats();
-"-" for torch DDP), the first evaluated step at which the score is within TOLERANCE of fp32's
-final one, the median step time on each emulated --link (fastddp.link.EmulatedLinkGroup; 8
-timed steps after the warm-up) and their product: the time to fp32's quality on that link.
---quick: 3 configurations, the text task, 60 steps (the test suite's run).
+Compression Ratios" recommends), the bytes one rank sends per step (fastddp's comm_stats()
+and DiLoCo.stats(); counted from the tensor sizes for post-local SGD and torchft; "-" for
+torch DDP's hooks), the first evaluated step at which the score is within TOLERANCE of fp32's
+final one, the step time on each emulated --link (fastddp.link.EmulatedLinkGroup; the median
+of 8 steps after the warm-up, or for the periodic configurations the mean over whole sync
+periods) and their product: the time to fp32's quality on that link.
+--quick: 3 configurations (or --configs), the text task, 60 steps (the test suite's run).
+--write-table merges the run into the table there (common/quality_table_merge.py).
 """
 
 import argparse
 import math
 import os
-import pprint
 import socket
 import statistics
 import time
@@ -37,13 +44,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
 from fastddp.hooks import catalog
 from fastddp.link import EmulatedLinkGroup
 
-from common import quality_chart  # benchmarks/common/: scripts run from benchmarks/
+from common import periodic_sync, quality_chart, quality_table_merge  # benchmarks/common/: scripts run from benchmarks/
 from common.quality_tasks import task as make_task
 
 # The low-rank hooks' plain allreduce steps (PowerSGD's start_powerSGD_iter): 10% of the
@@ -67,10 +73,10 @@ def _hook(config: catalog.Config, rank: int | None):
 
 
 def _configs() -> dict:
-    """name -> ("fastddp" | "torch", () -> (state, hook) or None): every catalog
-    configuration with a quality row (fastddp/hooks/catalog.py; plain allreduce is the
-    baseline, no hook registered), torch's hooks beside fastddp's, batched PowerSGD, and
-    hierarchical reduction on 2 "nodes" of 2 ranks with each lossy inter-node hook."""
+    """name -> make(task, group, start) -> periodic_sync.Setup: every catalog configuration
+    with a quality row (fastddp/hooks/catalog.py; plain allreduce is the baseline, no hook
+    registered), torch's hooks beside fastddp's, batched PowerSGD, and hierarchical
+    reduction on 2 "nodes" of 2 ranks with each lossy inter-node hook."""
     rows = {}
     for config in [c for c in catalog.CONFIGS if c.quality]:
         for rank in RANKS if "{rank}" in config.quality else (None,):
@@ -87,58 +93,68 @@ def _configs() -> dict:
             inner_config = catalog.by_candidate(inner)[0]
             rows[row] = ("fastddp", lambda c=inner_config: (None, H.hierarchical(
                 _hook(c, None)[1], local_size=2)))
-    return rows
+    return {name: periodic_sync.per_step(side, make) for name, (side, make) in rows.items()}
 
 
-CONFIGS = _configs()
+HOOKS = _configs()  # the per-step configurations: the default --configs
+CONFIGS = {**HOOKS, **periodic_sync.CONFIGS}
+# --configs presets: "hooks" (every per-step one), "sync": issue 47's comparison of the
+# configurations that synchronize every few steps against fp32 and the best per-step hook's.
+PRESETS = {"hooks": list(HOOKS),
+           "sync": ["fp32 allreduce", "powersgd r4", *periodic_sync.CONFIGS]}
 QUICK = ["fp32 allreduce", "fastddp bf16", "acpsgd r2"]
-
-
-def wrap(config: str, module: torch.nn.Module, group=None) -> torch.nn.Module:
-    """One bucket (the models are small): torch's PowerSGD needs that on gloo."""
-    side, make = CONFIGS[config]
-    ddp = (TorchDDP if side == "torch" else fastddp.DistributedDataParallel)(
-        module, process_group=group)
-    hook = make()
-    if hook is not None:
-        ddp.register_comm_hook(*hook)
-    return ddp
+TIMED_STEPS = 8  # per-step configurations: the median of this many steps
+TIMED_MIN = 96   # periodic ones: the mean over whole sync periods of at least this many steps
 
 
 def train(t, config: str, steps: int, eval_every: int) -> dict:
     """Scores every eval_every steps (rank 0's model), and the bytes sent per step."""
-    model = wrap(config, t.make_model())
-    opt = t.optimizer(model.parameters())
+    run = CONFIGS[config](t, None, START)
     decay = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: FINAL_LR + (1 - FINAL_LR) * (1 + math.cos(math.pi * s / steps)) / 2)
-    rank, scores, sent = dist.get_rank(), {}, None
+        run.opt, lambda s: FINAL_LR + (1 - FINAL_LR) * (1 + math.cos(math.pi * s / steps)) / 2)
+    rank, scores = dist.get_rank(), {}
     for step in range(1, steps + 1):
         x, y = t.batch(rank, step)
-        opt.zero_grad(set_to_none=True)
-        t.loss(model, x, y).backward()
-        opt.step()
+        run.opt.zero_grad(set_to_none=True)
+        t.loss(run.model, x, y).backward()
+        run.opt.step()
+        run.after_step()
         decay.step()
         if step % eval_every == 0 or step == steps:
-            scores[step] = t.evaluate(model.module)
-    if isinstance(model, fastddp.DistributedDataParallel):
-        sent = model.comm_stats()["bytes_sent"]
+            scores[step] = t.evaluate(run.module)
+    sent = run.sent(steps)
+    run.close()
     return {"scores": scores, "sent": sent}
 
 
-def step_ms(t, config: str, link: str, timed: int = 8) -> float:
-    warmup = START + 2  # past the low-rank hooks' start
-    model = wrap(config, t.make_model(), EmulatedLinkGroup(dist.group.WORLD, link))
-    opt = t.optimizer(model.parameters())
+def step_ms(t, config: str, link: str, quick: bool = False) -> float | None:
+    """A per-step configuration: the median of TIMED_STEPS steps past the low-rank hooks'
+    start. A periodic one: the mean over whole sync periods (at least TIMED_MIN steps; one
+    with --quick) after its warm-up (one period, or post-local SGD's gradient allreduce
+    steps). None where the configuration's group cannot be emulated."""
+    run = CONFIGS[config](t, EmulatedLinkGroup(dist.group.WORLD, link), START)
+    if not run.emulated:
+        run.close()
+        return None
+    periodic = run.period > 1
+    warmup = run.warmup if periodic else START + 2  # past the low-rank hooks' start
+    timed = (run.period * (1 if quick else math.ceil(TIMED_MIN / run.period)) if periodic
+             else TIMED_STEPS)
     times = []
     for step in range(warmup + timed):
         x, y = t.batch(dist.get_rank(), step)
-        dist.barrier()
+        if not periodic:
+            dist.barrier()
         start = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        t.loss(model, x, y).backward()
-        opt.step()
+        run.opt.zero_grad(set_to_none=True)
+        t.loss(run.model, x, y).backward()
+        run.opt.step()
+        run.after_step()
         times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times[warmup:])
+    run.close()
+    # Periodic: no barrier between steps (the ranks run free between syncs, as in training),
+    # the sum over the window divided by its steps.
+    return 1e3 * (sum(times[warmup:]) / timed if periodic else statistics.median(times[warmup:]))
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
@@ -151,7 +167,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
     for name in args.tasks:
         t = make_task(name)
         runs = {c: train(t, c, args.steps, args.eval_every) for c in args.configs}
-        times = {c: {link: step_ms(t, c, link) for link in args.links} for c in args.configs}
+        times = {c: {link: step_ms(t, c, link, args.quick) for link in args.links}
+                 for c in args.configs}
         out[name] = {"metric": t.metric, "higher": t.higher_is_better, "runs": runs,
                      "times": times}
     if rank == 0:
@@ -184,18 +201,23 @@ def report(name: str, r: dict, links: list[str]) -> None:
           f"fp32's quality: {metric} {'>=' if higher else '<='} {target:.4f}\n")
     cols = " | ".join(f"ms/step, time to it @{link}" for link in links)
     print(f"| configuration | final | vs fp32 | vs torch bf16 | bytes/step | reaches fp32's "
-          f"quality at step | {cols} |")
-    print("|---|---:|---:|---:|---:|---:|" + "---:|" * len(links))
+          f"quality at step | {cols} | fp32's bytes / these |")
+    print("|---|---:|---:|---:|---:|---:|" + "---:|" * (len(links) + 1))
+    fp32_sent = r["runs"]["fp32 allreduce"]["sent"]
     for c, run in r["runs"].items():
         at = reached(run["scores"], target, higher)
         vs_bf16 = f"{final[c] - bf16:+.4f}" if bf16 is not None else "-"
         sent = f"{run['sent']:,}" if run["sent"] is not None else "-"
-        timing = " | ".join(
-            f"{r['times'][c][link]:.1f}, " + (f"{at * r['times'][c][link] / 1e3:.2f} s"
-                                               if at else "never")
-            for link in links)
+        fewer = f"{fp32_sent / run['sent']:.0f}x" if run["sent"] else "-"
+        timing = " | ".join(_time_cell(r["times"][c][link], at) for link in links)
         print(f"| {c} | {final[c]:.4f} | {final[c] - base:+.4f} | {vs_bf16} | {sent} | "
-              f"{at if at else 'never'} | {timing} |")
+              f"{at if at else 'never'} | {timing} | {fewer} |")
+
+
+def _time_cell(ms: float | None, at: int | None) -> str:
+    if ms is None:
+        return "not emulated"
+    return f"{ms:.1f}, " + (f"{at * ms / 1e3:.2f} s" if at else "never")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -205,18 +227,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--links", default="1GB/s,10GB/s")
-    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--configs", help="names, or a preset: " + ", ".join(
+        f"{k} ({', '.join(v)})" for k, v in PRESETS.items()) + "; default: hooks")
+    parser.add_argument("--name", default="quality",
+                        help="the charts' file names: DIR/<name>_<task>.svg")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--charts", metavar="DIR",
-                        help="also write each task's learning curves as DIR/quality_<task>.svg")
+                        help="also write each task's learning curves as DIR/<name>_<task>.svg")
     parser.add_argument("--write-table", metavar="PATH",
                         help="also write the results as the Python module --advise cites "
                              "(python/fastddp/tuning/quality_table.py)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.tasks, args.steps, args.eval_every, args.configs = "text", 60, 20, ",".join(QUICK)
+        args.tasks, args.steps, args.eval_every = "text", 60, 20
+        args.configs = args.configs or ",".join(QUICK)
     args.tasks, args.links = args.tasks.split(","), args.links.split(",")
-    args.configs = args.configs.split(",")
+    args.configs = PRESETS.get(args.configs or "hooks") or args.configs.split(",")
     unknown = set(args.configs) - set(CONFIGS)
     if unknown:
         parser.error(f"unknown configurations {sorted(unknown)}")
@@ -246,12 +272,13 @@ def write_charts(folder: str, results: dict, args: argparse.Namespace) -> None:
         _, target = finals_and_target(r)
         curves = {c: run["scores"] for c, run in r["runs"].items()}
         title = f"{name}: held-out {r['metric']}, {args.nproc} gloo ranks"
-        with open(os.path.join(folder, f"quality_{name}.svg"), "w") as f:
+        with open(os.path.join(folder, f"{args.name}_{name}.svg"), "w") as f:
             f.write(quality_chart.svg(title, r["metric"], curves, target))
 
 
 def write_table(path: str, results: dict, args: argparse.Namespace) -> None:
-    """The scores as a Python literal (fastddp.tuning.quality_table), for --advise."""
+    """The scores as a Python literal (fastddp.tuning.quality_table), for --advise, merged
+    into the table already at `path` (common/quality_table_merge.py)."""
     table = {}
     for name, r in results.items():
         final, target = finals_and_target(r)
@@ -261,14 +288,10 @@ def write_table(path: str, results: dict, args: argparse.Namespace) -> None:
                        "steps": args.steps, "ranks": args.nproc,
                        "final": {c: round(v, 4) for c, v in final.items()},
                        "reaches_fp32_at": {c: reached(run["scores"], target, higher)
-                                           for c, run in r["runs"].items()}}
-    text = ('"""Generated (do not edit) by\n\n'
-            f"    python benchmarks/quality.py --write-table {path}\n\n"
-            "held-out scores of each hook on the two real-data tasks, which --advise cites\n"
-            '(fastddp/tuning/quality.py). The full tables: benchmarks/results/quality.md."""\n\n'
-            f"QUALITY = {pprint.pformat(table, width=96, sort_dicts=False)}\n")
-    with open(path, "w") as f:
-        f.write(text)
+                                           for c, run in r["runs"].items()},
+                       "bytes_per_step": {c: run["sent"] for c, run in r["runs"].items()}}
+    quality_table_merge.write(path, quality_table_merge.merge(
+        quality_table_merge.read(path), table))
 
 
 if __name__ == "__main__":
