@@ -11,10 +11,11 @@ step time is the median gap between replica 0's consecutive commits after ``--wa
 steps; rounds interleave the two, and the figure is the ratio of medians, per hook.
 
 Recovery (``--recovery``): replica 2 of 3 is killed at step 10 (between two steps, and, for
-fastddp, also mid-backward) and started again at once. Reported: from the death to the survivors' first committed step after it (the
-quorum forms without the dead replica: the Lighthouse's join timeout, 1 s here, plus the
-failed step's collective error), and from the restart to the restarted replica's first
-committed step (process start, imports, quorum, healing from a peer).
+fastddp, also mid-backward) and started again at once. Reported: from the death to the
+survivors' commit of the first step it cost (the one it interrupted, or the next one: the
+quorum forms without the dead replica after the Lighthouse's join timeout, 1 s here, plus,
+mid-backward, the failed step's collective error), and from the restart to the restarted
+replica's first committed step (process start, imports, quorum, healing from a peer).
 
 The replica program is the tests' (tests/python/torchft/replica.py).
 """
@@ -75,9 +76,12 @@ def recovery(args: argparse.Namespace) -> None:
                                    steps=20, impl=impl, victim=2, kill_at=10,
                                    extra={**extra, "kill_in": kill_in, "full": args.replicas})
             killed, restarted = results[2]["killed_at"], results[2]["restarted_at"]
-            survivor = min(t for _, _, c, t in results[0]["log"] if c and t > killed)
+            # The first step the death cost: the one it interrupted, or the next one.
+            first = 10 if kill_in == "backward" else 11
+            survivor = min(t for s, _, c, t in results[0]["log"] if c and s >= first)
             rejoined = min(t for _, _, c, t in results[2]["log"] if c)
-            print(f"| {impl}, killed {kill_in} steps | {survivor - killed:.2f} | "
+            where = "mid-backward" if kill_in == "backward" else "between steps"
+            print(f"| {impl}, killed {where} | {survivor - killed:.2f} | "
                   f"{rejoined - restarted:.2f} |", flush=True)
 
 
