@@ -38,7 +38,8 @@ def test_equals_torchfts_ddp_through_a_death(tmp_path):
     # the restarted replica, so both runs change their quorums at the same steps and can be
     # compared bit for bit. The restarted replica heals from the survivor and sends zeros in
     # that step (torchft's allreduce zeroes a non-participant's tensor; fastddp's copy-in
-    # writes zeros), and the mean divides by the one participant.
+    # writes zeros), the mean divides by the one participant, and the step is not committed
+    # (one participant, fewer than min_replicas); its retry, with two, is.
     kwargs = dict(replicas=2, steps=STEPS, victim=1, kill_at=KILL_AT,
                   extra={"kill_in": "between"})
     ours = run_replicas(tmp_path / "fastddp", impl="fastddp", **kwargs)
