@@ -57,9 +57,18 @@ def sync_flag(config: str) -> str:
     return f"--sync diloco:{spec}" + (_STREAMING_EXTRA if "fragments" in settings else "")
 
 
+def baseline(table: dict[str, Any], config: str) -> float:
+    """fp32 allreduce's final score in the run that measured ``config``: the table's main
+    run's, or for a row merged from a run of other steps or ranks, that run's (its
+    ``other_runs`` entry: benchmarks/common/quality_table_merge.py)."""
+    other = table.get("other_runs", {}).get(config, {})
+    return other.get(quality.BASELINE, table["final"][quality.BASELINE])
+
+
 def within_tolerance(table: dict[str, Any], config: str) -> bool:
-    """The row's final score is within the table's tolerance of fp32 allreduce's."""
-    final, base, tol = table["final"][config], table["final"][quality.BASELINE], table["tolerance"]
+    """The row's final score is within the table's tolerance of fp32 allreduce's (in the
+    same run: baseline())."""
+    final, base, tol = table["final"][config], baseline(table, config), table["tolerance"]
     if table["higher_is_better"]:
         return final >= base - tol
     return final <= base * (1 + tol)
@@ -79,6 +88,10 @@ def _row_text(table: dict[str, Any], config: str) -> str:
     final = table["final"][config]
     verdict = "within" if within_tolerance(table, config) else "not within"
     text = f"{config} {final:.4f} ({verdict} {_tolerance_text(table)})"
+    if config in table.get("other_runs", {}):
+        run = table["other_runs"][config]
+        text += (f" in a run of {run['steps']} steps where {quality.BASELINE} ended at "
+                 f"{run[quality.BASELINE]:.4f}")
     sent = next((table[k][config] for k in BYTES_KEYS if config in table.get(k, {})), None)
     if isinstance(sent, (int, float)):
         text += f", {sent / 1e6:.3g} MB sent a step"

@@ -1,9 +1,11 @@
 """Generated (do not edit) by
 
-    python benchmarks/quality.py --write-table python/fastddp/tuning/quality_table.py
+    python benchmarks/quality.py --write-table ../python/fastddp/tuning/quality_table.py
 
 held-out scores of each hook on the two real-data tasks, which --advise cites
-(fastddp/tuning/quality.py). The full tables: benchmarks/results/quality.md."""
+(fastddp/tuning/quality.py); each run merged into the rows before it
+(benchmarks/common/quality_table_merge.py). The full tables:
+benchmarks/results/quality.md and diloco_quality.md."""
 
 QUALITY = {'digits': {'metric': 'accuracy',
             'higher_is_better': True,
@@ -74,7 +76,14 @@ QUALITY = {'digits': {'metric': 'accuracy',
                     'acpsgd r8': 3.224,
                     'acpsgd r16': 3.1786,
                     'hier bf16 (2x2)': 3.1425,
-                    'hier int8 (2x2)': 3.1438},
+                    'hier int8 (2x2)': 3.1438,
+                    'torch post-local SGD': 2.9979,
+                    'diloco h10': 2.7064,
+                    'diloco h50': 2.8935,
+                    'diloco h100': 3.0117,
+                    'streaming int8 p4': 2.9425,
+                    'streaming int4 p4': 2.9361,
+                    'torchft diloco h50': 2.8967},
           'reaches_fp32_at': {'fp32 allreduce': 175,
                               'torch bf16_compress_hook': 200,
                               'fastddp bf16': 200,
@@ -94,4 +103,33 @@ QUALITY = {'digits': {'metric': 'accuracy',
                               'acpsgd r8': None,
                               'acpsgd r16': 250,
                               'hier bf16 (2x2)': 175,
-                              'hier int8 (2x2)': 200}}}
+                              'hier int8 (2x2)': 200,
+                              'torch post-local SGD': None,
+                              'diloco h10': 400,
+                              'diloco h50': None,
+                              'diloco h100': None,
+                              'streaming int8 p4': None,
+                              'streaming int4 p4': None,
+                              'torchft diloco h50': None},
+          'bytes_per_step': {'torch post-local SGD': 66540,
+                             'diloco h10': 35021,
+                             'diloco h50': 7004,
+                             'diloco h100': 3502,
+                             'streaming int8 p4': 2360,
+                             'streaming int4 p4': 1292,
+                             'torchft diloco h50': 7004},
+          'other_runs': {'torch post-local SGD': {'steps': 600,
+                                                  'ranks': 4,
+                                                  'fp32 allreduce': 2.8185},
+                         'diloco h10': {'steps': 600, 'ranks': 4, 'fp32 allreduce': 2.8185},
+                         'diloco h50': {'steps': 600, 'ranks': 4, 'fp32 allreduce': 2.8185},
+                         'diloco h100': {'steps': 600, 'ranks': 4, 'fp32 allreduce': 2.8185},
+                         'streaming int8 p4': {'steps': 600,
+                                               'ranks': 4,
+                                               'fp32 allreduce': 2.8185},
+                         'streaming int4 p4': {'steps': 600,
+                                               'ranks': 4,
+                                               'fp32 allreduce': 2.8185},
+                         'torchft diloco h50': {'steps': 600,
+                                                'ranks': 4,
+                                                'fp32 allreduce': 2.8185}}}}
