@@ -44,9 +44,13 @@ def merge(old: dict, new: dict) -> dict:
     return table
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def write(path: str, table: dict) -> None:
+    shown = os.path.relpath(os.path.abspath(path), ROOT)  # as run from the repository root
     text = ('"""Generated (do not edit) by\n\n'
-            f"    python benchmarks/quality.py --write-table {path}\n\n"
+            f"    python benchmarks/quality.py --write-table {shown}\n\n"
             "held-out scores of each hook on the two real-data tasks, which --advise cites\n"
             "(fastddp/tuning/quality.py); each run merged into the rows before it\n"
             "(benchmarks/common/quality_table_merge.py). The full tables:\n"
