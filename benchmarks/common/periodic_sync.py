@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
+from fastddp.tuning import diloco_advice
 
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's outer Nesterov SGD: the paper's values
 POST_LOCAL_PERIOD = 10  # PeriodicModelAverager's period; torch's docs' example uses 4
@@ -155,17 +156,12 @@ def per_step(side: str, make_hook: Callable) -> Callable:
     return make
 
 
-# The configurations of issue 47, by the names the quality table keeps. Streaming: 4
-# fragments, so H must be a multiple of 4: 48, the nearest to 50 (one fragment every 12
-# steps); overlap 2, so quantized_sum="shards" launches its second collective (the allgather
-# of the summed shards) inside the window too (docs/diloco.md); "shards" sends b/4 of fp32's
-# bytes at any world size, "gather" b·W/8.
+# The configurations of issue 47, by the names the quality table keeps; fastddp's DiLoCo rows
+# with the settings --advise predicts and recommends for them (one table:
+# fastddp.tuning.diloco_advice.CONFIGS, which says why the streaming rows take H = 48 and
+# overlap 2).
 CONFIGS = {
     "torch post-local SGD": post_local_sgd(),
-    "diloco h10": diloco(10),
-    "diloco h50": diloco(50),
-    "diloco h100": diloco(100),
-    "streaming int8 p4": diloco(48, "int8", fragments=4, overlap=2, quantized_sum="shards"),
-    "streaming int4 p4": diloco(48, "int4", fragments=4, overlap=2, quantized_sum="shards"),
+    **{name: diloco(**settings) for name, settings in diloco_advice.CONFIGS.items()},
     "torchft diloco h50": torchft_diloco(50),
 }

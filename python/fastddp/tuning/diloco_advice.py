@@ -32,18 +32,22 @@ from fastddp.tuning import cost_model, quality, quality_table
 COMM_BOUND = 0.5
 MIN_GAIN = 0.2
 
-# The quality table's row -> the DiLoCo settings benchmarks/quality.py trains under that name
-# (issue 47 item 4) and the --sync spelling. The streaming rows take docs/diloco.md's example
-# (H = 100, 4 fragments, overlap 5, merge_alpha 0.5).
+# The quality table's row -> the DiLoCo settings it was measured with: benchmarks/quality.py
+# builds its DiLoCo configurations from this table (benchmarks/common/periodic_sync.py), so
+# the advice predicts, and recommends with --sync, what the table's row measured. Streaming:
+# 4 fragments, so H is a multiple of 4: 48, the nearest to 50 (a fragment every 12 steps);
+# overlap 2, so that quantized_sum="shards" sends its second collective inside the window too.
 CONFIGS = {
     "diloco h10": {"sync_every": 10},
     "diloco h50": {"sync_every": 50},
     "diloco h100": {"sync_every": 100},
-    "streaming int8 p4": {"sync_every": 100, "fragments": 4, "overlap": 5, "wire": "int8"},
-    "streaming int4 p4": {"sync_every": 100, "fragments": 4, "overlap": 5, "wire": "int4"},
+    "streaming int8 p4": {"sync_every": 48, "fragments": 4, "overlap": 2, "wire": "int8",
+                          "quantized_sum": "shards"},
+    "streaming int4 p4": {"sync_every": 48, "fragments": 4, "overlap": 2, "wire": "int4",
+                          "quantized_sum": "shards"},
 }
-_SYNC_KEYS = {"sync_every": "H", "wire": "wire", "fragments": "fragments", "overlap": "overlap"}
-_STREAMING_EXTRA = ",merge_alpha=0.5"
+_SYNC_KEYS = {"sync_every": "H", "wire": "wire", "fragments": "fragments", "overlap": "overlap",
+              "quantized_sum": "quantized_sum"}
 # Where the table may hold a row's counted bytes a step (benchmarks/quality.py, issue 47 item 4).
 BYTES_KEYS = ("bytes", "bytes_per_step")
 # Rows cited for comparison, not recommended: the same algorithm in other libraries.
@@ -54,7 +58,7 @@ def sync_flag(config: str) -> str:
     """The launcher's ``--sync`` argument for a CONFIGS row."""
     settings = CONFIGS[config]
     spec = ",".join(f"{_SYNC_KEYS[k]}={v}" for k, v in settings.items())
-    return f"--sync diloco:{spec}" + (_STREAMING_EXTRA if "fragments" in settings else "")
+    return f"--sync diloco:{spec}"
 
 
 def baseline(table: dict[str, Any], config: str) -> float:

@@ -104,7 +104,7 @@ def test_slow_link_recommends_diloco_the_table_supports(table) -> None:
     verdict = advice["diloco"]
     assert verdict["bound"] and verdict["per_step"] in ("int8", "fp8")
     options = {o["config"]: o for o in verdict["options"]}
-    # Streaming int4 is predicted fastest (its exchange hides behind 5 inner steps), but
+    # Streaming int4 is predicted fastest (its exchange hides behind 2 inner steps), but
     # its row is not within 2% of fp32: the fastest supported one, H = 100, is recommended.
     assert min(options, key=lambda c: options[c]["predicted_step_ms"]) == "streaming int4 p4"
     assert verdict["recommended"] == "diloco h100"
