@@ -163,5 +163,5 @@ def per_step(side: str, make_hook: Callable) -> Callable:
 CONFIGS = {
     "torch post-local SGD": post_local_sgd(),
     **{name: diloco(**settings) for name, settings in diloco_advice.CONFIGS.items()},
-    "torchft diloco h50": torchft_diloco(50),
+    **{f"torchft diloco h{h}": torchft_diloco(h) for h in (10, 50, 100)},
 }

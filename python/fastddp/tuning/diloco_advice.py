@@ -51,7 +51,8 @@ _SYNC_KEYS = {"sync_every": "H", "wire": "wire", "fragments": "fragments", "over
 # Where the table may hold a row's counted bytes a step (benchmarks/quality.py, issue 47 item 4).
 BYTES_KEYS = ("bytes", "bytes_per_step")
 # Rows cited for comparison, not recommended: the same algorithm in other libraries.
-REFERENCES = ("torchft diloco h50", "torch post-local SGD")
+REFERENCES = ("torchft diloco h10", "torchft diloco h50", "torchft diloco h100",
+              "torch post-local SGD")
 
 
 def sync_flag(config: str) -> str:
