@@ -3,6 +3,7 @@
 #include "reducer.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include "../util/message.h"
 
