@@ -145,10 +145,18 @@ def run(config: dict[str, Any]) -> None:
                 _die(config)
             log.append((step, manager.num_participants(), manager.current_step() > step,
                         time.time()))
+            _note_progress(config, log[-1])
         torch.save({"model": model.state_dict(), "optim": inner.state_dict(), "log": log},
                    config["out"])
     finally:
         manager.shutdown(wait=False)
+
+
+def _note_progress(config: dict[str, Any], entry: tuple) -> None:
+    # One line per step attempted, "step participants committed", for the harness: it
+    # restarts a killed replica once a survivor has committed without it (torchft_world.py).
+    with open(config["out"] + ".progress", "a") as f:
+        f.write(f"{entry[0]} {entry[1]} {int(entry[2])}\n")
 
 
 def _die(config: dict[str, Any]) -> None:

@@ -73,7 +73,8 @@ def test_a_death_fails_one_step_and_the_replica_rejoins(tmp_path, hook):
     # the killed one is restarted, rejoins, recovers from a peer (weights, optimizer, hook
     # state) and ends with the same bits as the others.
     results = run_replicas(tmp_path, replicas=3, steps=STEPS, hook=hook, victim=2,
-                           kill_at=KILL_AT, extra={"full": 3})
+                           kill_at=KILL_AT, restart_after_survivors_commit=True,
+                           extra={"full": 3})
     end = results[0]["log"][-1][0] + 1  # they train on until the restarted one is back
     for survivor in (0, 1):
         log = results[survivor]["log"]

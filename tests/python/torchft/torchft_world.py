@@ -26,13 +26,16 @@ TORCHFT_TIMEOUT_S = 30.0
 
 def run_replicas(tmp_path: Path, *, replicas: int, steps: int, impl: str = "fastddp",
                  hook: str | None = None, min_replicas: int = 2, victim: int | None = None,
-                 kill_at: int | None = None,
+                 kill_at: int | None = None, restart_after_survivors_commit: bool = False,
                  extra: dict[str, Any] | None = None,
                  timeout_s: float | None = None) -> dict[int, dict[str, Any]]:
     """Trains `replicas` replica groups for `steps` committed steps; replica `victim` dies in
     the backward of step `kill_at` and is started again. Returns each replica's result
     (replica.py), the restarted one's from its second life with ``killed_at`` and
-    ``restarted_at`` (time.time()). `extra`: more of replica.run's config (model size);
+    ``restarted_at`` (time.time()). `restart_after_survivors_commit`: the victim is started
+    again only once a survivor has committed a step without it (an operator's restart takes
+    its time; a restart at once can be back before the survivors' retry, which then runs with
+    every replica and never without it: a race the tests must not depend on). `extra`: more of replica.run's config (model size);
     `timeout_s`: the managers' and their process groups' timeout."""
     from torchft.coordination import LighthouseServer
 
@@ -68,6 +71,9 @@ def run_replicas(tmp_path: Path, *, replicas: int, steps: int, impl: str = "fast
                 p.join(timeout=0.1)
                 if p.exitcode == replica_module.KILLED_EXIT_CODE and r == victim \
                         and restarted_at is None:
+                    if restart_after_survivors_commit and not _survivor_committed(
+                            tmp_path, replicas, victim):
+                        continue
                     restarted_at = time.time()
                     start(r, None)
                 elif p.exitcode not in (None, 0):
@@ -86,6 +92,19 @@ def run_replicas(tmp_path: Path, *, replicas: int, steps: int, impl: str = "fast
         results[victim]["restarted_at"] = restarted_at
         results[victim]["killed_at"] = float((tmp_path / f"replica{victim}.pt.killed").read_text())
     return results
+
+
+def _survivor_committed(tmp_path: Path, replicas: int, victim: int) -> bool:
+    """A replica other than the victim has committed a step with one replica fewer."""
+    for r in range(replicas):
+        progress = tmp_path / f"replica{r}.pt.progress"
+        if r == victim or not progress.exists():
+            continue
+        for line in progress.read_text().splitlines():
+            fields = line.split()
+            if len(fields) == 3 and fields[1] == str(replicas - 1) and fields[2] == "1":
+                return True
+    return False
 
 
 def assert_same_training_state(results: dict[int, dict[str, Any]]) -> None:
