@@ -117,13 +117,15 @@ void bind_hooks(py::module& m) {
   m.def(
       "create_hierarchical_comm_hook",
       [](c10::intrusive_ptr<c10d::ProcessGroup> intra, c10::intrusive_ptr<c10d::ProcessGroup> inter,
-         std::shared_ptr<CommHook> inner) -> std::shared_ptr<CommHook> {
+         std::shared_ptr<CommHook> inner, bool factor_counts_nodes) -> std::shared_ptr<CommHook> {
         return std::make_shared<HierarchicalHook>(std::move(intra), std::move(inter),
-                                                  std::move(inner));
+                                                  std::move(inner), factor_counts_nodes);
       },
       py::arg("intra_group"), py::arg("inter_group"), py::arg("inner"),
+      py::arg("factor_counts_nodes") = false,
       "Hierarchical reduction (Note [hierarchical reduction]): reduce_scatter over intra_group, "
-      "`inner` (a hook built on inter_group) on this rank's shard, allgather over intra_group.");
+      "`inner` (a hook built on inter_group) on this rank's shard, allgather over intra_group. "
+      "factor_counts_nodes: the model's reducer runs on inter_group (torchft).");
   m.def(
       "hierarchical_wire_bytes",
       [](const CommHook& hook, int64_t numel, const std::string& dtype) {

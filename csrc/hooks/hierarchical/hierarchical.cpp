@@ -33,12 +33,24 @@ void complete_with(const c10::intrusive_ptr<c10::ivalue::Future>& collective,
   });
 }
 
+// Fails `result` with `error` once `collective` is done: the bucket's buffers
+// are free again when the reducer sees the failure.
+void fail_after(const c10::intrusive_ptr<c10::ivalue::Future>& collective,
+                const c10::intrusive_ptr<c10::ivalue::Future>& result, std::exception_ptr error) {
+  collective->addCallback([result, error = std::move(error)](c10::ivalue::Future&) {
+    result->setErrorIfNeeded(error);
+  });
+}
+
 }  // namespace
 
 HierarchicalHook::HierarchicalHook(c10::intrusive_ptr<c10d::ProcessGroup> intra,
                                    c10::intrusive_ptr<c10d::ProcessGroup> inter,
-                                   std::shared_ptr<CommHook> inner)
-    : intra_(std::move(intra)), inter_(std::move(inter)), inner_(std::move(inner)) {
+                                   std::shared_ptr<CommHook> inner, bool factor_counts_nodes)
+    : intra_(std::move(intra)),
+      inter_(std::move(inter)),
+      inner_(std::move(inner)),
+      factor_counts_nodes_(factor_counts_nodes) {
   FASTDDP_CHECK(intra_ && inter_, "fastddp: the hierarchical comm hook needs an intra-node and an "
                                 "inter-node process group");
   FASTDDP_CHECK(inner_, "fastddp: the hierarchical comm hook needs an inner (inter-node) hook");
@@ -54,7 +66,8 @@ std::string HierarchicalHook::name() const { return "hierarchical(" + inner_->na
 void HierarchicalHook::set_divide_factor(int64_t factor) {
   FASTDDP_CHECK(factor > 0, "fastddp: the divide factor must be positive, got ", factor);
   // The inner hook divides by the node count itself.
-  scale_ = static_cast<double>(node_count_) / static_cast<double>(factor);
+  const double ranks = static_cast<double>(factor) * (factor_counts_nodes_ ? local_size_ : 1);
+  scale_ = static_cast<double>(node_count_) / ranks;
 }
 
 void HierarchicalHook::on_new_buckets(const std::vector<Bucket>& buckets) {
@@ -197,9 +210,10 @@ void HierarchicalHook::start_inner(Stage& stage, bool is_last) {
     inner_->copy_in(s.shard_bucket, 0, s.shard);
     stage.inner_future = inner_->run(s.shard_bucket, stage.index, is_last);
   } catch (...) {
-    // The reducer reports it from backward(), naming the bucket and hook.
-    stage.result->setErrorIfNeeded(std::current_exception());
-    return;
+    // The reducer reports it from backward(), naming the bucket and hook,
+    // after the allgather every rank of the node issues (the Note).
+    stage.inner_future = make_result(s.shard);
+    stage.inner_future->setError(std::current_exception());
   }
   inner_running_.push_back(std::move(stage));
 }
@@ -207,6 +221,7 @@ void HierarchicalHook::start_inner(Stage& stage, bool is_last) {
 void HierarchicalHook::start_allgather(Stage& stage) {
   BucketState& s = *stage.state;
   const SideStreamScope side(s.shard.device());
+  std::exception_ptr failed;  // the inner reduction's: the allgather is issued all the same
   try {
     // A host wait on the CPU; on CUDA the side stream waits for the inner's work.
     stage.inner_future->wait();
@@ -219,13 +234,22 @@ void HierarchicalHook::start_allgather(Stage& stage) {
     } catch (const std::exception& e) {
       throw collective_failure("the inter-node hook " + inner_->name() + "'s write-back", e);
     }
+  } catch (...) {
+    failed = std::current_exception();
+    s.shard.zero_();  // what the node's peers gather from this rank: finite, unused
+  }
+  try {
     record_current_stream({s.shard, stage.padded});
     c10::intrusive_ptr<c10d::Work> work = all_gather_into(*intra_, stage.padded, s.shard);
+    if (failed) {
+      fail_after(work->getFuture(), stage.result, failed);
+      return;
+    }
     const at::Tensor out = stage.padded.narrow(0, 0, stage.numel);
     complete_with(work->getFuture(), stage.result,
                   "allgather of the reduced shards inside the node", out);
   } catch (...) {
-    stage.result->setErrorIfNeeded(std::current_exception());
+    stage.result->setErrorIfNeeded(failed ? failed : std::current_exception());
   }
 }
 

@@ -36,6 +36,20 @@
 // bucket's future completes when its allgather has. On CUDA the waits are
 // stream waits on the side stream (Note [hook streams]); on the CPU they
 // block, one or two buckets after issue.
+//
+// A failed inner reduction (a node died) still gets its allgather, of a
+// zeroed shard, and the bucket fails once that is done: the node's ranks see
+// the failure at different buckets (each has its own peers on `inter`), and
+// a rank that skipped an allgather would pair its next intra collective with
+// a peer's allgather. So the intra collectives stay the same sequence on
+// every rank of a node whatever fails between nodes, which a fault-tolerant
+// step needs (Note [fault-tolerant step]: the replica group's ranks fail the
+// step and go on) and which an ordinary failed step leaves clean too.
+//
+// Under torchft the node is the replica group and `inter` the quorum's group
+// of this local index (fastddp/integrations/_torchft_hierarchical.py): the
+// reducer runs on `inter` then, and its divide factors count nodes, not ranks
+// (factor_counts_nodes).
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -60,8 +74,11 @@ namespace fastddp {
 class HierarchicalHook : public CommHook {
  public:
   // `inner` reduces each shard over `inter` (it must have been built on it).
+  // factor_counts_nodes: the reducer's group is `inter` (torchft), so the
+  // divide factor it sets is a count of nodes, each of local_size ranks.
   HierarchicalHook(c10::intrusive_ptr<c10d::ProcessGroup> intra,
-                   c10::intrusive_ptr<c10d::ProcessGroup> inter, std::shared_ptr<CommHook> inner);
+                   c10::intrusive_ptr<c10d::ProcessGroup> inter, std::shared_ptr<CommHook> inner,
+                   bool factor_counts_nodes = false);
 
   std::string name() const override;
   void on_new_buckets(const std::vector<Bucket>& buckets) override;
@@ -113,7 +130,8 @@ class HierarchicalHook : public CommHook {
   void drain_stages(bool is_last);
   // reduce_scatter done -> the inner hook's copy_in and run (is_last: its last bucket).
   void start_inner(Stage& stage, bool is_last);
-  // The inner future done -> its write_back into the shard, the allgather.
+  // The inner future done -> its write_back into the shard, the allgather
+  // (also after a failure: see the Note's last paragraphs).
   void start_allgather(Stage& stage);
 
   c10::intrusive_ptr<c10d::ProcessGroup> intra_;
@@ -121,6 +139,7 @@ class HierarchicalHook : public CommHook {
   std::shared_ptr<CommHook> inner_;
   int local_size_;
   int node_count_;
+  bool factor_counts_nodes_;
   double scale_;
   std::unordered_map<uint64_t, std::shared_ptr<BucketState>> states_;
   // Touched by run() only (the autograd thread): no lock.

@@ -30,7 +30,8 @@ Checked with torchft 0.2.0 (docs/frameworks.md). torchft is imported only by thi
 Not supported under torchft, each raising NotImplementedError: static_graph,
 mixed_precision, delay_all_reduce_named_params, gradient_as_bucket_view, join(),
 broadcast_buffers=True (torchft's DDP does not broadcast buffers either; its group is a
-dummy there), and the auto and hierarchical hooks.
+dummy there), and the auto hook. The hierarchical hook takes the replica group of
+several ranks as its node (_torchft_hierarchical.py).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ from torch import nn
 from fastddp.ddp import DistributedDataParallel as _FastDDP
 from fastddp.ddp import _hook_install
 from fastddp.hooks import AutoHook
-from fastddp.integrations import _torchft_group, _torchft_state
+from fastddp.hooks._comm_hook import HierarchicalHook
+from fastddp.integrations import _torchft_group, _torchft_hierarchical, _torchft_state
 from fastddp.launch.hook_spec import fastddp_hook, parse_hook_spec
 
 logger = logging.getLogger("fastddp.torchft")
@@ -105,10 +107,9 @@ class DistributedDataParallel(_FastDDP):
         if isinstance(hook, AutoHook):
             raise NotImplementedError("fastddp under torchft: the auto hook is not supported "
                                       "(its trials time steps that a quorum change would split)")
-        if getattr(hook, "name", None) == "hierarchical":
-            raise NotImplementedError("fastddp under torchft: the hierarchical hook is not "
-                                      "supported (its node groups would be re-made for every "
-                                      "quorum)")
+        if isinstance(hook, HierarchicalHook) and not isinstance(
+                hook, _torchft_hierarchical.ReplicaGroupHierarchical):
+            hook = _torchft_hierarchical.for_replica_group(hook, self._manager)
         super().register_comm_hook(state, hook)
         self._hook_args = (state, hook)
 

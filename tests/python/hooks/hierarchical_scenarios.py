@@ -190,3 +190,65 @@ def bad_configurations() -> dict[str, str | None]:
     errors["mesh does not tile"] = _error(
         lambda: register(hooks.hierarchical(mesh=mesh), group=half))
     return errors
+
+
+class FailOnceGroup(dist.ProcessGroup):
+    """The inter-node group behind a Python ProcessGroup whose `fail_at`-th allreduce runs
+    (the peer gets its sum) and then, where `failing`, raises: one
+    rank of a node sees one bucket's inter-node reduction fail, its node's other rank not."""
+
+    def __init__(self, inner: dist.ProcessGroup, fail_at: int, failing: bool) -> None:
+        super().__init__(inner.rank(), inner.size())
+        self.inner, self.fail_at, self.failing, self.calls = inner, fail_at, failing, 0
+
+    def allreduce(self, tensor_list, opts=None):
+        self.calls += 1
+        work = self.inner.allreduce(tensor_list)
+        if not self.failing or self.calls != self.fail_at:
+            return work
+        work.wait()
+        raise RuntimeError("injected inter-node failure")  # as gloo raises for a dead peer
+
+    def getBackendName(self) -> str:
+        return "python-fail-once"
+
+
+def inner_fails_on_one_rank(steps: int = 4) -> list[str | None]:
+    """Rank 0's inter-node reduction of its second bucket fails in step 1, no other rank's
+    does (Note [hierarchical reduction], its failure paragraph): rank 0's backward raises,
+    the others' do not, and the other steps are the exact mean on every rank. Rank 0 still
+    issues that bucket's allgather inside its node: had it skipped it, its node peer's
+    allgather would pair with rank 0's next intra collective (a mismatch or a hang, and no
+    correct later step). Step 0 succeeds everywhere, so that every rank rebuilds its buckets
+    after it alike. Returns each step's error on this rank (None: it raised nothing)."""
+    intra, inter = fastddp.hooks.hierarchical_groups(LOCAL)
+    torch.manual_seed(0)
+    model = fastddp.DistributedDataParallel(odd_mlp(), bucket_cap_mb=0.001)
+    failing = FailOnceGroup(inter, fail_at=0, failing=dist.get_rank() == 0)
+    model.register_comm_hook(None, fastddp.hooks.hierarchical(
+        inter=fastddp.hooks.allreduce(), groups=(intra, failing)))
+    assert len(model._initial_bucket_sizes) > 2  # the failing bucket is not the last
+    errors: list[str | None] = []
+    for step in range(steps):
+        if step == 1:
+            failing.fail_at = failing.calls + 2  # this step's second bucket
+        inputs, target = vector_batch(step)
+        model.zero_grad()
+        try:
+            F.mse_loss(model(inputs), target).backward()
+        except RuntimeError as e:
+            errors.append(str(e))
+            continue
+        errors.append(None)
+        if step == 1:
+            continue  # rank 0's node peer holds zeros in rank 0's shard of that bucket
+        got = torch.cat([p.grad.flatten() for p in model.parameters()])
+        local = copy.deepcopy(model.module)
+        local.zero_grad()
+        F.mse_loss(local(inputs), target).backward()
+        mean = torch.cat([p.grad.flatten() for p in local.parameters()])
+        dist.all_reduce(mean)
+        mean /= dist.get_world_size()
+        # As in hier_training's "none": a few ulps of the largest |gradient|.
+        agree(lambda: assert_close_ulps(got, mean, ULPS, msg=lambda m: f"step {step}: {m}"))
+    return errors

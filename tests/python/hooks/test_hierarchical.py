@@ -47,6 +47,14 @@ def test_failed_step_is_dropped(world4, spec):
     world4.check(hooks_scenarios.abandoned_step, spec=spec)
 
 
+def test_an_inner_failure_on_one_rank_keeps_the_node_in_step(world4):
+    errors = world4.check(hierarchical_scenarios.inner_fails_on_one_rank)
+    assert "injected inter-node failure" in (errors[0][1] or ""), errors[0]
+    assert errors[0][:1] + errors[0][2:] == [None, None, None], errors[0]
+    for rank in (1, 2, 3):
+        assert errors[rank] == [None] * 4, (rank, errors[rank])
+
+
 def test_wrong_configurations_raise(world4):
     per_rank = world4.check(hierarchical_scenarios.bad_configurations)
     # The same error on every rank (the tiling message names each rank's own group).

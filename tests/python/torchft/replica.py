@@ -76,7 +76,10 @@ def _bf16_torchft_ddp() -> type:
 
 def run(config: dict[str, Any]) -> None:
     """The replica's whole life; config: replica, lighthouse, steps, impl, hook,
-    min_replicas, kill_at (or None), timeout_s, out; optional kill_in, full, hidden, rows,
+    min_replicas, kill_at (or None), timeout_s, out; optional group_rank and group_world
+    (this process is rank group_rank of a replica group of group_world ranks, with its own
+    gloo group inside the group: the hierarchical hook's node) and store_port (the group's
+    TCPStore, made by the harness), init_sync (the Manager's), kill_in, full, hidden, rows,
     bucket_cap_mb, stall_at, stall_s and stall_replica (once, that replica's backward of that
     step sleeps stall_s), nan_at (replica 0's batch has a NaN at that step), ddp_kwargs. An
     error raised by backward ends the run, logged as (step, None, False, its repr)."""
@@ -84,10 +87,17 @@ def run(config: dict[str, Any]) -> None:
     from torchft.optim import OptimizerWrapper
 
     replica = config["replica"]
+    group_rank, group_world = config.get("group_rank", 0), config.get("group_world", 1)
     model = make_model(config.get("hidden", HIDDEN))
     inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     timeout = timedelta(seconds=config["timeout_s"])
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    if config.get("store_port"):
+        store = dist.TCPStore("localhost", config["store_port"], is_master=False)
+    else:
+        store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    if group_world > 1:  # the replica group's own group (torchft leaves it alone)
+        dist.init_process_group("gloo", store=dist.PrefixStore("replica_group", store),
+                                rank=group_rank, world_size=group_world, timeout=timeout)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout),
         min_replica_size=config["min_replicas"],
@@ -95,8 +105,10 @@ def run(config: dict[str, Any]) -> None:
                                    inner.load_state_dict(s["optim"])),
         state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
         replica_id=f"replica_{replica}", store_addr="localhost", store_port=store.port,
-        rank=0, world_size=1, lighthouse_addr=config["lighthouse"], port=0,
-        timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
+        rank=group_rank, world_size=group_world, lighthouse_addr=config["lighthouse"], port=0,
+        timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+        # False: no replica heals at step 0 (with it, all but one send zeros in that step).
+        init_sync=config.get("init_sync", True))
     # Small buckets by default: several collectives per step, so that a death lands
     # between two of them.
     if config.get("start_together"):
@@ -121,7 +133,7 @@ def run(config: dict[str, Any]) -> None:
                 full is not None and log and log[-1][1:3] != (full, True)):
             step = manager.current_step()
             optimizer.zero_grad()
-            x, y = batch(replica, step, config.get("rows", 16))
+            x, y = batch(replica * group_world + group_rank, step, config.get("rows", 16))
             if (step, replica) == (config.get("nan_at"), 0):
                 x[0, 0] = float("nan")
             dies = step == config.get("kill_at")
@@ -150,6 +162,8 @@ def run(config: dict[str, Any]) -> None:
                    config["out"])
     finally:
         manager.shutdown(wait=False)
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _note_progress(config: dict[str, Any], entry: tuple) -> None:

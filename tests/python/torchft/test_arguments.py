@@ -74,3 +74,35 @@ def test_one_model_per_manager_and_join_raises():
     # Nothing reduced yet: its forward outside a synchronized step is the module's.
     with torch.no_grad():
         assert ddp(torch.ones(3, 4)).shape == (3, 2)
+
+
+def _replica_manager(group_rank=0, group_world=2):
+    manager = _manager()
+    manager._group_rank, manager._group_world_size = group_rank, group_world
+    return manager
+
+
+@pytest.mark.parametrize(("hook", "error", "match"), [
+    (lambda: fastddp.hooks.hierarchical(local_size=2), NotImplementedError, "replica group"),
+    (lambda: fastddp.hooks.hierarchical(fastddp.hooks.powersgd(2)), NotImplementedError,
+     "powersgd"),
+    (lambda: fastddp.hooks.hierarchical(groups=(_one_rank_group(), _one_rank_group())),
+     ValueError, "quorum group"),
+    (lambda: fastddp.hooks.hierarchical(groups=(_one_rank_group(), None)), ValueError,
+     "manager was made for rank 0 of 2"),
+])
+def test_the_hierarchical_hook_takes_the_replica_group(hook, error, match):
+    # Under torchft the node is the replica group (its ranks' own group), inter the quorum's.
+    with pytest.raises(error, match=match):
+        DistributedDataParallel(_replica_manager(), _model(), hook=hook())
+
+
+def test_the_hierarchical_hook_needs_a_replica_group_of_two():
+    with pytest.raises(ValueError, match="one rank"):
+        DistributedDataParallel(_replica_manager(0, 1), _model(),
+                                hook=fastddp.hooks.hierarchical(groups=(_one_rank_group(), None)))
+
+
+def _one_rank_group():
+    from fastddp.integrations._torchft_group import placeholder_group
+    return placeholder_group()
