@@ -44,13 +44,18 @@ class Anchor:
 
     def load(self, flats: Sequence[torch.Tensor]) -> None:
         """Copies saved anchors in, after checking they fit."""
+        self.check_fits(flats, "anchor")
+        with torch.no_grad():
+            torch._foreach_copy_(self.flats, list(flats))
+
+    def check_fits(self, flats: Sequence[torch.Tensor], key: str) -> None:
+        """Saved flat buffers (the anchors, or an exchange's averages) fit these groups: as
+        many, each of the same shape and dtype (the device is the copy's business)."""
         if len(flats) != len(self.flats):
-            raise ValueError(f"fastddp.DiLoCo.load_state_dict: 'anchor' has {len(flats)} "
+            raise ValueError(f"fastddp.DiLoCo.load_state_dict: {key!r} has {len(flats)} "
                              f"buffers, this model's parameters make {len(self.flats)}")
         for i, (mine, saved) in enumerate(zip(self.flats, flats)):
             if saved.shape != mine.shape or saved.dtype != mine.dtype:
                 raise ValueError(
-                    f"fastddp.DiLoCo.load_state_dict: anchor buffer {i} is {saved.dtype} "
+                    f"fastddp.DiLoCo.load_state_dict: {key} buffer {i} is {saved.dtype} "
                     f"{tuple(saved.shape)}, this model's is {mine.dtype} {tuple(mine.shape)}")
-        with torch.no_grad():
-            torch._foreach_copy_(self.flats, list(flats))

@@ -4,6 +4,7 @@ NotImplementedError."""
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import asdict, dataclass
 
@@ -50,8 +51,9 @@ def _real(name: str, value: object, low: float, high: float | None) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"fastddp.DiLoCo: {name} must be a number, got {type(value).__name__}")
     value = float(value)
-    # `not (a <= v)` also refuses NaN.
-    if not (low <= value) or (high is not None and not (value <= high)):
+    if not math.isfinite(value):  # an infinite outer_lr makes every anchor inf at a sync
+        raise ValueError(f"fastddp.DiLoCo: {name} must be a finite number, got {value}")
+    if value < low or (high is not None and value > high):
         bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise ValueError(f"fastddp.DiLoCo: {name} must be {bound}, got {value}")
     return value
@@ -68,6 +70,16 @@ def check_config(model: object, inner_optimizer: object, sync_every: object, out
     if not isinstance(inner_optimizer, torch.optim.Optimizer):
         raise TypeError(f"fastddp.DiLoCo: inner_optimizer must be a torch.optim.Optimizer, "
                         f"got {type(inner_optimizer).__name__}")
+    return check_settings(sync_every, outer_lr, outer_momentum, fragments, wire, overlap,
+                          merge_alpha, quantized_sum, error_feedback, broadcast_buffers)
+
+
+def check_settings(sync_every: object, outer_lr: object, outer_momentum: object,
+                   fragments: object, wire: object, overlap: object, merge_alpha: object,
+                   quantized_sum: object, error_feedback: object,
+                   broadcast_buffers: object) -> DiLoCoConfig:
+    """check_config without the model and optimizer (the launcher's --sync, before the
+    script runs)."""
     config = DiLoCoConfig(
         sync_every=_integer("sync_every", sync_every, 1),
         outer_lr=_real("outer_lr", outer_lr, 0.0, None),

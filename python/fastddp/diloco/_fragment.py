@@ -88,5 +88,9 @@ class Fragment:
         self.wire.load_state_dict(state["residuals"])
         self.outer.load_state_dict(copy.deepcopy(state["outer_optimizer"]))
         pending = state["pending"]
+        if pending is not None:
+            self.anchor.check_fits(pending, "pending")
         self._exchanges = []
-        self._landed = None if pending is None else [p.clone() for p in pending]
+        # On the anchors' devices (a checkpoint loaded with map_location="cpu").
+        self._landed = None if pending is None else [
+            p.to(flat.device, copy=True) for p, flat in zip(pending, self.anchor.flats)]

@@ -78,7 +78,9 @@ class DiLoCo:
         if not params:
             raise ValueError("fastddp.DiLoCo: model has no parameter that requires grad")
         _check_inner_params(model, inner_optimizer)
-        shares = split_parameters(params, fragments)
+        # The checked count (a numpy integer is an int there), or the given modules.
+        shares = split_parameters(params, fragments if isinstance(fragments, (list, tuple))
+                                  else self.config.fragments)
         self._buffers = list(model.buffers())
         with torch.no_grad():
             broadcast_tensors(self.group, [t.detach() for t in model.parameters()]
@@ -139,7 +141,9 @@ class DiLoCo:
         """The step counter (restored by load_state_dict), and since this DiLoCo was built the
         fragment syncs applied and the bytes this rank put into the averaging collectives
         (their input buffers: fp32 4 bytes a value, bf16 2, int8 1 plus a float32 scale per
-        256, padded to whole blocks)."""
+        256 with the values padded to whole blocks, int4 half a byte plus a float32 scale per
+        64 with the codes padded to 4 bytes; with quantized_sum="shards" the alltoall's and
+        the allgather's)."""
         return {"inner_steps": self._step, "syncs": sum(f.syncs for f in self.fragments),
                 "payload_bytes": sum(f.wire.payload_bytes for f in self.fragments)}
 

@@ -12,6 +12,7 @@ Optimizers over anything else are left alone.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
 from typing import Any
 
@@ -20,7 +21,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fastddp.ddp._module_sync import broadcast_tensors
-from fastddp.diloco._args import WIRES
+from fastddp.diloco._args import DiLoCoConfig, check_settings
 from fastddp.diloco.diloco import DiLoCo
 from fastddp.launch.patch import _set_ddp_names, imported_bindings
 
@@ -50,8 +51,15 @@ def parse_sync_spec(text: str) -> dict[str, Any]:
             raise ValueError(f"--sync {text!r}: {key}={value!r} is not a valid {kind.__name__}")
     if "sync_every" not in kwargs:
         raise ValueError(f"--sync {text!r}: H=STEPS (inner steps between syncs) is required")
-    if kwargs.get("wire", "fp32") not in WIRES:
-        raise ValueError(f"--sync {text!r}: wire must be one of {WIRES}")
+    # Every setting checked now, with DiLoCo's defaults for the others, rather than at the
+    # script's first optimizer step.
+    defaults = {name: p.default for name, p in inspect.signature(DiLoCo).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    settings = {**defaults, **kwargs}
+    try:
+        check_settings(**{name: settings[name] for name in DiLoCoConfig.__dataclass_fields__})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--sync {text!r}: {e}") from None
     return kwargs
 
 
@@ -63,8 +71,9 @@ class SyncPatch:
         self.models: list[weakref.ref] = []
         self.dilocos: dict[int, DiLoCo] = {}
         # Optimizers found over no wrapped model, with how many models there were then: they
-        # are looked at again only once another model is wrapped.
-        self._unmatched: dict[int, int] = {}
+        # are looked at again only once another model is wrapped. Weak: a new optimizer
+        # could reuse a freed one's id.
+        self._unmatched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._original = nn.parallel.distributed.DistributedDataParallel
         self.cls = _local_replica_class(self)
         self._rebound = imported_bindings(self._original)
@@ -81,18 +90,26 @@ class SyncPatch:
                 "each wrapped model")
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if id(optimizer) in self.dilocos or self._unmatched.get(id(optimizer)) == len(
+        if id(optimizer) in self.dilocos or self._unmatched.get(optimizer) == len(
                 self.models):
             return
         params = {id(p) for g in optimizer.param_groups for p in g["params"]}
         for ref in self.models:
             model = ref()
             if model is not None and params <= {id(p) for p in model.module.parameters()}:
+                if any(d.model is model.module for d in self.dilocos.values()):
+                    # A DiLoCo anchors and steps all of its model's parameters: a second
+                    # one would undo the first's local steps and apply the outer steps twice.
+                    raise NotImplementedError(
+                        "fastddp --sync diloco: a second optimizer steps parameters of a model "
+                        "that already syncs through another one; --sync diloco takes one "
+                        "optimizer per model (fastddp.DiLoCo(model, optimizer) on one of them "
+                        "covers all of the model's parameters)")
                 self.dilocos[id(optimizer)] = DiLoCo(model.module, optimizer,
                                                      process_group=model.process_group,
                                                      **self.diloco_kwargs)
                 return
-        self._unmatched[id(optimizer)] = len(self.models)
+        self._unmatched[optimizer] = len(self.models)
 
     def unpatch(self) -> None:
         self._hook.remove()

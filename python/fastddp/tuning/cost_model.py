@@ -358,6 +358,17 @@ def diloco(numel: int, compute_ms: float, link: Link, world: int, sync_every: in
                          f"multiple of fragments={fragments!r}")
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"cost model: world must be a positive int, got {world!r}")
+    # As fastddp.DiLoCo checks them (diloco/_args.py): what it refuses has no cost here.
+    if quantized_sum not in ("gather", "shards"):
+        raise ValueError(f"cost model: DiLoCo quantized_sum must be 'gather' or 'shards', got "
+                         f"{quantized_sum!r}")
+    if quantized_sum == "shards" and wire not in ("int8", "int4"):
+        raise ValueError(f"cost model: DiLoCo quantized_sum='shards' needs an int8 or int4 "
+                         f"wire, got {wire!r}")
+    period = sync_every // fragments
+    if isinstance(overlap, bool) or not isinstance(overlap, int) or not 0 <= overlap < period:
+        raise ValueError(f"cost model: DiLoCo overlap={overlap!r} must be an int in [0, "
+                         f"sync_every / fragments = {period})")
     values = numel / fragments
     b = DILOCO_WIRE_BYTES[wire]
     if wire == "fp32":
@@ -366,8 +377,16 @@ def diloco(numel: int, compute_ms: float, link: Link, world: int, sync_every: in
         chain = [("alltoall", b * values), ("allgather", b * values)]
     else:
         chain = [("allgather", world * b * values)]
-    sync_ms = sum(link.ms(kind, nbytes, world) for kind, nbytes in chain)
-    exposed = max(0.0, sync_ms - overlap * compute_ms)
+    times = [link.ms(kind, nbytes, world) for kind, nbytes in chain]
+    sync_ms = sum(times)
+    if len(times) == 2:
+        # The shards' two collectives split the window as DiLoCo runs them
+        # (diloco.py's _after_inner_step): the alltoall has overlap - overlap // 2 inner
+        # steps, then the allgather (launched once the alltoall is waited for) overlap // 2.
+        exposed = (max(0.0, times[0] - (overlap - overlap // 2) * compute_ms)
+                   + max(0.0, times[1] - (overlap // 2) * compute_ms))
+    else:
+        exposed = max(0.0, sync_ms - overlap * compute_ms)
     syncs_per_step = fragments / sync_every
     bus = sum(bus_factor(kind, world) * nbytes for kind, nbytes in chain)
     return DiLoCoPrediction(compute_ms + exposed * syncs_per_step, sync_ms, exposed,

@@ -20,6 +20,8 @@ parser.add_argument("--wire", default="fp32")
 parser.add_argument("--fragments", type=int, default=1)
 parser.add_argument("--overlap", type=int, default=0)
 parser.add_argument("--merge-alpha", type=float, default=0.0)
+parser.add_argument("--two-optimizers", action="store_true",
+                    help="one optimizer per layer of the wrapped model (--sync refuses it)")
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -37,12 +39,18 @@ if args.direct:
 else:
     net = DDP(model)
     optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)
+optimizers = [optimizer]
+if args.two_optimizers:
+    optimizers = [torch.optim.AdamW(model[0].parameters(), lr=0.01),
+                  torch.optim.AdamW(model[2].parameters(), lr=0.01)]
 for step in range(args.steps):
     g = torch.Generator().manual_seed(1000 * step + rank)
     inputs, target = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
-    optimizer.zero_grad()
+    for opt in optimizers:
+        opt.zero_grad()
     F.mse_loss(net(inputs), target).backward()
-    optimizer.step()
+    for opt in optimizers:
+        opt.step()
 flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
 dist.all_gather(gathered, flat)
@@ -51,7 +59,7 @@ if rank == 0:
         json.dump({"params": flat.tolist(), "class": f"{type(net).__module__}",
                    "ranks_agree": all(torch.equal(t, flat) for t in gathered)}, f)
 # As docs/README.md says a script should end: no gloo group left alive at exit.
-del net, model, optimizer
+del net, model, optimizer, optimizers
 gc.collect()
 dist.barrier()
 dist.destroy_process_group()

@@ -75,6 +75,7 @@ def test_buffers_follow_rank0(world):
     ({"sync_every": 0}, ValueError, "sync_every must be >= 1"),
     ({"sync_every": 2.0}, TypeError, "sync_every must be an int"),
     ({"outer_lr": -1.0}, ValueError, "outer_lr must be >= 0.0"),
+    ({"outer_lr": float("inf")}, ValueError, "outer_lr must be a finite number"),
     ({"outer_momentum": 1.0}, ValueError, "outer_momentum must be < 1"),
     ({"model": "mlp"}, TypeError, "model must be a torch.nn.Module"),
     ({"inner_optimizer": None}, TypeError, "inner_optimizer must be a torch.optim.Optimizer"),
@@ -89,6 +90,7 @@ def test_bad_argument(world, kwargs, error, match):
     ("config", ValueError, "saved with wire='fp32'"),
     ("missing", KeyError, "lacks ['fragments']"),
     ("shape", ValueError, "anchor buffer 0"),
+    ("pending", ValueError, "pending buffer 0"),
 ])
 def test_load_mismatch(world, what, error, match):
     world.expect_error(diloco_scenarios.load_mismatch, error, match=match, what=what)

@@ -51,8 +51,20 @@ def test_sync_streaming_equals_the_api(tmp_path):
     (["--sync", "diloco:H=2,lr=1"], "'lr=1' is not KEY=VALUE"),
     (["--sync", "diloco:H=two"], "H='two' is not a valid int"),
     (["--sync", "diloco:H=2", "--hook", "bf16"], "--sync excludes --hook"),
+    # Every DiLoCo setting is checked before the script runs, not at its first step.
+    (["--sync", "diloco:H=4,fragments=2,overlap=2"],
+     "overlap=2 must be < sync_every / fragments = 2"),
+    (["--sync", "diloco:H=4,outer_lr=inf"], "outer_lr must be a finite number"),
 ])
 def test_bad_sync(tmp_path, args, message):
     _, code, output, _ = run_launcher(SCRIPT, tmp_path / "bad.json", args, [], nproc=None,
                                       timeout_s=TIMEOUT_S)
     assert code == 2 and message in output, output
+
+
+def test_two_optimizers_over_one_model_are_refused(tmp_path):
+    # Each would get a DiLoCo over the whole model: the second would undo the first's local
+    # steps and apply the outer step twice.
+    _, code, output, _ = run_launcher(SCRIPT, tmp_path / "two.json", ["--sync", "diloco:H=2"],
+                                      ["--two-optimizers"], timeout_s=TIMEOUT_S)
+    assert code != 0 and "--sync diloco takes one optimizer per model" in output, output

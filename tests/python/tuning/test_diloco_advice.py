@@ -85,8 +85,25 @@ def test_cost_model_diloco_by_hand() -> None:
     # overlap 0: the 1.5 ms is exposed once per 25 steps.
     p = cm.diloco(1_000_000, 10.0, link, 4, 100, fragments=4)
     assert math.isclose(p.step_ms, 10.0 + 1.5 / 25)
+    # int8 shards, overlap 3: the alltoall has 2 inner steps to hide behind, the allgather
+    # (launched once the alltoall is waited for) 1, as DiLoCo runs them: each 15.234375 ms,
+    # 20e6 values at 1.015625 bytes, 3/4 bus: 0 + 5.234375 ms exposed (not the whole window's
+    # max(0, 30.47 - 30)).
+    p = cm.diloco(20_000_000, 10.0, link, 4, 10, wire="int8", quantized_sum="shards",
+                  overlap=3)
+    assert math.isclose(p.sync_ms, 2 * 15.234375)
+    assert math.isclose(p.exposed_ms, 15.234375 - 10.0)
     with pytest.raises(ValueError, match="wire"):
         cm.diloco(10, 1.0, link, 4, 10, wire="fp16")
+    # What fastddp.DiLoCo refuses has no cost either.
+    with pytest.raises(ValueError, match="quantized_sum must be"):
+        cm.diloco(10, 1.0, link, 4, 10, wire="int8", quantized_sum="shard")
+    with pytest.raises(ValueError, match="needs an int8 or int4 wire"):
+        cm.diloco(10, 1.0, link, 4, 10, wire="bf16", quantized_sum="shards")
+    with pytest.raises(ValueError, match="overlap=10"):
+        cm.diloco(10, 1.0, link, 4, 10, overlap=10)
+    with pytest.raises(ValueError, match="overlap=-1"):
+        cm.diloco(10, 1.0, link, 4, 10, overlap=-1)
     with pytest.raises(ValueError, match="multiple of fragments"):
         cm.diloco(10, 1.0, link, 4, 10, fragments=3)
 
