@@ -53,9 +53,11 @@ def quorum_group(manager: Any) -> dist.ProcessGroup:
 
 
 # The Manager internals fastddp reads, as of torchft 0.2.0: its process group wrapper, its
-# state-dict functions (one key per model), and its healing step (fastddp heals before the
-# forward, as torchft's synchronous quorum does).
-_MANAGER_INTERNALS = ("_pg", "_load_state_dict_fns", "_healing", "_apply_pending_state_dict")
+# state-dict functions (one key per model), its healing step (fastddp heals before the
+# forward, as torchft's synchronous quorum does; _recovery_event too, where there is one),
+# and its rank in the replica group (the hierarchical hook's node).
+_MANAGER_INTERNALS = ("_pg", "_load_state_dict_fns", "_healing", "_apply_pending_state_dict",
+                      "_group_rank", "_group_world_size")
 
 
 def check_manager(manager: Any) -> None:

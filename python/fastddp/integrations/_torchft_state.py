@@ -27,6 +27,8 @@ import torch
 from fastddp.ddp import _hook_state
 
 KEY = "fastddp_comm_hook"
+# The error-feedback entries of a PowerSGD state (fastddp/ddp/_hook_state.py): this replica's.
+_ERROR_FEEDBACK = ("error", "bucket_error_tail")
 
 
 def export(ddp: Any) -> dict[str, Any]:
@@ -51,5 +53,7 @@ def load(ddp: Any, state: dict[str, Any]) -> None:
     if "residual_only" in state:
         return  # stateless, or only this replica's own residual (see the module's text)
     state = dict(state)
-    state["error"] = {k: torch.zeros_like(v) for k, v in state["error"].items()}
+    for key in _ERROR_FEEDBACK:  # PowerSGD's error, batched PowerSGD's padding error
+        if key in state:
+            state[key] = {k: torch.zeros_like(v) for k, v in state[key].items()}
     ddp.load_comm_hook_state_dict(state)

@@ -60,6 +60,11 @@ class FastDDPKwargs(DistributedDataParallelKwargs):
         if self.hook is not None and self.comm_hook != DDPCommunicationHookType.NO:
             raise ValueError("FastDDPKwargs: give either hook or comm_hook, not both (a model "
                              "takes one communication hook)")
+        if self.hook is not None and (self.comm_wrapper != DDPCommunicationHookType.NO
+                                      or self.comm_state_option):
+            raise ValueError("FastDDPKwargs: comm_wrapper and comm_state_option go with "
+                             "comm_hook; with hook=, give the hook's options in its spelling "
+                             "('powersgd:4') or object (fastddp.hooks.powersgd(...))")
         if isinstance(self.hook, str):
             parse_hook_spec(self.hook, "FastDDPKwargs(hook=...)")  # a bad name fails here
         elif self.hook is not None and not callable(self.hook):
@@ -152,7 +157,7 @@ class Accelerator(accelerate.Accelerator):
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> torch.nn.Module:
         if self.ddp_handler is not None and not isinstance(self.ddp_handler, FastDDPKwargs):
-            # One set after __init__ (or passed positionally): checked and mapped as well.
+            # One set after __init__: checked and mapped as well.
             self.ddp_handler = FastDDPKwargs.of(self.ddp_handler)
         # Under the launcher (fastddp.patch()), torch's name already holds fastddp's class
         # with the launcher's overrides; keep that one.

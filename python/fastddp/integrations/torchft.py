@@ -45,9 +45,7 @@ from torch import nn
 
 from fastddp.ddp import DistributedDataParallel as _FastDDP
 from fastddp.ddp import _hook_install
-from fastddp.hooks import AutoHook
-from fastddp.hooks._comm_hook import HierarchicalHook
-from fastddp.integrations import _torchft_group, _torchft_hierarchical, _torchft_state
+from fastddp.integrations import _torchft_group, _torchft_hooks, _torchft_state
 from fastddp.launch.hook_spec import fastddp_hook, parse_hook_spec
 
 logger = logging.getLogger("fastddp.torchft")
@@ -57,6 +55,12 @@ _GROUP_ARGUMENTS = ("process_group", "device_mesh")
 # Features that keep per-reducer state or talk outside the reducer's failure handling.
 _UNSUPPORTED = ("static_graph", "mixed_precision", "delay_all_reduce_named_params",
                 "gradient_as_bucket_view")
+# Set by fastddp.DistributedDataParallel itself: from torchft's recovery, not a broadcast.
+_OURS = ("init_sync",)
+_OPTIMIZER_IN_BACKWARD = (
+    "fastddp under torchft: an optimizer stepped inside backward (overlap_optimizer, "
+    "_register_fused_optim, torch's _apply_optimizer_in_backward) is not supported: it would "
+    "step before should_commit() decides whether the step stands")
 
 
 class DistributedDataParallel(_FastDDP):
@@ -78,6 +82,12 @@ class DistributedDataParallel(_FastDDP):
         for name in _UNSUPPORTED:
             if kwargs.get(name):
                 raise NotImplementedError(f"fastddp under torchft: {name} is not supported")
+        for name in _OURS:
+            if name in kwargs:
+                raise ValueError(f"fastddp under torchft: {name} is set by the integration "
+                                 "(the weights come from torchft's recovery); do not pass it")
+        for name in _GROUP_ARGUMENTS:
+            kwargs.pop(name, None)  # None only, checked above
         if kwargs.get("broadcast_buffers") and any(True for _ in module.buffers()):
             raise NotImplementedError(
                 "fastddp under torchft: broadcast_buffers=True is not supported (buffers would "
@@ -93,8 +103,11 @@ class DistributedDataParallel(_FastDDP):
         self._manager = manager
         self._bound = None  # the c10d group the reducer runs on (None: none yet)
         self._hook_args = None  # (state, hook) registered, installed again on every bind
-        self._ft_lock = threading.Lock()  # the settle, against the quorum thread's state read
+        # The settle, against the quorum thread's state read (reentrant: an export settles
+        # and reads through comm_hook_state_dict, which settles too).
+        self._ft_lock = threading.RLock()
         self._step_at_forward = None  # manager.current_step() of the step awaiting its commit
+        self._first_state = None  # a peer's hook state that came before the first bind
         manager.register_state_dict_fn(_torchft_state.KEY, self._load_hook_state,
                                        self._export_hook_state)
         if hook is not None:
@@ -104,14 +117,26 @@ class DistributedDataParallel(_FastDDP):
             self.register_comm_hook(state, hook)
 
     def register_comm_hook(self, state: object, hook: Any) -> None:
-        if isinstance(hook, AutoHook):
-            raise NotImplementedError("fastddp under torchft: the auto hook is not supported "
-                                      "(its trials time steps that a quorum change would split)")
-        if isinstance(hook, HierarchicalHook) and not isinstance(
-                hook, _torchft_hierarchical.ReplicaGroupHierarchical):
-            hook = _torchft_hierarchical.for_replica_group(hook, self._manager)
+        state, hook = _torchft_hooks.for_quorum(state, hook, self._manager)
         super().register_comm_hook(state, hook)
         self._hook_args = (state, hook)
+
+    def overlap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        raise NotImplementedError(_OPTIMIZER_IN_BACKWARD)
+
+    def _register_fused_optim(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(_OPTIMIZER_IN_BACKWARD)
+
+    def comm_hook_state_dict(self) -> dict:
+        # The last step settled first, and not while the quorum thread reads the state.
+        with self._ft_lock:
+            self._settle()
+            return super().comm_hook_state_dict()
+
+    def load_comm_hook_state_dict(self, state: dict) -> None:
+        with self._ft_lock:
+            self._settle()
+            super().load_comm_hook_state_dict(state)
 
     def join(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("fastddp under torchft: join() is not supported (torchft's "
@@ -131,9 +156,16 @@ class DistributedDataParallel(_FastDDP):
         """Before a synchronized forward: settles the last step, waits for the quorum and
         binds its group; False when the manager has failed this step already."""
         manager = self._manager
-        with self._ft_lock:
-            self._settle()
+        if not self._lazy_init_ran and any(
+                hasattr(p, "_in_backward_optimizers") for p in self._module_parameters):
+            raise NotImplementedError(_OPTIMIZER_IN_BACKWARD)
         manager.wait_quorum()
+        with self._ft_lock:
+            # After the quorum: a replica that heals now (it restarted, or missed the
+            # commit of its last step) keeps nothing of that step; the heal brings the
+            # peer's state. Its step counter, set to the peers' by the quorum thread,
+            # would say committed.
+            self._settle(healing=manager._healing)
         if manager.errored() is not None:
             return False
         group = _torchft_group.quorum_group(manager)
@@ -154,15 +186,23 @@ class DistributedDataParallel(_FastDDP):
         in should_commit: a hook whose collectives follow its state (PowerSGD's iteration
         counter, ACP-SGD's turn) must issue this step the collectives the peers issue. It
         still sends zeros this step, as under torchft's own DDP (see _begin_step)."""
-        self._manager._apply_pending_state_dict()
-        self._manager._healing = False
+        manager = self._manager
+        # As torchft's should_commit before it applies the state: the checkpoint came on its
+        # recovery stream (an accelerator's; None on the CPU).
+        event = getattr(manager, "_recovery_event", None)
+        if event is not None:
+            event.synchronize()
+            manager._recovery_event = None
+        manager._apply_pending_state_dict()
+        manager._healing = False
 
-    def _settle(self) -> None:
+    def _settle(self, healing: bool = False) -> None:
         """The last step's hook state: kept if the manager committed it (its step counter
-        moved on), put back otherwise. Under self._ft_lock."""
+        moved on, and this replica is not healing), put back otherwise. Under
+        self._ft_lock."""
         if self._step_at_forward is None or self._reducer is None:
             return
-        committed = self._manager.current_step() != self._step_at_forward
+        committed = not healing and self._manager.current_step() != self._step_at_forward
         self._step_at_forward = None
         self._reducer.settle_pending(committed)
 
@@ -186,6 +226,12 @@ class DistributedDataParallel(_FastDDP):
             if saved is not None and "residual_only" not in saved:
                 self.load_comm_hook_state_dict(saved)  # this replica's own state, as it was
         self._bound = group
+        if self._first_state is not None:
+            # A peer's state that came before the first bind (torchft heals in zero_grad
+            # with use_async_quorum=False): it goes into the hook of the group it is for.
+            state, self._first_state = self._first_state, None
+            with self._ft_lock:
+                _torchft_state.load(self, state)
 
     def _on_failure(self, text: str) -> None:
         # From C++ (the reducer's fault sink), once per failed step.
@@ -201,6 +247,9 @@ class DistributedDataParallel(_FastDDP):
 
     def _load_hook_state(self, state: dict[str, Any]) -> None:
         with self._ft_lock:
+            if self._bound is None:  # the placeholder's hook would take it and be dropped
+                self._first_state = state
+                return
             if self._reducer is not None:
                 # This replica's own step (it sent zeros while healing) is not kept.
                 self._step_at_forward = None

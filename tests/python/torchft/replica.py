@@ -79,7 +79,8 @@ def run(config: dict[str, Any]) -> None:
     min_replicas, kill_at (or None), timeout_s, out; optional group_rank and group_world
     (this process is rank group_rank of a replica group of group_world ranks, with its own
     gloo group inside the group: the hierarchical hook's node) and store_port (the group's
-    TCPStore, made by the harness), init_sync (the Manager's), kill_in, full, hidden, rows,
+    TCPStore, made by the harness), init_sync and use_async_quorum (the Manager's), kill_in,
+    full, hidden, rows,
     bucket_cap_mb, stall_at, stall_s and stall_replica (once, that replica's backward of that
     step sleeps stall_s), nan_at (replica 0's batch has a NaN at that step), ddp_kwargs. An
     error raised by backward ends the run, logged as (step, None, False, its repr)."""
@@ -108,7 +109,9 @@ def run(config: dict[str, Any]) -> None:
         rank=group_rank, world_size=group_world, lighthouse_addr=config["lighthouse"], port=0,
         timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
         # False: no replica heals at step 0 (with it, all but one send zeros in that step).
-        init_sync=config.get("init_sync", True))
+        init_sync=config.get("init_sync", True),
+        # False: the heal happens in zero_grad (start_quorum), before the first bind.
+        use_async_quorum=config.get("use_async_quorum", True))
     # Small buckets by default: several collectives per step, so that a death lands
     # between two of them.
     if config.get("start_together"):
@@ -158,12 +161,20 @@ def run(config: dict[str, Any]) -> None:
             log.append((step, manager.num_participants(), manager.current_step() > step,
                         time.time()))
             _note_progress(config, log[-1])
-        torch.save({"model": model.state_dict(), "optim": inner.state_dict(), "log": log},
-                   config["out"])
+        torch.save({"model": model.state_dict(), "optim": inner.state_dict(), "log": log,
+                    "hook_iter": _hook_iter(ddp)}, config["out"])
     finally:
         manager.shutdown(wait=False)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _hook_iter(ddp: nn.Module) -> int | None:
+    """PowerSGD's or ACP-SGD's iteration (their collectives follow it), else None."""
+    try:
+        return ddp.comm_hook_state_dict().get("iter")
+    except (AttributeError, NotImplementedError, ValueError):  # torchft's DDP; no such state
+        return None
 
 
 def _note_progress(config: dict[str, Any], entry: tuple) -> None:

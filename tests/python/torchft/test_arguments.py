@@ -21,6 +21,7 @@ def _manager(pg=None):
     manager._pg = pg if pg is not None else ProcessGroupGloo()
     manager._load_state_dict_fns = {}
     manager._healing = False
+    manager._group_rank, manager._group_world_size = 0, 1
     manager.register_state_dict_fn.side_effect = (
         lambda key, load, save: manager._load_state_dict_fns.__setitem__(key, load))
     return manager
@@ -106,3 +107,47 @@ def test_the_hierarchical_hook_needs_a_replica_group_of_two():
 def _one_rank_group():
     from fastddp.integrations._torchft_group import placeholder_group
     return placeholder_group()
+
+
+def test_torchs_default_hooks_run_over_the_quorum():
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp = DistributedDataParallel(_manager(), _model())
+    ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    state, hook = ddp._hook_args  # made again for every quorum's group
+    assert state is None and isinstance(hook, fastddp.hooks.CommHook) and hook.name == "bf16"
+
+
+@pytest.mark.parametrize(("state", "hook", "error", "match"), [
+    ("powersgd_state", "powersgd", NotImplementedError, "fastddp.hooks.powersgd"),
+    (None, "python", NotImplementedError, "outside the quorum's group"),
+    ("group", "allreduce", ValueError, "state must be None"),
+])
+def test_hooks_tied_to_another_group_raise(state, hook, error, match):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    from fastddp.integrations._torchft_group import placeholder_group
+    states = {"powersgd_state": lambda: psgd.PowerSGDState(process_group=None),
+              "group": placeholder_group, None: lambda: None}
+    hooks = {"powersgd": psgd.powerSGD_hook, "allreduce": default_hooks.allreduce_hook,
+             "python": lambda state, bucket: None}
+    ddp = DistributedDataParallel(_manager(), _model())
+    with pytest.raises(error, match=match):
+        ddp.register_comm_hook(states[state](), hooks[hook])
+
+
+def test_init_sync_is_the_integrations():
+    with pytest.raises(ValueError, match="init_sync"):
+        DistributedDataParallel(_manager(), _model(), init_sync=True)
+
+
+def test_optimizers_in_backward_raise():
+    ddp = DistributedDataParallel(_manager(), _model())
+    with pytest.raises(NotImplementedError, match="should_commit"):
+        ddp.overlap_optimizer(torch.optim.SGD(ddp.parameters(), lr=0.1))
+    model = _model()
+    model[0].weight._in_backward_optimizers = [torch.optim.SGD([model[0].weight], lr=0.1)]
+    ddp = DistributedDataParallel(_manager(), model)
+    with pytest.raises(NotImplementedError, match="should_commit"):
+        ddp(torch.ones(3, 4))

@@ -67,6 +67,20 @@ def test_a_death_mid_backward_fails_the_step_on_the_survivor(tmp_path):
     assert_same_training_state(results)
 
 
+@pytest.mark.parametrize("hook", ["powersgd", "acpsgd"])
+def test_a_synchronous_quorum_heals_the_hook_state(tmp_path, hook):
+    # use_async_quorum=False: torchft heals the restarted replica inside zero_grad, before
+    # fastddp has bound the quorum's group; the peer's hook state (PowerSGD's iteration, past
+    # start_powerSGD_iter=2 here) must still reach the hook that runs, or the replicas
+    # would issue different collectives.
+    results = run_replicas(tmp_path, replicas=2, steps=STEPS, hook=hook, victim=1,
+                           kill_at=KILL_AT, extra={"use_async_quorum": False})
+    assert _committed_steps(results[0]["log"]) == list(range(STEPS))
+    assert results[0]["hook_iter"] is not None
+    assert results[1]["hook_iter"] == results[0]["hook_iter"], results
+    assert_same_training_state(results)
+
+
 @pytest.mark.parametrize("hook", [None, "powersgd", "acpsgd", "int8", "fp8", "bf16", "bf16-fp32acc"])
 def test_a_death_fails_one_step_and_the_replica_rejoins(tmp_path, hook):
     # Three replicas, at least two per quorum: the two survivors go on without a restart,
