@@ -153,8 +153,8 @@ class DistributedDataParallel(_FastDDP):
     # --- the step -----------------------------------------------------------------------
 
     def _begin_step(self) -> bool:
-        """Before a synchronized forward: settles the last step, waits for the quorum and
-        binds its group; False when the manager has failed this step already."""
+        """Before a synchronized forward: waits for the quorum, settles the last step and
+        binds the quorum's group; False when the manager has failed this step already."""
         manager = self._manager
         if not self._lazy_init_ran and any(
                 hasattr(p, "_in_backward_optimizers") for p in self._module_parameters):
