@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
 from fastddp.hooks import AutoHook, CommHook
 from fastddp.hooks._comm_hook import HierarchicalHook
@@ -35,7 +36,7 @@ def for_quorum(state: object, hook: Any, manager: Any) -> tuple[None, CommHook]:
     if state is not None:
         what = (f"a {type(state).__name__}" if not isinstance(state, dist.ProcessGroup)
                 else "a process group")
-        if type(state).__name__ == "PowerSGDState":
+        if isinstance(state, PowerSGDState):
             raise NotImplementedError(
                 f"{where}: torch's PowerSGD hooks with a PowerSGDState reduce over its "
                 "process_group, not the quorum's; use fastddp.hooks.powersgd(...) (the same "
