@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 from tests.python.torchft.torchft_world import (assert_same_training_state,  # noqa: E402
                                                 run_replicas)
-from tests.python.torchft.whole_world import run_whole_world  # noqa: E402
+from tests.python.torchft import whole_world  # noqa: E402
 
 STEPS = 6
 KILL_AT = 3
@@ -23,14 +23,15 @@ RANKS = 2  # per replica group
 
 
 @pytest.mark.parametrize("inner", ["allreduce", "bf16"])
-def test_equals_the_hierarchical_hook_on_one_world(tmp_path, inner):
+def test_equals_the_hierarchical_hook_on_one_world(tmp_path, world4, inner):
     # init_sync=False: every replica group starts from the same weights, as the plain world
     # does (with torchft's default, replica group 1 heals from 0 at step 0 and sends zeros
     # in that step, as under torchft's own DDP: test_fault_tolerance.py).
     ours = run_replicas(tmp_path / "torchft", replicas=2, steps=STEPS, hook=f"hier:{inner}",
                         ranks_per_replica=RANKS, extra={"init_sync": False})
-    world = run_whole_world(tmp_path / "world", world=4, local_size=RANKS, steps=STEPS,
+    per_rank = world4.check(whole_world.train_both, local_size=RANKS, steps=STEPS,
                             inner=inner)
+    world = {impl: dict(enumerate(r[impl] for r in per_rank)) for impl in ("torch", "fastddp")}
     # Rank k of replica group r is rank r * RANKS + k of the plain world.
     plain = {(r, k): world["fastddp"][r * RANKS + k] for r in range(2) for k in range(RANKS)}
     for key, result in ours.items():
