@@ -22,4 +22,11 @@ inline __attribute__((always_inline)) uint32_t block_absmax_bits(const float* __
   return m;
 }
 
+// Whole blocks per CPU task for the block-scaled quantizers' tensor ops (quant8_ops.cpp,
+// quant4_ops.cpp): about 64K elements a task, as the half casts.
+inline int64_t cpu_task_blocks(int64_t block) {
+  const int64_t blocks = (int64_t{1} << 16) / block;
+  return blocks > 1 ? blocks : 1;
+}
+
 }  // namespace fastddp::kernels

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "../../kernels/block_absmax.h"
 #include "../../kernels/quant4.h"
 #include "../../util/message.h"
 #include "../../util/profile_range.h"
@@ -19,12 +20,10 @@ namespace {
 
 int64_t num_blocks(int64_t n, int64_t block) { return (n + block - 1) / block; }
 
-// About 64K elements per CPU task, as the 8-bit kernels.
-int64_t grain_blocks(int64_t block) { return std::max<int64_t>(1, (int64_t{1} << 16) / block); }
 
 // An even block keeps each byte inside one block, so CPU tasks (whole blocks) never
 // write the same byte.
-void check_block(int64_t block) {
+void check_quant4_block(int64_t block) {
   FASTDDP_CHECK(block > 0 && block % 2 == 0, "fastddp quant4: block must be even and positive, "
                 "got ", block);
 }
@@ -57,7 +56,7 @@ void dispatch(const at::Tensor& t, int64_t blocks, int64_t block, const char* wh
 #endif
   }
   FASTDDP_CHECK(t.is_cpu(), "fastddp ", what, ": unsupported device ", t.device());
-  at::parallel_for(0, blocks, grain_blocks(block), cpu);
+  at::parallel_for(0, blocks, kernels::cpu_task_blocks(block), cpu);
 }
 
 }  // namespace
@@ -65,7 +64,7 @@ void dispatch(const at::Tensor& t, int64_t blocks, int64_t block, const char* wh
 void quantize4_into(const at::Tensor& src, int64_t block, const at::Tensor& codes,
                     const at::Tensor& scales, const at::Tensor* err) {
   FASTDDP_PROFILE_RANGE("fastddp quantize4");
-  check_block(block);
+  check_quant4_block(block);
   const at::Device device = src.device();
   check_tensor(src, at::kFloat, -1, device, "src");
   const int64_t n = src.numel();
@@ -89,7 +88,7 @@ void quantize4_into(const at::Tensor& src, int64_t block, const at::Tensor& code
 void dequantize4_into(const at::Tensor& codes, const at::Tensor& scales, int64_t n,
                       int64_t block, const at::Tensor& dst) {
   FASTDDP_PROFILE_RANGE("fastddp dequantize4");
-  check_block(block);
+  check_quant4_block(block);
   FASTDDP_CHECK(n >= 0, "fastddp dequantize4: n must be non-negative, got ", n);
   const at::Device device = codes.device();
   check_tensor(codes, at::kByte, -1, device, "codes");
@@ -111,7 +110,7 @@ void dequantize4_into(const at::Tensor& codes, const at::Tensor& scales, int64_t
 void sum_shards4_into(const at::Tensor& shards, int64_t count, int64_t n, int64_t block,
                       const at::Tensor& dst) {
   FASTDDP_PROFILE_RANGE("fastddp sum shards4");
-  check_block(block);
+  check_quant4_block(block);
   FASTDDP_CHECK(count > 0 && n >= 0, "fastddp sum_shards4: count must be positive and n "
                 "non-negative, got ", count, " and ", n);
   const at::Device device = shards.device();

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "../../kernels/block_absmax.h"
 #include "../../kernels/quant8.h"
 #include "../../util/message.h"
 #include "../../util/profile_range.h"
@@ -17,10 +18,8 @@
 namespace fastddp {
 namespace {
 
-// About 64K elements per CPU task, as the half casts.
-int64_t grain_blocks(int64_t block) { return std::max<int64_t>(1, (int64_t{1} << 16) / block); }
 
-void check_block(int64_t block) {
+void check_quant8_block(int64_t block) {
   FASTDDP_CHECK(block > 0 && block <= kernels::kQuant8MaxBlock,
                 "fastddp quant8: block must be in [1, ", kernels::kQuant8MaxBlock, "], got ",
                 block);
@@ -72,7 +71,7 @@ std::string quant8_format_name(Quant8Format format) {
 void quantize8_into(Quant8Format format, const at::Tensor& src, int64_t block,
                     const at::Tensor& codes, const at::Tensor& scales, const at::Tensor* err) {
   FASTDDP_PROFILE_RANGE("fastddp quantize8");
-  check_block(block);
+  check_quant8_block(block);
   check_tensor(src, at::kFloat, "src");
   check_tensor(codes, at::kByte, "codes");
   check_tensor(scales, at::kFloat, "scales");
@@ -103,7 +102,7 @@ void quantize8_into(Quant8Format format, const at::Tensor& src, int64_t block,
 #endif
   }
   FASTDDP_CHECK(src.is_cpu(), "fastddp quantize8: unsupported device ", src.device());
-  at::parallel_for(0, blocks, grain_blocks(block), [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, blocks, kernels::cpu_task_blocks(block), [&](int64_t b0, int64_t b1) {
     kernels::quantize8_cpu(format, s, n, block, c, sc, e, b0, b1);
   });
 }
@@ -111,7 +110,7 @@ void quantize8_into(Quant8Format format, const at::Tensor& src, int64_t block,
 void dequantize8_into(Quant8Format format, const at::Tensor& codes, const at::Tensor& scales,
                       int64_t block, const at::Tensor& dst) {
   FASTDDP_PROFILE_RANGE("fastddp dequantize8");
-  check_block(block);
+  check_quant8_block(block);
   check_tensor(codes, at::kByte, "codes");
   check_tensor(scales, at::kFloat, "scales");
   check_tensor(dst, at::kFloat, "dst");
@@ -135,7 +134,7 @@ void dequantize8_into(Quant8Format format, const at::Tensor& codes, const at::Te
 #endif
   }
   FASTDDP_CHECK(codes.is_cpu(), "fastddp dequantize8: unsupported device ", codes.device());
-  at::parallel_for(0, quant8_num_blocks(n, block), grain_blocks(block),
+  at::parallel_for(0, quant8_num_blocks(n, block), kernels::cpu_task_blocks(block),
                    [&](int64_t b0, int64_t b1) {
                      kernels::dequantize8_cpu(format, c, sc, n, block, d, b0, b1);
                    });
@@ -144,7 +143,7 @@ void dequantize8_into(Quant8Format format, const at::Tensor& codes, const at::Te
 void sum_shards8_into(Quant8Format format, const at::Tensor& shards, int64_t count, int64_t n,
                       int64_t block, const at::Tensor& out_codes, const at::Tensor& out_scales) {
   FASTDDP_PROFILE_RANGE("fastddp sum shards8");
-  check_block(block);
+  check_quant8_block(block);
   check_tensor(shards, at::kByte, "shards");
   check_tensor(out_codes, at::kByte, "out_codes");
   check_tensor(out_scales, at::kFloat, "out_scales");
@@ -174,7 +173,7 @@ void sum_shards8_into(Quant8Format format, const at::Tensor& shards, int64_t cou
 #endif
   }
   FASTDDP_CHECK(shards.is_cpu(), "fastddp sum_shards8: unsupported device ", shards.device());
-  at::parallel_for(0, blocks, grain_blocks(block), [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, blocks, kernels::cpu_task_blocks(block), [&](int64_t b0, int64_t b1) {
     kernels::sum_shards8_cpu(format, s, shard_bytes, count, n, block, c, sc, b0, b1);
   });
 }
