@@ -105,16 +105,17 @@ def sources(with_cuda: bool) -> list[str]:
     return found
 
 
-# Note [unity build]: nearly all of a torch-facing file's compile time is torch's headers
-# (ATen alone is ~10 s a file here, pybind11 adds its own code to every file that includes
-# it), so the files of one folder that include torch are compiled as a few translation units
-# that #include them in turn (build/unity/<folder>_<n>.cpp): 77 units became 32, and the
-# summed compile time of a cold build fell about 5x (benchmarks/results/suite.md). What is
-# compiled is unchanged: each source keeps its own file, line numbers and include guards;
-# only file-local names must not collide within a folder (tests/python/install/
-# test_unity_build.py compiles the plain build too). The torch-free layers (csrc/core,
-# csrc/kernels: fast, and some set target attributes file-wide) and CUDA files stay one
-# unit each. FASTDDP_UNITY=0 builds file by file.
+# Note [unity build]: most of a torch-facing file's compile time went to torch's headers
+# (ATen or c10d's ProcessGroup.hpp alone take ~10 s a file here; pybind11 adds code of its own
+# to every file that includes it), so the torch-facing files of one family (csrc/<family>/)
+# are compiled a few to a translation unit that #includes them in turn
+# (build/unity/<family>_<n>.cpp). With -g0 and Note [torch headers precompiled], the 77 units
+# of a cold build became 30, and its summed compile time fell from 1,417 s to about 200 s
+# (benchmarks/results/suite.md). What is compiled is unchanged: each source keeps its own
+# file, lines and include guards, and still includes what it uses (FASTDDP_UNITY=0 builds
+# file by file); file-local names must not collide within a family (quant4 and quant8 share
+# their helpers for that reason). The torch-free layers (csrc/core, csrc/kernels, csrc/util:
+# fast, and some set target attributes file-wide) and CUDA files stay one unit each.
 UNITY_OWN_UNITS = ("csrc/core/", "csrc/kernels/", "csrc/util/")
 # Files per unit, by family (csrc/<family>/...): small enough that touching one file
 # recompiles its unit in seconds and that two cores stay busy, large enough that torch's
@@ -389,9 +390,11 @@ class BuildExtension(cpp_extension.BuildExtension):
             "of its own")
 
 
-setup(
-    version=local_version(),
-    **license_metadata(),
-    ext_modules=[make_extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-)
+# pip (setuptools.build_meta) runs this file as __main__; tests import its functions.
+if __name__ == "__main__":
+    setup(
+        version=local_version(),
+        **license_metadata(),
+        ext_modules=[make_extension()],
+        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    )

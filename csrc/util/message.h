@@ -92,6 +92,10 @@ inline std::string join(const std::vector<std::string>& items, std::string_view 
 #define FASTDDP_CHECK_VALUE(cond, ...) TORCH_CHECK_VALUE(cond, ::fastddp::cat(__VA_ARGS__))
 #define FASTDDP_CHECK_NOT_IMPLEMENTED(cond, ...) \
   TORCH_CHECK_NOT_IMPLEMENTED(cond, ::fastddp::cat(__VA_ARGS__))
+// A CUDA tensor reached an op of a build without CUDA: NotImplementedError naming the op.
+#define FASTDDP_FAIL_WITHOUT_CUDA(what)                                                    \
+  FASTDDP_CHECK_NOT_IMPLEMENTED(false, "fastddp was built without CUDA, and ", what,      \
+                                " got a CUDA tensor: build fastddp with CUDA")
 #define FASTDDP_INTERNAL_ASSERT(cond, ...) \
   TORCH_INTERNAL_ASSERT(cond, ::fastddp::cat(__VA_ARGS__))
 #define FASTDDP_WARN(...) TORCH_WARN(::fastddp::cat(__VA_ARGS__))

@@ -6,6 +6,7 @@
 #include <atomic>
 
 #include "../../kernels/half_cast.h"
+#include "../../util/current_stream.h"
 #include "../../util/message.h"
 #include "../../util/profile_range.h"
 
@@ -45,17 +46,6 @@ void check_half(const at::Tensor& t, HalfKind kind, const char* what) {
 
 uint16_t* half_ptr(const at::Tensor& t) { return static_cast<uint16_t*>(t.data_ptr()); }
 
-#if defined(FASTDDP_WITH_CUDA)
-void* current_stream(const at::Tensor& t) {
-  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
-}
-#endif
-
-[[noreturn]] void no_cuda() {
-  FASTDDP_CHECK_NOT_IMPLEMENTED(false, "fastddp was built without CUDA: half ops on CUDA tensors "
-                                "need a CUDA build");
-}
-
 }  // namespace
 
 c10::ScalarType scalar_type_of(HalfKind kind) {
@@ -87,10 +77,10 @@ void run_to_half(const at::Tensor& src, bool* host_bad, const OnCuda& on_cuda,
   if (src.is_cuda()) {
 #if defined(FASTDDP_WITH_CUDA)
     const c10::cuda::CUDAGuard guard(src.device());
-    on_cuda(current_stream(src));
+    on_cuda(current_cuda_stream(src));
     return;
 #else
-    no_cuda();
+    FASTDDP_FAIL_WITHOUT_CUDA("a half op");
 #endif
   }
   FASTDDP_CHECK(src.is_cpu(), "fastddp half_compress: unsupported device ", src.device());
@@ -182,10 +172,10 @@ void half_decompress_many(HalfKind kind, const std::vector<at::Tensor>& srcs,
     }
     const c10::cuda::CUDAGuard guard(srcs.front().device());
     kernels::decompress_multi_cuda(kind, ranges.data(), static_cast<int64_t>(ranges.size()),
-                                   current_stream(srcs.front()));
+                                   current_cuda_stream(srcs.front()));
     return;
 #else
-    no_cuda();
+    FASTDDP_FAIL_WITHOUT_CUDA("a half op");
 #endif
   }
   for (size_t i = 0; i < srcs.size(); ++i) {
@@ -212,10 +202,10 @@ void half_sum_shards_into(HalfKind kind, const at::Tensor& shards, int64_t count
   if (out.is_cuda()) {
 #if defined(FASTDDP_WITH_CUDA)
     const c10::cuda::CUDAGuard guard(out.device());
-    kernels::sum_shards_cuda(kind, s, n, count, o, n, current_stream(out));
+    kernels::sum_shards_cuda(kind, s, n, count, o, n, current_cuda_stream(out));
     return;
 #else
-    no_cuda();
+    FASTDDP_FAIL_WITHOUT_CUDA("a half op");
 #endif
   }
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {

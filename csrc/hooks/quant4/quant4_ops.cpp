@@ -7,6 +7,7 @@
 
 #include "../../kernels/block_absmax.h"
 #include "../../kernels/quant4.h"
+#include "../../util/current_stream.h"
 #include "../../util/message.h"
 #include "../../util/profile_range.h"
 
@@ -47,12 +48,11 @@ void dispatch(const at::Tensor& t, int64_t blocks, int64_t block, const char* wh
   if (t.is_cuda()) {
 #if defined(FASTDDP_WITH_CUDA)
     const c10::cuda::CUDAGuard guard(t.device());
-    cuda(c10::cuda::getCurrentCUDAStream(t.device().index()).stream());
+    cuda(current_cuda_stream(t));
     return;
 #else
     (void)cuda;
-    FASTDDP_CHECK_NOT_IMPLEMENTED(false, "fastddp was built without CUDA: 4-bit quantization "
-                                  "of CUDA tensors needs a CUDA build");
+    FASTDDP_FAIL_WITHOUT_CUDA("4-bit quantization");
 #endif
   }
   FASTDDP_CHECK(t.is_cpu(), "fastddp ", what, ": unsupported device ", t.device());

@@ -7,6 +7,7 @@
 
 #include "../../kernels/block_absmax.h"
 #include "../../kernels/quant8.h"
+#include "../../util/current_stream.h"
 #include "../../util/message.h"
 #include "../../util/profile_range.h"
 
@@ -34,17 +35,6 @@ void check_tensor(const at::Tensor& t, at::ScalarType type, const char* what) {
 void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* what) {
   FASTDDP_CHECK(a.device() == b.device(), "fastddp quant8: ", what, " is on ", b.device(),
                 ", expected ", a.device());
-}
-
-#if defined(FASTDDP_WITH_CUDA)
-void* current_stream(const at::Tensor& t) {
-  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
-}
-#endif
-
-[[noreturn]] void no_cuda() {
-  FASTDDP_CHECK_NOT_IMPLEMENTED(false, "fastddp was built without CUDA: 8-bit quantization of "
-                                "CUDA tensors needs a CUDA build");
 }
 
 }  // namespace
@@ -95,10 +85,10 @@ void quantize8_into(Quant8Format format, const at::Tensor& src, int64_t block,
   if (src.is_cuda()) {
 #if defined(FASTDDP_WITH_CUDA)
     const c10::cuda::CUDAGuard guard(src.device());
-    kernels::quantize8_cuda(format, s, n, block, c, sc, e, current_stream(src));
+    kernels::quantize8_cuda(format, s, n, block, c, sc, e, current_cuda_stream(src));
     return;
 #else
-    no_cuda();
+    FASTDDP_FAIL_WITHOUT_CUDA("8-bit quantization");
 #endif
   }
   FASTDDP_CHECK(src.is_cpu(), "fastddp quantize8: unsupported device ", src.device());
@@ -127,10 +117,10 @@ void dequantize8_into(Quant8Format format, const at::Tensor& codes, const at::Te
   if (codes.is_cuda()) {
 #if defined(FASTDDP_WITH_CUDA)
     const c10::cuda::CUDAGuard guard(codes.device());
-    kernels::dequantize8_cuda(format, c, sc, n, block, d, current_stream(codes));
+    kernels::dequantize8_cuda(format, c, sc, n, block, d, current_cuda_stream(codes));
     return;
 #else
-    no_cuda();
+    FASTDDP_FAIL_WITHOUT_CUDA("8-bit quantization");
 #endif
   }
   FASTDDP_CHECK(codes.is_cpu(), "fastddp dequantize8: unsupported device ", codes.device());
@@ -166,10 +156,10 @@ void sum_shards8_into(Quant8Format format, const at::Tensor& shards, int64_t cou
 #if defined(FASTDDP_WITH_CUDA)
     const c10::cuda::CUDAGuard guard(shards.device());
     kernels::sum_shards8_cuda(format, s, shard_bytes, count, n, block, c, sc,
-                              current_stream(shards));
+                              current_cuda_stream(shards));
     return;
 #else
-    no_cuda();
+    FASTDDP_FAIL_WITHOUT_CUDA("8-bit quantization");
 #endif
   }
   FASTDDP_CHECK(shards.is_cpu(), "fastddp sum_shards8: unsupported device ", shards.device());

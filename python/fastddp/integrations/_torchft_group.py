@@ -57,7 +57,7 @@ def quorum_group(manager: Any) -> dist.ProcessGroup:
 # forward, as torchft's synchronous quorum does; _recovery_event too, where there is one),
 # and its rank in the replica group (the hierarchical hook's node).
 _MANAGER_INTERNALS = ("_pg", "_load_state_dict_fns", "_healing", "_apply_pending_state_dict",
-                      "_group_rank", "_group_world_size")
+                      "_pending_state_dict", "_group_rank", "_group_world_size")
 
 
 def check_manager(manager: Any) -> None:

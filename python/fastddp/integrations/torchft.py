@@ -174,7 +174,9 @@ class DistributedDataParallel(_FastDDP):
         # torchft's answer for this step, before the heal below: a healing replica sends
         # zeros, as torchft's allreduce makes it (and its DDP) send.
         participating = manager.is_participating()
-        if manager._healing:  # after the bind: the peer's hook state goes into this group's hook
+        # After the bind: the peer's hook state goes into this group's hook. Once a step: a
+        # second synchronized forward finds the state applied (and the manager still healing).
+        if manager._healing and manager._pending_state_dict is not None:
             self._heal_now()
         self._reducer.set_participants(manager.num_participants(), participating)
         self._step_at_forward = manager.current_step()
@@ -185,8 +187,14 @@ class DistributedDataParallel(_FastDDP):
         torchft itself does with use_async_quorum=False (Manager.start_quorum), rather than
         in should_commit: a hook whose collectives follow its state (PowerSGD's iteration
         counter, ACP-SGD's turn) must issue this step the collectives the peers issue. It
-        still sends zeros this step, as under torchft's own DDP (see _begin_step)."""
+        still sends zeros this step, as under torchft's own DDP (see _begin_step).
+
+        The manager stays healing for the rest of the step, as under torchft's own DDP, so
+        that ``manager.is_participating()`` says False until the next quorum (at step 0
+        under init_sync too); only should_commit's own apply of the state, already done
+        here, is skipped once."""
         manager = self._manager
+        vars(manager).pop("_apply_pending_state_dict", None)  # a step that never committed
         # As torchft's should_commit before it applies the state: the checkpoint came on its
         # recovery stream (an accelerator's; None on the CPU).
         event = getattr(manager, "_recovery_event", None)
@@ -194,7 +202,12 @@ class DistributedDataParallel(_FastDDP):
             event.synchronize()
             manager._recovery_event = None
         manager._apply_pending_state_dict()
-        manager._healing = False
+
+        def applied_already() -> None:
+            # should_commit's call, once: the instance's attribute goes, the class's method
+            # serves the next heal.
+            del manager._apply_pending_state_dict
+        manager._apply_pending_state_dict = applied_already
 
     def _settle(self, healing: bool = False) -> None:
         """The last step's hook state: kept if the manager committed it (its step counter

@@ -8,8 +8,9 @@ steps take the same steps. ``kill_at``: this replica exits (os._exit, as a kille
 its sockets close, no clean-up) in that step: ``kill_in="backward"`` (the default) in the
 middle of its backward, after the last layer's gradients are ready (fastddp has launched a
 bucket by then); ``kill_in="between"`` once the step is committed, before the next. The result, written
-with torch.save to ``out``: the weights, the optimizer state, and per step attempted
-(step, participants, committed).
+with torch.save to ``out``: the weights, the optimizer state, per step attempted
+(step, participants, committed), and per step attempted what ``manager.is_participating()``
+said after the forward and after the backward.
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ def run(config: dict[str, Any]) -> None:
 
     model[0].register_forward_hook(arm)
     log = []
+    participation = []  # per step attempted: (step, is_participating() after forward, after backward)
     stalled = False
     try:
         # With "full": and on, until a step committed with every replica (a killed one
@@ -150,11 +152,13 @@ def run(config: dict[str, Any]) -> None:
                 stalled = True
                 armed[0] = lambda grad: time.sleep(config["stall_s"])
             loss = nn.functional.mse_loss(ddp(x), y)
+            after_forward = manager.is_participating()
             try:
                 loss.backward()
             except RuntimeError as e:  # recorded, for the tests that expect one
                 log.append((step, None, False, repr(e)))
                 break
+            participation.append((step, after_forward, manager.is_participating()))
             optimizer.step()
             if dies and config.get("kill_in") == "between" and manager.current_step() > step:
                 _die(config)
@@ -162,6 +166,7 @@ def run(config: dict[str, Any]) -> None:
                         time.time()))
             _note_progress(config, log[-1])
         torch.save({"model": model.state_dict(), "optim": inner.state_dict(), "log": log,
+                    "participation": participation, "impl": config["impl"],
                     "hook_iter": _hook_iter(ddp)}, config["out"])
     finally:
         manager.shutdown(wait=False)

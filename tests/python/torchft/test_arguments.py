@@ -21,6 +21,7 @@ def _manager(pg=None):
     manager._pg = pg if pg is not None else ProcessGroupGloo()
     manager._load_state_dict_fns = {}
     manager._healing = False
+    manager._pending_state_dict = None
     manager._group_rank, manager._group_world_size = 0, 1
     manager.register_state_dict_fn.side_effect = (
         lambda key, load, save: manager._load_state_dict_fns.__setitem__(key, load))

@@ -22,12 +22,32 @@ def _committed_steps(log: list) -> list[int]:
     return [step for step, _, committed, _ in log if committed]
 
 
-def test_equals_torchfts_ddp_without_failure(tmp_path):
-    ours = run_replicas(tmp_path / "fastddp", replicas=2, steps=STEPS, impl="fastddp")
-    theirs = run_replicas(tmp_path / "torchft", replicas=2, steps=STEPS, impl="torchft")
+def _after_backward(result: dict) -> list[tuple[int, bool]]:
+    """(step, manager.is_participating() after its backward) per step attempted. After the
+    forward, torchft's own DDP answers before its asynchronous quorum is in (False while it
+    is not, whatever comes): only after the backward is the answer the step's. fastddp's
+    forward waits for the quorum, so there both agree, and they are checked equal."""
+    participation = result["participation"]
+    if result.get("impl") == "fastddp":
+        assert all(forward == backward for _, forward, backward in participation), participation
+    return [(step, backward) for step, _, backward in participation]
+
+
+@pytest.mark.parametrize("init_sync", [True, False])
+def test_equals_torchfts_ddp_without_failure(tmp_path, init_sync):
+    # init_sync=True (torchft's default): replica 1 heals from replica 0 at step 0 and sends
+    # zeros; is_participating() says so under torchft's DDP, and must under fastddp's.
+    extra = {"init_sync": init_sync}
+    ours = run_replicas(tmp_path / "fastddp", replicas=2, steps=STEPS, impl="fastddp",
+                        extra=extra)
+    theirs = run_replicas(tmp_path / "torchft", replicas=2, steps=STEPS, impl="torchft",
+                          extra=extra)
     assert_same_training_state(ours)
     for r in ours:
         assert _committed_steps(ours[r]["log"]) == list(range(STEPS))
+        assert _after_backward(ours[r]) == _after_backward(theirs[r]), r
+    if init_sync:  # the test sees a heal: one of the two sent zeros at step 0
+        assert [_after_backward(theirs[r])[0] for r in (0, 1)].count((0, False)) == 1
     assert_same_training_state({0: ours[0], 1: theirs[0], 2: theirs[1]})
 
 
@@ -49,6 +69,10 @@ def test_equals_torchfts_ddp_through_a_death(tmp_path):
     rejoined = [(step, n) for step, n, _, _ in ours[1]["log"]]
     assert rejoined[0] == (0, 1), rejoined
     assert rejoined[1:] == [(s, 2) for s in range(KILL_AT + 1, STEPS)], rejoined
+    # is_participating() of the healing step (False) and of every other, as torchft's DDP.
+    for r in (0, 1):
+        assert _after_backward(ours[r]) == _after_backward(theirs[r]), r
+    assert _after_backward(ours[1])[0] == (0, False)
     assert_same_training_state(ours)
     assert_same_training_state({0: ours[0], 1: theirs[0]})
 
