@@ -81,7 +81,7 @@ $(BUILD_STAMP): $(SOURCES)
 	  $(CCACHE_ENV) MAX_JOBS=$(MAX_JOBS) $(PYTHON) setup.py -q build_ext --inplace \
 	    > build/pip-install.log 2>&1 || { tail -n 80 build/pip-install.log; exit 1; }; \
 	else \
-	  echo "$(CCACHE_ENV) MAX_JOBS=$(MAX_JOBS) $(PYTHON) -m pip install --no-build-isolation -v -e ."; \
+	  echo "[make] building fastddp._C: pip install --no-build-isolation -v -e . (through ccache)"; \
 	  rm -f $(EDITABLE_STAMP); \
 	  $(CCACHE_ENV) MAX_JOBS=$(MAX_JOBS) $(PYTHON) -m pip install --no-build-isolation -v -e . \
 	    > build/pip-install.log 2>&1 || { tail -n 80 build/pip-install.log; exit 1; }; \

@@ -12,7 +12,10 @@ and nvcc is found. FASTDDP_CUDA=0/1 overrides.
 import glob
 import importlib.util
 import os
+import re
+import shlex
 import shutil
+import subprocess
 import sys
 
 import setuptools
@@ -113,8 +116,9 @@ def sources(with_cuda: bool) -> list[str]:
 # of a cold build became 30, and its summed compile time fell from 1,417 s to about 200 s
 # (benchmarks/results/suite.md). What is compiled is unchanged: each source keeps its own
 # file, lines and include guards, and still includes what it uses (FASTDDP_UNITY=0 builds
-# file by file); file-local names must not collide within a family (quant4 and quant8 share
-# their helpers for that reason). The torch-free layers (csrc/core, csrc/kernels, csrc/util:
+# file by file); file-local names must not collide within a family, since any two of its
+# files may share a unit as files come and go (tests/python/install/test_unity_build.py
+# refuses a name defined twice). The torch-free layers (csrc/core, csrc/kernels, csrc/util:
 # fast, and some set target attributes file-wide) and CUDA files stay one unit each.
 UNITY_OWN_UNITS = ("csrc/core/", "csrc/kernels/", "csrc/util/")
 # Files per unit, by family (csrc/<family>/...): small enough that touching one file
@@ -135,9 +139,9 @@ def unity_groups(files: list[str]) -> dict[str, list[str]]:
     for family, members in sorted(by_family.items()):
         chunk = UNITY_CHUNK.get(family, UNITY_CHUNK_DEFAULT)
         count = -(-len(members) // chunk)
-        size = -(-len(members) // count)  # units of equal size, neighbours together
-        for i in range(count):
-            groups[f"{family}_{i}"] = members[i * size:(i + 1) * size]
+        for i in range(count):  # units of equal size (within one), neighbours together
+            groups[f"{family}_{i}"] = members[i * len(members) // count:
+                                              (i + 1) * len(members) // count]
     return groups
 
 
@@ -200,7 +204,6 @@ TORCH_HEADERS = "csrc/util/torch_headers.h"
 
 def gcc_compiler(command: list[str]) -> bool:
     """Whether `command` (the compiler ninja runs, ccache first or not) is GCC."""
-    import subprocess
     try:
         macros = subprocess.run(command + ["-dM", "-E", "-x", "c++", os.devnull],
                                 capture_output=True, text=True, timeout=60).stdout
@@ -212,8 +215,6 @@ def gcc_compiler(command: list[str]) -> bool:
 def add_pch_edge(ninja_text: str, unity_dir: str) -> tuple[str, str]:
     """(build.ninja with the precompiled header's edge and each unity unit waiting for it,
     why not) for torch's build.ninja; the text unchanged and the reason when it cannot."""
-    import re
-    import shlex
     cxx = re.search(r"^cxx = (.+)$", ninja_text, re.M)
     if not cxx:
         return ninja_text, "no cxx in build.ninja"
@@ -233,6 +234,15 @@ def add_pch_edge(ninja_text: str, unity_dir: str) -> tuple[str, str]:
     return text, ""
 
 
+def remove_stale_pch(unity_dir: str) -> None:
+    """A .gch of an earlier build, where no edge keeps it up to date: GCC would still use it
+    (it checks flags and macros, not the header's text or the torch it came from)."""
+    gch = os.path.join(unity_dir, os.path.basename(TORCH_HEADERS) + ".gch")
+    for path in (gch, gch + ".d"):
+        if os.path.exists(path):
+            os.remove(path)
+
+
 class precompiled_torch_headers:
     """While building: adds the .gch edge to the build.ninja that torch's BuildExtension wrote,
     just before it runs ninja (torch offers no other way in). Says once why not where not."""
@@ -246,10 +256,11 @@ class precompiled_torch_headers:
                    "FASTDDP_UNITY=0" if os.environ.get("FASTDDP_UNITY", "1") == "0" else
                    "this torch has no cpp_extension._run_ninja_build" if self.original is None
                    else "")
+        unity_dir = os.path.join(HERE, "build", "unity")
         if why_not:
             say(f"precompiled torch headers off: {why_not}")
+            remove_stale_pch(unity_dir)
             return self
-        unity_dir = os.path.join(HERE, "build", "unity")
 
         def run_ninja_build(build_directory, *args, **kwargs):
             path = os.path.join(build_directory, "build.ninja")
@@ -257,6 +268,7 @@ class precompiled_torch_headers:
                 text, why = add_pch_edge(f.read(), unity_dir)
             if why:
                 say(f"precompiled torch headers off: {why}; the plain unity build")
+                remove_stale_pch(unity_dir)
             else:
                 with open(path, "w") as f:
                     f.write(text)

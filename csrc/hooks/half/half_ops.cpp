@@ -19,7 +19,7 @@ namespace fastddp {
 namespace {
 
 // Below this many elements a CPU pass is not worth waking more threads for.
-constexpr int64_t kGrain = 1 << 16;
+constexpr int64_t kHalfGrain = 1 << 16;
 
 const char* kind_name(HalfKind kind) {
   return kind == HalfKind::kBFloat16 ? "bfloat16" : "float16";
@@ -85,7 +85,7 @@ void run_to_half(const at::Tensor& src, bool* host_bad, const OnCuda& on_cuda,
   }
   FASTDDP_CHECK(src.is_cpu(), "fastddp half_compress: unsupported device ", src.device());
   std::atomic<int32_t> bad{0};
-  at::parallel_for(0, src.numel(), kGrain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, src.numel(), kHalfGrain, [&](int64_t begin, int64_t end) {
     int32_t chunk_bad = 0;
     chunk(begin, end, host_bad != nullptr ? &chunk_bad : nullptr);
     if (chunk_bad) bad = 1;
@@ -181,7 +181,7 @@ void half_decompress_many(HalfKind kind, const std::vector<at::Tensor>& srcs,
   for (size_t i = 0; i < srcs.size(); ++i) {
     const uint16_t* s = half_ptr(srcs[i]);
     float* d = dsts[i].data_ptr<float>();
-    at::parallel_for(0, srcs[i].numel(), kGrain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, srcs[i].numel(), kHalfGrain, [&](int64_t begin, int64_t end) {
       kernels::decompress_cpu(kind, s + begin, d + begin, end - begin);
     });
   }
@@ -208,7 +208,7 @@ void half_sum_shards_into(HalfKind kind, const at::Tensor& shards, int64_t count
     FASTDDP_FAIL_WITHOUT_CUDA("a half op");
 #endif
   }
-  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, kHalfGrain, [&](int64_t begin, int64_t end) {
     kernels::sum_shards_cpu(kind, s + begin, n, count, o + begin, end - begin);
   });
 }

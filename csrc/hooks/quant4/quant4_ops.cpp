@@ -30,7 +30,7 @@ void check_quant4_block(int64_t block) {
 }
 
 // t is contiguous, of `type`, `numel` elements (-1: any), on `device`.
-void check_tensor(const at::Tensor& t, at::ScalarType type, int64_t numel, const at::Device& device,
+void check_quant4_tensor(const at::Tensor& t, at::ScalarType type, int64_t numel, const at::Device& device,
                   const char* what) {
   FASTDDP_CHECK(t.defined() && t.is_contiguous(), "fastddp quant4: ", what, " must be contiguous");
   FASTDDP_CHECK(t.scalar_type() == type, "fastddp quant4: ", what, " must be ", type, ", got ",
@@ -66,14 +66,14 @@ void quantize4_into(const at::Tensor& src, int64_t block, const at::Tensor& code
   FASTDDP_PROFILE_RANGE("fastddp quantize4");
   check_quant4_block(block);
   const at::Device device = src.device();
-  check_tensor(src, at::kFloat, -1, device, "src");
+  check_quant4_tensor(src, at::kFloat, -1, device, "src");
   const int64_t n = src.numel();
   const int64_t blocks = num_blocks(n, block);
-  check_tensor(codes, at::kByte, kernels::quant4_code_bytes(n), device, "codes");
-  check_tensor(scales, at::kFloat, blocks, device, "scales");
+  check_quant4_tensor(codes, at::kByte, kernels::quant4_code_bytes(n), device, "codes");
+  check_quant4_tensor(scales, at::kFloat, blocks, device, "scales");
   float* e = nullptr;
   if (err != nullptr) {
-    check_tensor(*err, at::kFloat, n, device, "err");
+    check_quant4_tensor(*err, at::kFloat, n, device, "err");
     e = err->data_ptr<float>();
   }
   const float* s = src.const_data_ptr<float>();
@@ -91,13 +91,13 @@ void dequantize4_into(const at::Tensor& codes, const at::Tensor& scales, int64_t
   check_quant4_block(block);
   FASTDDP_CHECK(n >= 0, "fastddp dequantize4: n must be non-negative, got ", n);
   const at::Device device = codes.device();
-  check_tensor(codes, at::kByte, -1, device, "codes");
+  check_quant4_tensor(codes, at::kByte, -1, device, "codes");
   FASTDDP_CHECK(codes.numel() >= kernels::quant4_code_bytes(n), "fastddp dequantize4: ", n,
                 " values need ", kernels::quant4_code_bytes(n), " code bytes, got ",
                 codes.numel());
   const int64_t blocks = num_blocks(n, block);
-  check_tensor(scales, at::kFloat, blocks, device, "scales");
-  check_tensor(dst, at::kFloat, n, device, "dst");
+  check_quant4_tensor(scales, at::kFloat, blocks, device, "scales");
+  check_quant4_tensor(dst, at::kFloat, n, device, "dst");
   const uint8_t* c = codes.const_data_ptr<uint8_t>();
   const float* sc = scales.const_data_ptr<float>();
   float* d = dst.data_ptr<float>();
@@ -115,10 +115,10 @@ void sum_shards4_into(const at::Tensor& shards, int64_t count, int64_t n, int64_
                 "non-negative, got ", count, " and ", n);
   const at::Device device = shards.device();
   const int64_t shard_bytes = kernels::quant4_shard_bytes(n, block);
-  check_tensor(shards, at::kByte, count * shard_bytes, device, "shards");
+  check_quant4_tensor(shards, at::kByte, count * shard_bytes, device, "shards");
   FASTDDP_CHECK(reinterpret_cast<uintptr_t>(shards.const_data_ptr()) % 4 == 0,
                 "fastddp sum_shards4: shards must be 4-byte aligned (their scales are float32)");
-  check_tensor(dst, at::kFloat, n, device, "dst");
+  check_quant4_tensor(dst, at::kFloat, n, device, "dst");
   const uint8_t* s = shards.const_data_ptr<uint8_t>();
   float* d = dst.data_ptr<float>();
   dispatch(

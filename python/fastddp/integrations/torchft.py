@@ -205,8 +205,11 @@ class DistributedDataParallel(_FastDDP):
 
         def applied_already() -> None:
             # should_commit's call, once: the instance's attribute goes, the class's method
-            # serves the next heal.
+            # serves the next heal. A state that came after (this step never reached
+            # should_commit, and a later heal did not come through _heal_now) is applied.
             del manager._apply_pending_state_dict
+            if manager._pending_state_dict is not None:
+                manager._apply_pending_state_dict()
         manager._apply_pending_state_dict = applied_already
 
     def _settle(self, healing: bool = False) -> None:

@@ -20,13 +20,15 @@ def setup_py():
     """setup.py as a module: its setup() call runs only as __main__ (pip runs it so)."""
     spec = importlib.util.spec_from_file_location("fastddp_setup_py", os.path.join(ROOT, "setup.py"))
     module = importlib.util.module_from_spec(spec)
-    cwd = os.getcwd()
+    cwd, environ = os.getcwd(), dict(os.environ)
     os.chdir(ROOT)  # sources() globs csrc/ relative to the checkout, as pip runs it
     try:
-        spec.loader.exec_module(module)
+        spec.loader.exec_module(module)  # (it guesses CUDA_HOME into os.environ)
         module.ALL_SOURCES = module.sources(with_cuda=True)
     finally:
         os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(environ)
     return module
 
 
@@ -46,6 +48,47 @@ def test_every_source_is_compiled_exactly_once(setup_py):
         assert {p.split("/")[1] for p in members} == {family}, f"{name} mixes families"
     # Counted, not timed: 77 files were 77 units; each unit parses torch's headers once.
     assert len(groups) + len(own) <= 32, f"{len(groups) + len(own)} units"
+
+
+# A definition at the top level of an anonymous namespace, or a static one at namespace
+# scope (the sources' style: such definitions start in column 0).
+FILE_LOCAL = re.compile(r"^(?:template <[^>]*>\s*)?(?:\[\[[\w:]+\]\]\s*)?"
+                        r"(?:constexpr |const |inline |static |struct |class |enum class |enum "
+                        r"|using )*(?:[\w:<>,*&]+ )*?[*&]?(\w+)\s*(?:\(|=|\{|;|\[|$)")
+
+
+def file_local_names(path: str) -> set[str]:
+    names, depth = set(), 0
+    with open(path) as f:
+        for line in f.read().splitlines():
+            if line.startswith("namespace {"):
+                depth += 1
+            elif depth and re.match(r"^\}\s*// namespace\s*$", line):
+                depth -= 1
+            elif line and line[0] not in " \t#/}{)" and (depth or line.startswith("static ")):
+                match = FILE_LOCAL.match(line)
+                if match:
+                    names.add(match.group(1))
+    return names
+
+
+def test_no_file_local_name_is_defined_twice_in_a_family(setup_py):
+    # Any two files of a family may share a unit once a file is added or removed; two
+    # file-local definitions of one name (even overloads, which compile until the day
+    # they are ambiguous) would then break the build, so they are refused here first.
+    families: dict[str, list[str]] = {}
+    for name, members in setup_py.unity_groups(setup_py.ALL_SOURCES).items():
+        families.setdefault(name.rsplit("_", 1)[0], []).extend(members)
+    found = 0
+    for family, members in families.items():
+        where: dict[str, list[str]] = {}
+        for path in members:
+            for name in file_local_names(os.path.join(ROOT, path)):
+                where.setdefault(name, []).append(path)
+        found += len(where)
+        twice = {name: paths for name, paths in where.items() if len(paths) > 1}
+        assert not twice, f"file-local names defined twice in csrc/{family}: {twice}"
+    assert found > 50  # the scan sees the sources' helpers (it would pass on nothing)
 
 
 TORCH_NINJA = """ninja_required_version = 1.3
@@ -99,9 +142,11 @@ def test_the_checkouts_units_use_the_precompiled_torch_headers(setup_py):
     cxx = [w for w in ninja_variable(text, "cxx") if w != "ccache"]
     if not setup_py.gcc_compiler(cxx):
         pytest.skip(f"{cxx} is not GCC: torch's headers are not precompiled")
+    if "build/unity/" not in text:
+        pytest.skip("_C was built file by file here (FASTDDP_UNITY=0)")
     if "rule fastddp_pch" not in text:
-        pytest.fail("GCC built _C without the precompiled header (FASTDDP_PCH=0 or "
-                    "FASTDDP_UNITY=0?); the build log says why")
+        pytest.fail("GCC built the unity units without the precompiled header (FASTDDP_PCH=0?); "
+                    "build/pip-install.log says why")
     gch = os.path.join(ROOT, "build", "unity", "torch_headers.h.gch")
     assert os.path.exists(gch)
     unit = os.path.join(ROOT, "build", "unity", "optim_0.cpp")  # the smallest unit
