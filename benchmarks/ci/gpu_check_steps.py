@@ -261,7 +261,9 @@ def article_figures(output: str) -> dict:
 # --- the steps -------------------------------------------------------------------------
 
 def default_steps(out_dir: Path, python: str = sys.executable) -> list[Step]:
-    """Cheapest and most basic first: the budget cuts the benchmarks, not the proofs."""
+    """What has never been measured first (issue 55): after the build, the reducer's cost and
+    the kernels on real bucket shapes, then the GPU tests that never ran on a GPU, then the
+    self-check and the rest; the budget cuts the later benchmarks, not those figures."""
     here = "benchmarks/ci/gpu_check_steps.py"
     world1 = "tests/python/hooks/world1_hooks_scenarios.py"
     sanitizer = find_sanitizer()
@@ -289,28 +291,28 @@ def default_steps(out_dir: Path, python: str = sys.executable) -> list[Step]:
         Step("build", [python, here, "build"], 420,
              "pip install --no-build-isolation -e . if _C is missing, lacks CUDA or was "
              "built against another torch", note="MAX_JOBS: $MAX_JOBS, else all cores"),
-        Step("self-check", [python, "-m", "fastddp", "--check"], 120,
-             "python -m fastddp --check: the environment, the build's libstdc++, every hook "
-             "against torch DDP on the CPU and on each GPU", figures=selfcheck_figures),
+        Step("reducer-cost", [python, "benchmarks/reducer_cost.py", "--device", "cuda",
+                              "--profile"], 180,
+             "GPT-style model (216.7M parameters) at world size 1, reducer forced: bare vs "
+             "fastddp vs torch DDP, default / gbv / bf16 hook / PowerSGD r4",
+             env={"FASTDDP_WORLD1_REDUCER": "1"}, figures=reducer_cost_figures),
+        Step("kernels", [python, "benchmarks/kernels.py", "--device", "cuda", "--sizes",
+                         VIT_L32_SIZES], 150,
+             "half casts, 8-bit codes and orthogonalization vs torch at ViT-L/32 sizes "
+             "(GB/s vs HBM)",
+             figures=kernels_figures),
         Step("pytest-gpu",
              [python, "-m", "pytest", "-m", "gpu", "tests/python", "-q", "-p",
               "no:cacheprovider", "-rfEs", "--durations=15", "--deselect",
               "tests/python/hooks/test_world1_hooks.py::test_world1_hooks_nccl"],
              240, "every GPU-marked test (the world-size-1 NCCL one is the next step)",
              figures=pytest_figures, verdict=pytest_verdict),
+        Step("self-check", [python, "-m", "fastddp", "--check"], 120,
+             "python -m fastddp --check: the environment, the build's libstdc++, every hook "
+             "against torch DDP on the CPU and on each GPU", figures=selfcheck_figures),
         Step("nccl-world1", [python, world1, "--device", "cuda", "--backend", "nccl"], 150,
              "NCCL at world size 1, FASTDDP_WORLD1_REDUCER=1: every hook against torch DDP",
              figures=world1_figures),
-        Step("kernels", [python, "benchmarks/kernels.py", "--device", "cuda", "--sizes",
-                         VIT_L32_SIZES], 150,
-             "half casts, 8-bit codes and orthogonalization vs torch at ViT-L/32 sizes "
-             "(GB/s vs HBM)",
-             figures=kernels_figures),
-        Step("reducer-cost", [python, "benchmarks/reducer_cost.py", "--device", "cuda",
-                              "--profile"], 180,
-             "GPT-style model (216.7M parameters) at world size 1, reducer forced: bare vs "
-             "fastddp vs torch DDP, default / gbv / bf16 hook / PowerSGD r4",
-             env={"FASTDDP_WORLD1_REDUCER": "1"}, figures=reducer_cost_figures),
         Step("powersgd-hook", [python, "benchmarks/powersgd.py", "--device", "cuda",
                                "--parts", "a", "--world", "1", "--rounds", "6"], 180,
              "native PowerSGD vs torch's powerSGD_hook on ViT-L/32 gradients, world size 1",
