@@ -9,6 +9,7 @@
 #include "../kernels/nonfinite.h"
 #include "nonfinite_guard.h"
 #include "step_state.h"
+#include "../util/current_stream.h"
 #include "../util/message.h"
 #include "../util/step_cost.h"
 
@@ -67,7 +68,7 @@ void fused_scale_check_cuda(const at::Tensor& grad, at::Tensor& view, double sca
   const c10::cuda::CUDAGuard device(grad.device());
   kernels::scale_copy_check_cuda(grad.const_data_ptr<T>(), view.data_ptr<T>(),
                                  static_cast<T>(scale), grad.numel(), flag,
-                                 c10::cuda::getCurrentCUDAStream(grad.device().index()).stream());
+                                 current_cuda_stream(grad));
 }
 #endif
 

@@ -11,6 +11,7 @@
 #include "../../kernels/copy_unless.h"
 #endif
 
+#include "../../util/current_stream.h"
 #include "../../util/message.h"
 #include "../../util/step_cost.h"
 #include "../../reducer/step_state.h"
@@ -72,7 +73,7 @@ void put_back_unless(const std::vector<std::pair<at::Tensor, at::Tensor>>& pairs
                 "fastddp put_back_unless: keep must be one CUDA bool, got ", keep.sizes(), " ",
                 keep.scalar_type(), " on ", keep.device());
   const c10::cuda::CUDAGuard guard(keep.device());
-  void* stream = c10::cuda::getCurrentCUDAStream(keep.device().index()).stream();
+  void* stream = current_cuda_stream(keep);
   for (const auto& [dst, src] : pairs) {
     FASTDDP_CHECK(dst.device() == keep.device() && dst.is_contiguous() &&
                       (!src.defined() || (src.device() == dst.device() && src.is_contiguous() &&

@@ -7,6 +7,7 @@
 
 #include "../../kernels/orthogonalize.h"
 #include "../../kernels/orthogonalize_tall.h"
+#include "../../util/current_stream.h"
 #include "../../util/profile_range.h"
 #include "../../util/step_cost.h"
 
@@ -71,7 +72,7 @@ bool fused_orthogonalize(at::Tensor& matrices, double epsilon, const at::Tensor&
   if (matrices.is_cuda()) {
     if (r > kernels::kOrthogonalizeCudaMaxRank) return false;
     const c10::cuda::CUDAGuard guard(matrices.device());
-    void* stream = c10::cuda::getCurrentCUDAStream(matrices.device().index()).stream();
+    void* stream = current_cuda_stream(matrices);
     if (kernels::orthogonalize_tall(n, r)) {
       FASTDDP_PROFILE_RANGE("fastddp orthogonalize tall");
       if (from.const_data_ptr() != matrices.const_data_ptr()) {

@@ -3,8 +3,6 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
-#include <algorithm>
-
 #include "../../kernels/block_absmax.h"
 #include "../../kernels/quant4.h"
 #include "../../util/current_stream.h"
@@ -21,7 +19,6 @@ namespace {
 
 int64_t num_blocks(int64_t n, int64_t block) { return (n + block - 1) / block; }
 
-
 // An even block keeps each byte inside one block, so CPU tasks (whole blocks) never
 // write the same byte.
 void check_quant4_block(int64_t block) {
@@ -30,8 +27,8 @@ void check_quant4_block(int64_t block) {
 }
 
 // t is contiguous, of `type`, `numel` elements (-1: any), on `device`.
-void check_quant4_tensor(const at::Tensor& t, at::ScalarType type, int64_t numel, const at::Device& device,
-                  const char* what) {
+void check_quant4_tensor(const at::Tensor& t, at::ScalarType type, int64_t numel,
+                         const at::Device& device, const char* what) {
   FASTDDP_CHECK(t.defined() && t.is_contiguous(), "fastddp quant4: ", what, " must be contiguous");
   FASTDDP_CHECK(t.scalar_type() == type, "fastddp quant4: ", what, " must be ", type, ", got ",
                 t.scalar_type());

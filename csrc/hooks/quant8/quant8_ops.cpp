@@ -3,8 +3,6 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
-#include <algorithm>
-
 #include "../../kernels/block_absmax.h"
 #include "../../kernels/quant8.h"
 #include "../../util/current_stream.h"
@@ -18,7 +16,6 @@
 
 namespace fastddp {
 namespace {
-
 
 void check_quant8_block(int64_t block) {
   FASTDDP_CHECK(block > 0 && block <= kernels::kQuant8MaxBlock,
