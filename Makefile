@@ -74,6 +74,13 @@ EDITABLE_HERE = [ -f $(EDITABLE_STAMP) ] && [ "$$(cat $(EDITABLE_STAMP))" = "$$(
      u = json.loads(md.distribution('fastddp').read_text('direct_url.json') or '{}'); \
      sys.exit(not (u.get('dir_info', {}).get('editable') and u.get('url') == 'file://$(CURDIR)'))" \
      2>/dev/null
+# fastddp installed from another checkout (or removed) since the last build here: the stamp
+# alone would call it up to date, so the build runs again (through pip, as $? names FORCE).
+ifneq ($(shell $(EDITABLE_HERE) && echo here),here)
+$(BUILD_STAMP): FORCE
+endif
+.PHONY: FORCE
+FORCE:
 $(BUILD_STAMP): $(SOURCES)
 	@mkdir -p build
 	@if [ -f $@ ] && [ -z "$(filter-out csrc/%,$?)" ] && $(EDITABLE_HERE); then \

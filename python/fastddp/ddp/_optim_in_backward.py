@@ -22,7 +22,6 @@ job, not yet done).
 
 import torch
 from torch.autograd import Variable
-from torch.distributed.optim import apply_optimizer_in_backward
 
 
 class InBackwardOptimizers:
@@ -37,6 +36,11 @@ class InBackwardOptimizers:
         return cls(params)
 
     def __init__(self, params: list[torch.nn.Parameter]):
+        # Imported here: torch.distributed.optim imports FSDP and DTensor (sympy), 0.9 s of
+        # every `import fastddp`; a parameter only has in-backward optimizers once the user
+        # imported it.
+        from torch.distributed.optim import apply_optimizer_in_backward
+
         self.params = [p for p in params if hasattr(p, "_in_backward_optimizers")]
         handles = apply_optimizer_in_backward.param_to_optim_hook_handle_map
         for p in self.params:
