@@ -1,13 +1,16 @@
 """fastddp's PowerSGD/ACP-SGD vs torch's powerSGD_hook: prints hook and step time ratios, bytes.
 
-    python benchmarks/powersgd.py [--parts abcd] [--scale 0.25] [--blocks 24] [--rank 4]
-        [--bucket-cap-mb 8] [--world 1] [--rounds 10] [--block 2] [--batch 4] [--device cpu]
-        [--link 1GB/s]
+    python benchmarks/powersgd.py [--model vit|mlp] [--parts abcd] [--scale 0.25] [--blocks 24]
+        [--rank 4] [--bucket-cap-mb 8] [--world 1] [--rounds 10] [--block 2] [--batch 4]
+        [--device cpu] [--link 1GB/s]
 
-Parameters are shaped as ViT-L/32's (patch embed 1024x3x32x32, 24 blocks of qkv 3072x1024,
-proj 1024x1024, fc1 4096x1024, fc2 1024x4096, layernorms and biases, class token,
-position embedding, 1000-class head), hidden and MLP widths times --scale (0.25 on CPU,
-1.0 with --device cuda unless given).
+--model vit (the default): parameters shaped as ViT-L/32's (patch embed 1024x3x32x32, 24
+blocks of qkv 3072x1024, proj 1024x1024, fc1 4096x1024, fc2 1024x4096, layernorms and
+biases, class token, position embedding, 1000-class head), hidden and MLP widths times
+--scale (0.25 on CPU, 1.0 with --device cuda unless given). --model mlp: a plain MLP of
+widths 512 -> 1024 (x6) -> 256 (6M parameters, ReLU, 256 classes), the shape on which an
+outside check found fastddp's PowerSGD step barely ahead of torch's (issue 54; run it with
+--batch 16).
 
 (a) Hook time per step: the native hook (``fastddp.hooks.powersgd(...).native(group)``)
     and torch's ``powerSGD_hook`` (a ``PowerSGDState``, run through
@@ -87,6 +90,36 @@ class ViTLike(nn.Module):
         return self.head(self.norm(t[:, 0]))
 
 
+class PlainMLP(nn.Module):
+    """Widths 512 -> 1024 (x6) -> 256: six hidden layers, 6M parameters."""
+
+    def __init__(self, width_in: int = 512, width: int = 1024, hidden: int = 6,
+                 classes: int = 256):
+        super().__init__()
+        layers: list[nn.Module] = [nn.Linear(width_in, width), nn.ReLU()]
+        for _ in range(hidden - 1):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        self.net = nn.Sequential(*layers, nn.Linear(width, classes))
+        self.width_in, self.classes = width_in, classes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def make_model(args: argparse.Namespace) -> nn.Module:
+    if args.model == "mlp":
+        return PlainMLP()
+    return ViTLike(args.hidden, args.mlp, args.blocks)
+
+
+def make_batch(base: nn.Module, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's fixed inputs and class labels for `base`."""
+    if isinstance(base, PlainMLP):
+        return (torch.randn(n, base.width_in, generator=g),
+                torch.randint(0, base.classes, (n,), generator=g))
+    return torch.randn(n, 3, 64, 64, generator=g), torch.randint(0, 1000, (n,), generator=g)
+
+
 def serialized_powerSGD_hook(state: psgd.PowerSGDState,
                              bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """torch's hook, finished before the next bucket's (see (a) above); no number changes."""
@@ -133,13 +166,12 @@ def part_a(args: argparse.Namespace, model: nn.Module, device: torch.device) -> 
 
 
 def train_timed(models: dict[str, nn.Module], args: argparse.Namespace,
-                device: torch.device) -> dict[str, float]:
-    """Training steps (SGD, cross-entropy on this rank's fixed images) of every model, past
+                device: torch.device, base: nn.Module) -> dict[str, float]:
+    """Training steps (SGD, cross-entropy on this rank's fixed inputs) of every model, past
     the start of compression, then timed interleaved: median ms per step by name."""
     opts = {n: torch.optim.SGD(m.parameters(), lr=1e-3) for n, m in models.items()}
     g = torch.Generator().manual_seed(dist.get_rank())
-    x = torch.randn(args.batch, 3, 64, 64, generator=g).to(device)
-    y = torch.randint(0, 1000, (args.batch,), generator=g).to(device)
+    x, y = (t.to(device) for t in make_batch(base, args.batch, g))
 
     def step(name: str) -> None:
         opts[name].zero_grad(set_to_none=True)
@@ -172,7 +204,7 @@ def part_b(args: argparse.Namespace, base: nn.Module, device: torch.device) -> d
                                           start_powerSGD_iter=START)
         model.register_comm_hook(states[name], hook)
         models[name] = model
-    times = train_timed(models, args, device)
+    times = train_timed(models, args, device, base)
     torch_stats = {n: s.compression_stats() for n, s in states.items()}
     return {"times": times, "comm": fast.comm_stats(), "torch_compression": torch_stats,
             "buckets": {"fastddp": len(fast.comm_stats()["buckets"])}}
@@ -192,7 +224,7 @@ def part_d(args: argparse.Namespace, base: nn.Module, device: torch.device) -> d
                                                 bucket_cap_mb=args.bucket_cap_mb)
         model.register_comm_hook(None, make())
         models[name] = model
-    return {"times": train_timed(models, args, device),
+    return {"times": train_timed(models, args, device, base),
             "sent": {n: m.comm_stats()["bytes_sent"] for n, m in models.items()}}
 
 
@@ -210,7 +242,7 @@ def worker(rank: int, world: int, port: int, part: str, args: argparse.Namespace
     backend = "nccl" if device.type == "cuda" and torch.cuda.device_count() >= world else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world)
     torch.manual_seed(0)
-    base = ViTLike(args.hidden, args.mlp, args.blocks).to(device)
+    base = make_model(args).to(device)
     out = {"a": part_a, "b": part_b, "d": part_d}[part](args, base, device)
     out["backend"] = backend
     if rank == 0:
@@ -237,6 +269,7 @@ def table(times: dict[str, float], ref: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="vit", choices=["vit", "mlp"])
     parser.add_argument("--parts", default="abc", help="which of (a), (b), (c), (d) to run")
     parser.add_argument("--link", default="1GB/s", help="(d)'s emulated link")
     parser.add_argument("--scale", type=float, help="width factor (0.25 on CPU, 1 on CUDA)")
@@ -254,9 +287,11 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False,
                             capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout
+    shapes = ("an MLP 512 -> 1024 (x6) -> 256" if args.model == "mlp" else
+              f"ViT-L/32 shapes x{scale:g} (hidden {args.hidden}, mlp {args.mlp}, "
+              f"{args.blocks} blocks)")
     print(f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, device "
-          f"{args.device}, fastddp at {commit.strip() or '?'}; ViT-L/32 shapes x{scale:g} "
-          f"(hidden {args.hidden}, mlp {args.mlp}, {args.blocks} blocks); rank {args.rank}, "
+          f"{args.device}, fastddp at {commit.strip() or '?'}; {shapes}; rank {args.rank}, "
           f"{args.bucket_cap_mb:g} MiB buckets; {args.rounds} rounds x {args.block} steps\n")
     if "a" in args.parts:
         a = spawn("a", args.world, args)

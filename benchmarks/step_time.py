@@ -1,6 +1,6 @@
 """Training-step time, fastddp vs torch DDP: prints ms/step and fastddp/torch per model.
 
-    python benchmarks/step_time.py [--nproc 2] [--rounds 30] [--only NAME] [--pin]
+    python benchmarks/step_time.py [--nproc 2] [--rounds 30] [--only NAME] [--large] [--pin]
                                    [--configs plain,gbv,static,unused] [--skip-alone]
                                    [--glibc-malloc-defaults] [--out FILE]
 
@@ -41,8 +41,8 @@ from torch import nn
 
 import fastddp
 from common import machine  # benchmarks/common/: scripts run from benchmarks/
-from common.step_timing import (SHAPES, Shape, TorchDDP, grad_bytes, make_step, replicas, summary,
-                                timed_blocks)
+from common.step_timing import (LARGE_SHAPES, SHAPES, Shape, TorchDDP, grad_bytes, make_step,
+                                replicas, summary, timed_blocks)
 
 
 def _allreduce_ms(n_bytes: int, reps: int = 10) -> float:
@@ -136,9 +136,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
     dist.init_process_group("gloo", rank=rank, world_size=world)
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own input
     rows = []
-    for shape in SHAPES:
+    for shape in LARGE_SHAPES if args.large else SHAPES:
         if args.only in shape.name:
-            x = torch.randn(shape.input_shape, generator=gen)
+            x = shape.input(gen)
             rows += _compare_ranks(shape, x, args) if world > 1 else _compare_alone(shape, x, args)
     if rank == 0:
         queue.put(rows)
@@ -207,6 +207,8 @@ def main() -> None:
     parser.add_argument("--glibc-malloc-defaults", action="store_true",
                         help="keep glibc's adaptive mmap/trim thresholds (see main())")
     parser.add_argument("--only", default="", help="only models whose name contains this")
+    parser.add_argument("--large", action="store_true",
+                        help="the 23M-parameter MLP in float32 and bfloat16 instead")
     parser.add_argument("--configs", default="plain,gbv",
                         help=f"comma-separated DDP configurations among {', '.join(CONFIGS)}")
     parser.add_argument("--skip-alone", action="store_true", help="skip the world-size-1 part")

@@ -21,6 +21,10 @@ class Shape:
     build: Callable[[], nn.Module]
     input_shape: tuple[int, ...]
     block_steps: int
+    dtype: torch.dtype = torch.float32  # the model's and its input's
+
+    def input(self, gen: torch.Generator) -> torch.Tensor:
+        return torch.randn(self.input_shape, generator=gen).to(self.dtype)
 
 
 def _mlp(width_in: int, width: int, depth: int, width_out: int) -> nn.Module:
@@ -45,6 +49,13 @@ SHAPES = [
     Shape("MLP 0.8M (7 Linear, w384)", lambda: _mlp(256, 384, 6, 10), (32, 256), 8),
     Shape("MLP 10.5M (4 Linear, w2048)", lambda: _mlp(1024, 2048, 3, 10), (16, 1024), 2),
     Shape("convnet 0.6M (3 conv)", _convnet, (8, 3, 32, 32), 4),
+]
+# Large enough that a pass over the gradients (92 MB in float32) shows in the step (the one-pass
+# issue, 55): step_time.py --large.
+LARGE_SHAPES = [
+    Shape("MLP 23M (7 Linear, w2048)", lambda: _mlp(1024, 2048, 6, 10), (16, 1024), 1),
+    Shape("MLP 23M bf16 (7 Linear, w2048)", lambda: _mlp(1024, 2048, 6, 10).to(torch.bfloat16),
+          (16, 1024), 1, torch.bfloat16),
 ]
 
 

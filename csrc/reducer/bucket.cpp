@@ -207,6 +207,15 @@ void rebind(std::vector<Bucket>& buckets, int64_t align_bytes, bool meta) {
 
 }  // namespace
 
+bool same_elements(const at::Tensor& a, const at::Tensor& b) {
+  if (a.is_same(b)) return true;
+  // Not is_alias_of: a handed-out gradient has a storage of its own over its slot.
+  return a.defined() && b.defined() && a.has_storage() && b.has_storage() &&
+         a.data_ptr() == b.data_ptr() && a.device() == b.device() &&
+         a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() &&
+         a.strides() == b.strides();
+}
+
 void allocate_flat(std::vector<Bucket>& buckets, int64_t align_bytes) {
   rebind(buckets, align_bytes, false);
 }

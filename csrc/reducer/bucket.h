@@ -88,6 +88,12 @@ struct Bucket {
 // What the planner needs to know of a tensor: its size, dtype and device.
 TensorSpec spec_of(const at::Tensor& tensor, bool expect_sparse);
 
+// Whether `a` and `b` are the same elements: one memory read through one
+// layout (a slot's view and the gradient handed out over it, Note [gradients
+// handed out] in bucket_views.h), so that copying one into the other moves
+// nothing.
+bool same_elements(const at::Tensor& a, const at::Tensor& b);
+
 // Allocates the buckets of a plan over `params` (Note [aligned flat buffer]).
 // Every bucket must hold parameters of a single dtype and device.
 // `sparse[i]`: parameter i gets sparse gradients (empty: none does).

@@ -2,15 +2,38 @@
 #include "bucket_views.h"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include "../util/profile_range.h"
+#include "../util/step_cost.h"
 
 namespace fastddp {
+namespace {
+
+// Who refers to a tensor or its memory. torch's own test (is_tensor_stealable,
+// which AccumulateGrad uses to take a gradient without a copy): a Python
+// wrapper that only the tensor itself keeps alive is not a holder.
+bool held_elsewhere(const at::Tensor& tensor, size_t expected) {
+  return !torch::autograd::impl::is_tensor_stealable(tensor, expected);
+}
+
+int64_t storage_refs(const c10::Storage& storage) {
+  size_t refs = storage.use_count();
+  if (refs >= 2 && storage.unsafeGetStorageImpl()->pyobj_slot()->has_unique_reference()) --refs;
+  return static_cast<int64_t>(refs);
+}
+
+}  // namespace
 
 void BucketViews::reset(std::vector<Bucket>& buckets, std::vector<at::Tensor>& params) {
   locator_.assign(params.size(), {0, 0});
+  // A new layout: a gradient handed out over the old one is the user's
+  // gradient now, written back into as any kept .grad (never replaced: it is
+  // the same object under torch).
+  handed_.assign(buckets.size(), {});
   for (size_t b = 0; b < buckets.size(); ++b) {
     Bucket& bucket = buckets[b];
+    handed_[b].resize(bucket.params.size());
     for (size_t k = 0; k < bucket.params.size(); ++k) {
       locator_[bucket.params[k]] = {b, k};
       if (!as_grads_ || !bucket.allocated() || bucket.sparse) continue;
@@ -29,6 +52,67 @@ bool BucketViews::adopt(at::Tensor& grad, const at::Tensor& view, bool sparse) c
   if (!as_grads_ || sparse || !grad.defined() || grad.is_alias_of(view)) return false;
   grad = view;
   return true;
+}
+
+bool BucketViews::hand_out(at::Tensor& grad, size_t index, const Bucket& bucket, size_t b,
+                           size_t k) {
+  if (as_grads_ || lazy_ || bucket.sparse || !grad.defined()) return false;
+  const at::Tensor& view = bucket.views[k];
+  // New (not .grad at the forward already: that one stays, as under torch)
+  // and alone: nothing else refers to the tensor or to its memory.
+  if (index < last_grads_.size() && last_grads_[index] &&
+      last_grads_[index]->lock().get() == grad.unsafeGetTensorImpl()) {
+    return false;
+  }
+  const bool alone = !held_elsewhere(grad, 1) && grad.has_storage() &&
+                     storage_refs(grad.storage()) == 1 && !grad.requires_grad();
+  if (!alone || grad.scalar_type() != view.scalar_type() || grad.device() != view.device() ||
+      grad.sizes() != view.sizes() || grad.strides() != view.strides()) {
+    return false;
+  }
+  // A storage of its own over the slot's bytes, which keeps the bucket's
+  // memory alive (the buffers may move on while it lives: guard_reuse).
+  grad = at::from_blob(
+      view.data_ptr(), view.sizes(), view.strides(), [keep = view.storage()](void*) {},
+      view.options());
+  handed_[b][k].emplace(grad.storage().getWeakStorageImpl());
+  return true;
+}
+
+int64_t BucketViews::guard_reuse(std::vector<Bucket>& buckets,
+                                 const std::vector<at::Tensor>& params) {
+  bool held = false;
+  for (size_t b = 0; b < handed_.size() && !held; ++b) {
+    for (size_t k = 0; k < handed_[b].size() && !held; ++k) {
+      const auto& handed = handed_[b][k];
+      if (!handed || handed->expired()) continue;  // dropped by everyone: its slot is free
+      const at::Tensor& grad = params[buckets[b].params[k]].grad();
+      // Still .grad: the user's gradient, written in place as under torch.
+      // Anything else alive over it (the tensor, a view, its storage) keeps
+      // last step's values under torch.
+      held = !(grad.defined() && grad.has_storage() &&
+               grad.storage().unsafeGetStorageImpl() == handed->_unsafe_get_target());
+    }
+  }
+  if (!held) return 0;
+  FASTDDP_PROFILE_RANGE("fastddp reallocate buckets");
+  const int64_t bytes = held_bytes(buckets);
+  allocate_flat(buckets, align_bytes_);
+  for (auto& slots : handed_) {
+    for (auto& handed : slots) handed.reset();  // the old memory is their holders' now
+  }
+  cost::add(cost::kReallocate, bytes);
+  return bytes;
+}
+
+void BucketViews::note_grads(const std::vector<at::Tensor>& params) {
+  if (as_grads_ || lazy_) return;
+  last_grads_.resize(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& grad = params[i].grad();
+    last_grads_[i].reset();
+    if (grad.defined()) last_grads_[i].emplace(grad.getIntrusivePtr());
+  }
 }
 
 void BucketViews::allocate(std::vector<Bucket>& buckets) const {

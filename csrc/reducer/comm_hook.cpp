@@ -84,7 +84,7 @@ bool CommHook::fused_scale_into_view(Bucket& bucket, size_t slot, const at::Tens
   // and TensorIterator, host time paid once per gradient (the GPU profile in
   // benchmarks/results/gpu.md: 13.5 us per copy-in). Same arithmetic as
   // mul_out: x * scale in the tensor's type.
-  const bool fused = same_dense_layout(grad, view) && !(scale == 1.0 && grad.is_alias_of(view)) &&
+  const bool fused = same_dense_layout(grad, view) && !(scale == 1.0 && same_elements(grad, view)) &&
                      (grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kDouble);
   if (!fused) return false;
   // Read the gradient, write the slot; the check rides along.
@@ -112,9 +112,9 @@ void CommHook::scale_into_view(Bucket& bucket, size_t slot, const at::Tensor& gr
   if (fused_scale_into_view(bucket, slot, grad, scale)) return;
   at::Tensor& view = bucket.views[slot];
   // In place with scale 1 (gradient_as_bucket_view): nothing moves.
-  const bool moves = !grad.is_alias_of(view) || scale != 1.0;
+  const bool moves = !same_elements(grad, view) || scale != 1.0;
   cost::add(cost::kCopyIn, moves ? 2 * static_cast<int64_t>(view.nbytes()) : 0);
-  if (grad.is_alias_of(view)) {
+  if (same_elements(grad, view)) {
     if (scale != 1.0) view.mul_(scale);
   } else if (scale == 1.0) {
     view.copy_(grad);
@@ -197,7 +197,7 @@ void copy_flat_to_grads(Bucket& bucket, const at::Tensor& flat, std::vector<at::
   for (size_t k = 0; k < dsts.size(); ++k) {
     at::Tensor& dst = dsts[k];
     const at::Tensor& view = bucket.views[k];
-    if (!dst.defined() || (in_place && dst.is_same(view))) continue;
+    if (!dst.defined() || (in_place && same_elements(dst, view))) continue;
     const at::Tensor src =
         in_place ? view
                  : result.as_strided(view.sizes(), view.strides(),

@@ -123,6 +123,7 @@ void Reducer::reset_iteration() {
   hook_->set_group_divisor(participants);
   finite_.begin_step();  // Note [a bad step leaves no trace]: nothing collected yet
   stats_.begin_step(*group_);  // the cost and collectives from here on are this step's
+  views_.note_grads(params_);  // Note [gradients handed out]: these stay the user's
 }
 
 void Reducer::set_divide_factor(int64_t factor) {
@@ -178,7 +179,8 @@ void Reducer::handle_grad_ready(size_t index) {
                 "backward passes under no_sync().");
   // A thread-local read (the engine's current graph task): true where there is none.
   graph_retained_ = graph_retained_ || torch::autograd::get_current_graph_task_keep_graph();
-  stats_.backward_started(num_iterations_);
+  // Note [gradients handed out]: before this backward's first copy-in.
+  if (stats_.backward_started(num_iterations_)) views_.guard_reuse(buckets_, params_);
   if (static_first_iteration()) {
     static_graph_.count_hook(index);
     if (static_graph_.delay_from_first_hook() && !static_graph_.delayed_queued()) {

@@ -289,7 +289,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // completed, finished during backward, in order.
   void finish_completed_buckets();
   void reduce_all_delayed();  // the first static-graph iteration, see Note [static graph]
-  void write_back(Bucket& bucket, const c10::IValue& result);
+  void write_back(size_t b, const c10::IValue& result);
   void reset_iteration();
   // check_for_nan_in_grad: shares this step's findings and raises, on every
   // rank, if a gradient was not finite (Note [non-finite guard]).

@@ -68,7 +68,7 @@ void Reducer::finish_bucket(size_t b) {
     }
     {
       FASTDDP_PROFILE_RANGE("fastddp write-back");
-      write_back(bucket, bucket.future->value());
+      write_back(b, bucket.future->value());
     }
     bucket.future.reset();
   }
@@ -139,8 +139,15 @@ void Reducer::fail_iteration(const std::exception_ptr& error) {
   unused_.zero(/*unread=*/true);
 }
 
-void Reducer::write_back(Bucket& bucket, const c10::IValue& result) {
+void Reducer::write_back(size_t b, const c10::IValue& result) {
+  Bucket& bucket = buckets_[b];
   const bool check_usage = options_.static_graph || options_.find_unused_parameters;
+  // Note [gradients handed out]: not where .grad must stay as it is while its
+  // slot is reduced (a parameter unused on every rank) or while a bad step is
+  // found (check_for_nan_in_grad leaves the local gradients in .grad), nor in
+  // another dtype or in distributed autograd's context.
+  const bool hand_out = !check_usage && !options_.check_for_nan_in_grad &&
+                        !mixed_precision_.on() && !grad_slot_.in_dist_autograd();
   if (bucket.sparse) {
     // The reduced sparse tensor becomes the gradient, as in torch's reducer.
     const size_t index = bucket.params[0];
@@ -187,6 +194,8 @@ void Reducer::write_back(Bucket& bucket, const c10::IValue& result) {
           grad = at::empty_like(view, view.options().dtype(mixed_precision_.master_dtype(index)),
                                 at::MemoryFormat::Preserve);
           replaced = true;
+        } else if (hand_out) {
+          replaced = views_.hand_out(grad, index, bucket, b, k);  // the result is in its slot
         }
         dsts[k] = grad;  // shares storage with the slot's tensor: written in place
       }

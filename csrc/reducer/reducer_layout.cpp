@@ -176,6 +176,11 @@ void Reducer::check_grad(size_t index, const at::Tensor& grad, const Bucket& buc
                 "fastddp: parameter '", names_[index], "' got a gradient of ",
                 grad.scalar_type(), " on ", grad.device(), ", expected ", expected, " on ",
                 view.device());
+  // The .grad setter refuses another shape, but a tensor that is .grad already can
+  // change underneath (`g.data = ...`); torch's reducer stops at an internal assert.
+  FASTDDP_CHECK(bucket.sparse || grad.sizes() == view.sizes(), "fastddp: parameter '",
+                names_[index], "' got a gradient of shape ", grad.sizes(), ", expected ",
+                view.sizes(), " (the parameter's shape); was its .grad changed in place?");
 }
 
 }  // namespace fastddp

@@ -40,14 +40,15 @@ void StepStats::begin_step(c10d::ProcessGroup& group) {
   collectives_at_start_ = collective_count(group);
 }
 
-void StepStats::backward_started(int64_t iteration) {
-  if (started_) return;
+bool StepStats::backward_started(int64_t iteration) {
+  if (started_) return false;
   started_ = true;
   backward_start_ = std::chrono::steady_clock::now();
   backward_iteration_ = iteration;
   timeline_->mark_start(iteration, std::chrono::duration_cast<std::chrono::nanoseconds>(
                                        backward_start_.time_since_epoch())
                                        .count());
+  return true;
 }
 
 double StepStats::elapsed_us() const {

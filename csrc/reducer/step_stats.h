@@ -41,8 +41,9 @@ class StepStats {
   void resize(size_t buckets);
   // A synchronized backward is armed: the cost and collectives from here on are its.
   void begin_step(c10d::ProcessGroup& group);
-  // Its first gradient (once per backward; later calls do nothing).
-  void backward_started(int64_t iteration);
+  // Its first gradient (once per backward; later calls do nothing and
+  // return false).
+  bool backward_started(int64_t iteration);
   void bucket_ready(size_t b);
   void bucket_launched(size_t b);
   void bucket_done(size_t b);

@@ -10,7 +10,7 @@ std::array<std::atomic<int64_t>, kKinds> counters{};
 const char* name(Kind kind) {
   static constexpr const char* kNames[kKinds] = {
       "copy_in_bytes", "hook_bytes", "write_back_bytes", "check_bytes", "state_copy_bytes",
-      "host_syncs"};
+      "host_syncs", "reallocated_bytes"};
   return kNames[kind];
 }
 

@@ -90,7 +90,7 @@ void HalfCompressHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& gr
   check_grad(bucket, slot, src);  // other dtypes: a separate read
   // Other dtypes (float64, a bfloat16 model): the same arithmetic as ATen ops
   // on the bucket's slice.
-  if (!src.is_same(view)) bucket.views[slot].copy_(src);
+  if (!same_elements(src, view)) bucket.views[slot].copy_(src);
   const at::Tensor slice = bucket.flat.narrow(0, offset, numel);
   if (torch_rounding) {  // torch's buffer.to(dtype).div_(world_size), by ATen itself
     wire.copy_(slice);
@@ -170,7 +170,7 @@ void HalfCompressHook::write_back(Bucket& bucket, const c10::IValue& result,
     }
     // Another dtype or layout: through the bucket slot (the cast is exact).
     bucket.flat.narrow(0, bucket.offsets[k], bucket.numels[k]).copy_(src);
-    if (!dst.is_same(view)) dst.copy_(view);
+    if (!same_elements(dst, view)) dst.copy_(view);
   }
   // Each 16-bit value read, each float32 gradient written.
   cost::add(cost::kWriteBack, cost::bytes(srcs) + cost::bytes(outs));

@@ -36,11 +36,14 @@ class Checkpointed(nn.Module):
 
 
 class Branchy(nn.Module):
-    """`sometimes` is used on odd steps only, `never` never, `one_rank` on rank 0 only."""
+    """`sometimes` is used on odd steps only (unless not `dynamic`), `never` never,
+    `one_rank` on rank 0 only (the other ranks have no local gradient for it, but its
+    average is not zero)."""
 
-    def __init__(self):
+    def __init__(self, dynamic: bool = True):
         super().__init__()
         self.step = 0
+        self.dynamic = dynamic
         self.trunk = nn.Linear(8, 16)
         self.sometimes = nn.Linear(16, 16)
         self.never = nn.Linear(16, 16)
@@ -49,7 +52,7 @@ class Branchy(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.trunk(x))
-        if self.step % 2 == 1:
+        if self.dynamic and self.step % 2 == 1:
             h = torch.tanh(self.sometimes(h))
         if dist.get_rank() == 0:
             h = torch.tanh(self.one_rank(h))

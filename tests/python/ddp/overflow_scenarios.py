@@ -45,6 +45,8 @@ def make_hook(name: str):
         "batched_powersgd": lambda: h.batched_powersgd(2, start_powerSGD_iter=2),
         "acpsgd": lambda: h.acpsgd(2, start_iter=2),
         "hier_int8": lambda: h.hierarchical(h.int8(), local_size=2),
+        "hier_allreduce": lambda: h.hierarchical(h.allreduce(), local_size=2),
+        "hier_bf16": lambda: h.hierarchical(h.bf16(), local_size=2),
         "hier_bf16_ef": lambda: h.hierarchical(h.bf16(error_feedback=True), local_size=2),
         "hier_powersgd": lambda: h.hierarchical(h.powersgd(2, start_powerSGD_iter=2),
                                                 local_size=2),

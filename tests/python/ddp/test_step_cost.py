@@ -3,7 +3,13 @@ counted by the code that launches each pass (Note [counted cost]), never timed, 
 budget written next to each figure with its reason. A change that adds a pass over the
 gradients, a copy of the hooks' state or a check fails here. G is the gradients' bytes
 (float32, every parameter used): 5904 for scenarios.mlp(). Budgets are exact where the
-passes are: a figure that drops below its budget is a saving to write down here."""
+passes are: a figure that drops below its budget is a saving to write down here.
+
+BUDGETS are for zero_grad(set_to_none=False): the gradients are kept from step to step, and
+the result is written back into them, as torch does. ONE_PASS below is for torch's default,
+set_to_none=True: the new gradient is copied in once and its slot becomes .grad (Note
+[gradients handed out], csrc/reducer/bucket_views.h), nothing is copied back where the
+reduction's result is the bucket."""
 
 import math
 
@@ -12,7 +18,8 @@ import pytest
 from tests.python.ddp import step_cost_scenarios as s
 
 G = 5904
-NONE = {"hook_bytes": 0, "check_bytes": 0, "state_copy_bytes": 0, "host_syncs": 0}
+NONE = {"hook_bytes": 0, "check_bytes": 0, "state_copy_bytes": 0, "host_syncs": 0,
+        "reallocated_bytes": 0}
 BUDGETS = {
     # One pass in (read the grad, write the bucket: torch's copy-in too), one pass back.
     "none": {**NONE, "copy_in_bytes": 2 * G, "write_back_bytes": 2 * G},
@@ -93,3 +100,57 @@ def test_acpsgd_costs_its_budget(world):
     for out in world.check(s.step_cost, hook="acpsgd"):
         assert out["cost"] == {**NONE, "copy_in_bytes": 2 * G, "write_back_bytes": 2 * G,
                                "check_bytes": G, "hook_bytes": 7 * G + 3 * POWERSGD_U}, out
+
+
+# zero_grad() as torch's default (set_to_none=True): .grad is None when backward reaches a
+# parameter, and the new gradient is read once into its slot, which becomes .grad (Note
+# [gradients handed out]). One pass over the gradient bytes: each read once and its result
+# written once, the write-back empty where the reduction's result is the bucket.
+ONE_PASS = {
+    # No hook, and the allreduce hook: read and the slot written (2G); the result is the slot.
+    "none": {**NONE, "copy_in_bytes": 2 * G, "write_back_bytes": 0},
+    "allreduce": {**NONE, "copy_in_bytes": 2 * G, "write_back_bytes": 0},
+    # Each float32 value read once into the 16-bit wire (4 + 2 B) and the wire read once
+    # into the slot that is .grad (2 + 4 B).
+    "bf16": {**NONE, "copy_in_bytes": 3 * G // 2, "write_back_bytes": 3 * G // 2},
+    "fp16": {**NONE, "copy_in_bytes": 3 * G // 2, "write_back_bytes": 3 * G // 2},
+    # As BUDGETS["int8"], less the copy of the bucket into the grads: the codes read and the
+    # slot that is .grad written once (G/4 + G).
+    "int8": {**NONE, "copy_in_bytes": 5 * G, "write_back_bytes": G + G // 4, "check_bytes": G},
+}
+
+
+@pytest.mark.parametrize("hook", list(ONE_PASS))
+def test_the_default_step_is_one_pass(world, hook):
+    for out in world.check(s.step_cost, hook=hook, set_to_none=True):
+        budget = dict(ONE_PASS[hook])
+        if hook == "int8":
+            budget["hook_bytes"] = quant8_hook_bytes(out["bucket_numels"], world.size)
+        assert out["cost"] == budget, (hook, out)
+
+
+# The hierarchical hook over 2 nodes of 2 ranks, set_to_none=True: the reducer writes
+# nothing back into .grad beyond the inner hook's own one pass.
+HIERARCHICAL_ONE_PASS = {
+    # The copy-in (2G) and the node's half of the bucket (G/2) reduced in place (read and
+    # written, G); the all-gather lands in the slots that are .grad.
+    "hier_allreduce": {**NONE, "copy_in_bytes": 3 * G, "write_back_bytes": 0},
+    # The copy-in (2G) and the node's half read into the 16-bit wire (G/2 + G/4); the wire
+    # read back into it (G/4 + G/2); the all-gather lands in the slots that are .grad.
+    "hier_bf16": {**NONE, "copy_in_bytes": 11 * G // 4, "write_back_bytes": 3 * G // 4},
+}
+
+
+@pytest.mark.parametrize("hook", list(HIERARCHICAL_ONE_PASS))
+def test_the_hierarchical_default_step_is_one_pass(world4, hook):
+    for out in world4.check(s.step_cost, hook=hook, set_to_none=True):
+        assert out["cost"] == HIERARCHICAL_ONE_PASS[hook], (hook, out)
+
+
+def test_a_kept_gradient_moves_the_buckets_once_a_step(world):
+    # Last step's gradients kept in a list across zero_grad(): they must keep their values
+    # (as under torch's reducer, which never lends its buckets), so the buffers move to new
+    # memory before the copy-in, a step at a time: an allocation (G), no pass over it.
+    for out in world.check(s.step_cost, hook="allreduce", set_to_none=True, keep_grads=True):
+        assert out["cost"] == {**NONE, "copy_in_bytes": 2 * G, "write_back_bytes": 0,
+                               "reallocated_bytes": G}, out
