@@ -32,6 +32,66 @@ PowerSGDHook::PowerSGDHook(c10::intrusive_ptr<c10d::ProcessGroup> group, PowerSG
                            NumpyRandomState rng)
     : PowerSGDBase(std::move(group), options, rng, "powersgd") {}
 
+namespace {
+
+// `flat`'s elements laid out as bucket slot `slot` (flat: a buffer of the bucket's numel).
+at::Tensor as_slot(const at::Tensor& flat, const Bucket& bucket, size_t slot) {
+  const at::Tensor& view = bucket.views[slot];
+  return flat.as_strided(view.sizes(), view.strides(), flat.storage_offset() + bucket.offsets[slot]);
+}
+
+}  // namespace
+
+// Note [error feedback in the copy-in]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// With error feedback the compressed step reads M = gradient + error, never
+// the gradient alone: the bucket itself is only written, by the
+// decompression (P Q^T) and the uncompressed slots' average. So on a step
+// that compresses, a gradient goes straight into M (`source`, the error's
+// spare: Note [double-buffered step state]) as it arrives: the gradient and
+// the error read, M written, in one pass, where the copy into the bucket and
+// then M = bucket + error took two (2G + 3G instead of 3G). A bucket's first
+// compressed step (no state yet), a check_for_nan_in_grad run (whose check
+// rides on the plain copy-in), an undefined gradient (zeros: a joined or
+// healing rank) and another dtype take the plain copy-in, and start() adds
+// the error to those slots.
+void PowerSGDHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) {
+  std::shared_ptr<BucketState> state;
+  if (options_.use_error_feedback && guard_ == nullptr && !bucket.sparse && grad.defined() &&
+      iter_.load() >= options_.start_powerSGD_iter &&
+      grad.scalar_type() == bucket.flat.scalar_type() && grad.device() == bucket.device &&
+      grad.sizes() == bucket.views[slot].sizes()) {
+    state = existing_state(bucket);
+  }
+  if (!state || !state->source.defined()) {
+    CommHook::copy_in(bucket, slot, grad);
+    return;
+  }
+  at::Tensor m = as_slot(state->source, bucket, slot);
+  at::add_out(m, grad, as_slot(state->error, bucket, slot));
+  // The gradient and the error read, M written.
+  cost::add(cost::kCopyIn, 3 * static_cast<int64_t>(m.nbytes()));
+  state->fed[slot] = true;
+}
+
+void PowerSGDHook::add_error_feedback(BucketState& state, const Bucket& bucket) const {
+  const at::Tensor& input = bucket.flat;
+  if (std::none_of(state.fed.begin(), state.fed.end(), [](bool fed) { return fed; })) {
+    // M = gradient + error, out of place: M is also the copy the new error
+    // is taken from, and then the new error itself (Note [double-buffered
+    // step state]); the bucket receives P Q^T. state.error is only read.
+    at::add_out(state.source, input, state.error);  // a kept buffer: no page faults per step
+    cost::add(cost::kHook, 3 * static_cast<int64_t>(input.nbytes()));
+    return;
+  }
+  for (size_t k = 0; k < state.fed.size(); ++k) {
+    if (state.fed[k]) continue;
+    at::Tensor m = as_slot(state.source, bucket, k);
+    at::add_out(m, bucket.views[k], as_slot(state.error, bucket, k));
+    cost::add(cost::kHook, 3 * static_cast<int64_t>(m.nbytes()));
+  }
+}
+
 int64_t PowerSGDHook::wire_bytes(const Bucket& bucket) const {
   if (iter_.load() < options_.start_powerSGD_iter) return bucket.bytes();
   const PowerSGDPlan plan = plan_powersgd(bucket, options_);
@@ -59,11 +119,8 @@ std::shared_ptr<PipelinedHook::Stage> PowerSGDHook::start(
   const at::Tensor& input = stage->input;
   at::Tensor source = input;
   if (options_.use_error_feedback) {
-    // M = gradient + error, out of place: M is also the copy the new error
-    // is taken from, and then the new error itself (Note [double-buffered
-    // step state]); the bucket receives P Q^T. state.error is only read.
-    at::add_out(state.source, input, state.error);  // a kept buffer: no page faults per step
-    cost::add(cost::kHook, 3 * static_cast<int64_t>(input.nbytes()));
+    add_error_feedback(state, bucket);  // Note [error feedback in the copy-in]
+    std::fill(state.fed.begin(), state.fed.end(), false);
     stage->input_copy = state.source;
     source = stage->input_copy;
   }

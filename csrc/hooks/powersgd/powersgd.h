@@ -57,6 +57,8 @@ class PowerSGDHook : public PowerSGDBase {
                NumpyRandomState rng);
 
   std::string name() const override { return "powersgd"; }
+  // Note [error feedback in the copy-in]
+  void copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) override;
   void on_new_buckets(const std::vector<Bucket>& buckets) override;
   // The bucket's bytes before compression starts; then the uncompressed
   // slots plus the P and Q memories.
@@ -83,6 +85,10 @@ class PowerSGDHook : public PowerSGDBase {
     at::Tensor q_memory;  // every Q of the bucket, flat (the state: warm start)
     at::Tensor q_spare;   // this step's Q: the second allreduce
     bool pending = false;  // this step wrote source and q_spare: settle_step decides
+    uint64_t bucket_id = 0;  // Bucket::id of the bucket it was made for
+    // Per slot: this step's copy-in wrote M = gradient + error into `source`
+    // (Note [error feedback in the copy-in]); start() adds the others.
+    std::vector<bool> fed;
     // Carried Qs (q_offset, Q) to put in place once Q is initialized.
     std::vector<std::pair<int64_t, at::Tensor>> qs_after_draw;
     PowerSGDWorkCache views;  // the step's views of the tensors above and the bucket
@@ -91,6 +97,10 @@ class PowerSGDHook : public PowerSGDBase {
 
   std::shared_ptr<BucketState> bucket_state(const Bucket& bucket, size_t index,
                                             const PowerSGDPlan& plan, bool& randomize);
+  // The state made for `bucket` at an earlier compressed step, or none.
+  std::shared_ptr<BucketState> existing_state(const Bucket& bucket) const;
+  // M = gradient + error into `source` for the slots the copy-in did not feed.
+  void add_error_feedback(BucketState& state, const Bucket& bucket) const;
   void adopt_carried(BucketState& state, const PowerSGDPlan& plan, bool& randomize);
   void count(const PowerSGDPlan& plan, size_t index, bool is_last, int64_t element_size);
   // The completion of the Q allreduce: M = P Q^T into the bucket, the new

@@ -21,6 +21,8 @@ std::shared_ptr<PowerSGDHook::BucketState> PowerSGDHook::bucket_state(const Buck
     slot = std::make_shared<BucketState>();
     BucketState& s = *slot;
     s.params.assign(bucket.params.begin(), bucket.params.end());
+    s.bucket_id = bucket.id;
+    s.fed.assign(bucket.params.size(), false);
     s.offsets = bucket.offsets;
     s.numels = bucket.numels;
     s.q_offsets.assign(bucket.params.size(), -1);
@@ -49,6 +51,15 @@ std::shared_ptr<PowerSGDHook::BucketState> PowerSGDHook::bucket_state(const Buck
   if (!s.q_spare.defined()) s.q_spare = at::empty({plan.q_numel}, bucket.flat.options());
   if (fresh) adopt_carried(s, plan, randomize);
   return slot;
+}
+
+std::shared_ptr<PowerSGDHook::BucketState> PowerSGDHook::existing_state(
+    const Bucket& bucket) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& entry : states_) {
+    if (entry.second->bucket_id == bucket.id) return entry.second;
+  }
+  return nullptr;
 }
 
 void PowerSGDHook::adopt_carried(BucketState& s, const PowerSGDPlan& plan, bool& randomize) {

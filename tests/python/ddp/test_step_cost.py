@@ -43,15 +43,17 @@ BUDGETS = {
              "check_bytes": G},
     "fp8_e4m3": {**NONE, "copy_in_bytes": 5 * G, "write_back_bytes": 3 * G + G // 4,
                  "check_bytes": G},
-    # PowerSGD: M = grad + error (3G), P = M Q and Q = M^T P read M (G each), P Q^T written
-    # with the new error in place of M (3G), the uncompressed slots packed and unpacked
-    # (read and written, 4 U, U their bytes below). No state copied: last step's Qs are read
-    # by the orthogonalization, which writes their spares (Note [double-buffered step state]).
-    "powersgd": {**NONE, "copy_in_bytes": 2 * G, "write_back_bytes": 2 * G, "check_bytes": G},
+    # PowerSGD: the copy-in writes M = grad + error (3G: Note [error feedback in the
+    # copy-in]; the bucket is not written); P = M Q and Q = M^T P read M (G each), P Q^T
+    # written with the new error in place of M (3G), the uncompressed slots packed and
+    # unpacked (read and written, 4 U, U their bytes below): the algorithm's own 8G + 4U.
+    # No state copied: last step's Qs are read by the orthogonalization, which writes their
+    # spares (Note [double-buffered step state]).
+    "powersgd": {**NONE, "copy_in_bytes": 3 * G, "write_back_bytes": 2 * G, "check_bytes": G},
 }
 # The uncompressed slots of PowerSGD on mlp(): the 4x32 weight and the three biases.
 POWERSGD_U = (4 * 32 + 32 + 32 + 4) * 4
-BUDGETS["powersgd"]["hook_bytes"] = 8 * G + 4 * POWERSGD_U
+BUDGETS["powersgd"]["hook_bytes"] = 5 * G + 4 * POWERSGD_U
 BUDGETS["torch_powersgd"] = BUDGETS["powersgd"]  # torch's hook and state, run natively
 
 
@@ -117,6 +119,10 @@ ONE_PASS = {
     # As BUDGETS["int8"], less the copy of the bucket into the grads: the codes read and the
     # slot that is .grad written once (G/4 + G).
     "int8": {**NONE, "copy_in_bytes": 5 * G, "write_back_bytes": G + G // 4, "check_bytes": G},
+    # As BUDGETS["powersgd"] (the algorithm's own 8G + 4U), less the copy of the bucket
+    # into the grads: P Q^T is written into the slots that become .grad.
+    "powersgd": {**NONE, "copy_in_bytes": 3 * G, "write_back_bytes": 0, "check_bytes": G,
+                 "hook_bytes": 5 * G + 4 * POWERSGD_U},
 }
 
 
