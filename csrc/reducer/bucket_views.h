@@ -32,9 +32,10 @@
 // too (the copy-in reads it from its slot, in place). One that is no longer
 // .grad but is still alive (a list of last step's gradients, an optimizer that
 // keeps them, a view of one) must keep its values, as under torch: before the
-// backward's first copy-in (guard_reuse) that moves the buffers to new
-// memory, once, and leaves the old memory to its holders (cost::kReallocate
-// counts it).
+// backward's first copy-in (guard_reuse) its storage gets memory of its own,
+// a copy of its bytes, under every tensor that views it (cost::kKeptGradCopy
+// counts it). The buckets never move, and a holder keeps the gradient's
+// bytes alive, not the whole buffer's.
 //
 // For whole configurations the write-back stays: gradient_as_bucket_view
 // (its own contract), lazy buckets (which must not outlive the backward),
@@ -73,12 +74,14 @@ class BucketViews {
   bool adopt(at::Tensor& grad, const at::Tensor& view, bool sparse) const;
 
   // Note [gradients handed out]. At the write-back of slot k of bucket b,
-  // parameter `index`'s gradient: a new one that nothing else refers to is
-  // replaced by a tensor over its slot. Whether it was.
-  bool hand_out(at::Tensor& grad, size_t index, const Bucket& bucket, size_t b, size_t k);
-  // Before a synchronized backward's first copy-in: new buffers where a
-  // gradient handed out earlier is alive but is no longer .grad. Their bytes,
-  // or 0.
+  // parameter `index`'s gradient: where it is new and nothing else refers to
+  // it, the tensor over its slot to replace it with once the result is there
+  // (undefined: keep the gradient).
+  at::Tensor hand_out(const at::Tensor& grad, size_t index, const Bucket& bucket, size_t b,
+                      size_t k);
+  // Before a synchronized backward's first copy-in: a gradient handed out
+  // earlier that is alive but no longer .grad gets memory of its own (a copy
+  // of its bytes), so that the copy-in does not overwrite it. Bytes moved.
   int64_t guard_reuse(std::vector<Bucket>& buckets, const std::vector<at::Tensor>& params);
   // At a synchronized forward: which tensor each .grad is, so that its
   // backward keeps the same ones (made earlier: kept from the last step, or

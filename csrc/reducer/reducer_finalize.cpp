@@ -166,6 +166,7 @@ void Reducer::write_back(size_t b, const c10::IValue& result) {
     return;
   }
   std::vector<at::Tensor> dsts(bucket.params.size());
+  std::vector<at::Tensor> handed(bucket.params.size());  // Note [gradients handed out]
   for (size_t k = 0; k < bucket.params.size(); ++k) {
     const size_t index = bucket.params[k];
     const bool unused = check_usage && unused_.globally_unused(index);
@@ -195,17 +196,29 @@ void Reducer::write_back(size_t b, const c10::IValue& result) {
                                 at::MemoryFormat::Preserve);
           replaced = true;
         } else if (hand_out) {
-          replaced = views_.hand_out(grad, index, bucket, b, k);  // the result is in its slot
+          handed[k] = views_.hand_out(grad, index, bucket, b, k);
         }
-        dsts[k] = grad;  // shares storage with the slot's tensor: written in place
+        // The grad (shares storage with the slot's tensor: written in place),
+        // or the slot to hand out, where the result is already.
+        dsts[k] = handed[k].defined() ? handed[k] : grad;
       }
       return replaced;
     });
   }
-  // Written without recording autograd history, also into grads that
-  // require grad (create_graph=True).
-  const at::NoGradGuard no_grad;
-  hook_->write_back(bucket, result, dsts);
+  {
+    // Written without recording autograd history, also into grads that
+    // require grad (create_graph=True).
+    const at::NoGradGuard no_grad;
+    hook_->write_back(bucket, result, dsts);
+  }
+  // Only once the result is there: a failed write-back leaves .grad as it was.
+  for (size_t k = 0; k < handed.size(); ++k) {
+    if (!handed[k].defined()) continue;
+    grad_slot_.with_grad(params_[bucket.params[k]], [&](at::Tensor& grad) {
+      grad = handed[k];
+      return true;
+    });
+  }
   finite_.collect(dsts, hook_->settles_own_state());
 }
 

@@ -10,7 +10,7 @@ std::array<std::atomic<int64_t>, kKinds> counters{};
 const char* name(Kind kind) {
   static constexpr const char* kNames[kKinds] = {
       "copy_in_bytes", "hook_bytes", "write_back_bytes", "check_bytes", "state_copy_bytes",
-      "host_syncs", "reallocated_bytes"};
+      "host_syncs", "kept_grad_copy_bytes"};
   return kNames[kind];
 }
 

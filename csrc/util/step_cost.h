@@ -31,9 +31,9 @@ enum Kind : int {
   kCheck,      // the finiteness checks of Note [a bad step leaves no trace]
   kStateCopy,  // hook state copied for overflow safety (snapshot, put back, a spare's input)
   kHostSync,   // host waits for a device (0 on the CPU: there is nothing to wait for)
-  // Bucket buffers allocated anew because a gradient handed out as .grad is still held
-  // elsewhere (Note [gradients handed out]): bytes allocated, no pass over them.
-  kReallocate,
+  // Handed-out gradients still held elsewhere after .grad dropped them, copied to memory
+  // of their own (Note [gradients handed out]): bytes read plus bytes written.
+  kKeptGradCopy,
   kKinds,
 };
 

@@ -30,12 +30,13 @@ void AllreduceHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad)
   if (!grad.defined()) {
     view.zero_();
     cost::add(cost::kCopyIn, static_cast<int64_t>(view.nbytes()));
-  } else if (grad.is_same(view)) {
+  } else if (grad.is_alias_of(view) && same_elements(grad, view)) {
     cost::add(cost::kCopyIn, 2 * static_cast<int64_t>(view.nbytes()));
     // gradient_as_bucket_view: autograd accumulated into the bucket already, and torch's
-    // reducer divides it in place. (A kept handed-out gradient, Note [gradients handed
-    // out], is in its slot too but takes the multiply below, torch's copy-in without
-    // gradient_as_bucket_view: x * (1/n) and x / n differ in the last bit for n = 3.)
+    // reducer (is_alias_of) divides it in place. A kept handed-out gradient (Note
+    // [gradients handed out]) is in its slot too, but with a storage of its own: it takes
+    // the multiply below, torch's copy-in without gradient_as_bucket_view (x * (1/n) and
+    // x / n differ in the last bit for n = 3).
     view.div_(factor_);
     check_grad(bucket, slot, view);  // x / factor is finite exactly when x is
   } else if (!fused_scale_into_view(bucket, slot, grad, 1.0 / static_cast<double>(factor_))) {

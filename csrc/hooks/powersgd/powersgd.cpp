@@ -57,13 +57,16 @@ at::Tensor as_slot(const at::Tensor& flat, const Bucket& bucket, size_t slot) {
 // the error to those slots.
 void PowerSGDHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) {
   std::shared_ptr<BucketState> state;
-  if (options_.use_error_feedback && guard_ == nullptr && !bucket.sparse && grad.defined() &&
-      iter_.load() >= options_.start_powerSGD_iter &&
-      grad.scalar_type() == bucket.flat.scalar_type() && grad.device() == bucket.device &&
-      grad.sizes() == bucket.views[slot].sizes()) {
+  if (options_.use_error_feedback && !bucket.sparse &&
+      iter_.load() >= options_.start_powerSGD_iter) {
     state = existing_state(bucket);
   }
-  if (!state || !state->source.defined()) {
+  const bool fuse = state && state->source.defined() && guard_ == nullptr && grad.defined() &&
+                    grad.scalar_type() == bucket.flat.scalar_type() &&
+                    grad.device() == bucket.device && grad.sizes() == bucket.views[slot].sizes();
+  // Set on every copy-in, so that no flag outlives a step that failed before start().
+  if (state) state->fed[slot] = fuse;
+  if (!fuse) {
     CommHook::copy_in(bucket, slot, grad);
     return;
   }
@@ -71,7 +74,6 @@ void PowerSGDHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) 
   at::add_out(m, grad, as_slot(state->error, bucket, slot));
   // The gradient and the error read, M written.
   cost::add(cost::kCopyIn, 3 * static_cast<int64_t>(m.nbytes()));
-  state->fed[slot] = true;
 }
 
 void PowerSGDHook::add_error_feedback(BucketState& state, const Bucket& bucket) const {

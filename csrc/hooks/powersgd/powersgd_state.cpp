@@ -1,6 +1,8 @@
 // The PowerSGD hook's state: per bucket while training, per parameter across
 // a bucket rebuild and in a checkpoint; its statistics.
 #include <ATen/ATen.h>
+
+#include <algorithm>
 #include <c10/util/Exception.h>
 
 #include "powersgd.h"
@@ -127,7 +129,12 @@ at::Tensor PowerSGDHook::settle_step(const at::Tensor& finite) {
 
 void PowerSGDHook::discard_step() {
   std::lock_guard<std::mutex> lock(mutex_);
-  for (auto& entry : states_) entry.second->pending = false;  // the spares are scratch again
+  for (auto& entry : states_) {
+    BucketState& s = *entry.second;
+    s.pending = false;  // the spares are scratch again
+    // Note [error feedback in the copy-in]: a failed step's M is not the next one's.
+    std::fill(s.fed.begin(), s.fed.end(), false);
+  }
 }
 
 void PowerSGDHook::carry(const BucketState& s, PowerSGDCheckpoint& into) const {

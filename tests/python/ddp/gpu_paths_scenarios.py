@@ -167,6 +167,22 @@ def channels_last_on_cuda(gradient_as_bucket_view: bool) -> None:
     assert weight.grad.is_contiguous(memory_format=torch.channels_last), weight.grad.stride()
 
 
+def handed_out_gradients_on_cuda() -> dict:
+    """Note [gradients handed out] on CUDA: zero_grad() each step, the reduced gradients
+    are the bucket slots (no write-back), equal to torch DDP's; then last step's gradients
+    kept in a list across zero_grad() keep their values (they get memory of their own)."""
+    ref, fast = _pair(mlp, bucket_cap_mb=0.001)
+    train(ref, fast, batch=cuda_batch)
+    one_pass = dict(fast.comm_stats()["step_cost"])
+    kept = [[p.grad for p in m.module.parameters()] for m in (ref, fast)]
+    snapshot = [g.clone() for g in kept[0]]
+    train(ref, fast, batch=lambda step: cuda_batch(step + 10), steps=1)
+    for i, (theirs, ours, before) in enumerate(zip(*kept, snapshot)):
+        assert torch.equal(theirs, before), f"torch DDP changed kept gradient {i}"
+        assert torch.equal(ours, theirs), f"fastddp's kept gradient {i} differs from torch's"
+    return {"one_pass": one_pass, "kept": dict(fast.comm_stats()["step_cost"])}
+
+
 def bucket_over_2gib() -> int:
     """One float32 weight of 537M elements (2^31 + 1.1M bytes) in one bucket: offsets and
     element counts past int32 in the copy-in, the collective and the write-back. Returns

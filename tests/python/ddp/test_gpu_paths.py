@@ -49,6 +49,14 @@ def test_channels_last_gradients(nccl1, gradient_as_bucket_view):
     nccl1.check(scenarios.channels_last_on_cuda, gradient_as_bucket_view=gradient_as_bucket_view)
 
 
+def test_handed_out_gradients(nccl1):
+    # Issue 55 on CUDA: one pass (nothing written back), torch's values, and last step's
+    # gradients kept in a list copied out of the buckets before the next copy-in.
+    (cost,) = nccl1.check(scenarios.handed_out_gradients_on_cuda)
+    assert cost["one_pass"]["write_back_bytes"] == 0, cost
+    assert cost["kept"]["kept_grad_copy_bytes"] > 0, cost
+
+
 def test_a_bucket_over_2gib(nccl1):
     (size,) = nccl1.check(scenarios.bucket_over_2gib)
     assert size > 2 ** 31
