@@ -12,7 +12,7 @@ held-out accuracy) and the source of Python's standard library (a character-leve
 transformer, held-out bits per character). Every configuration trains the same model from
 the same seed on the same per-rank batches for --steps steps on --nproc gloo ranks, one
 intra-op thread each, and is scored on the held-out split every --eval-every steps. The
-learning rate decays along a cosine to FINAL_LR of its peak; the low-rank hooks compress
+learning rate decays along a cosine to a tenth of its peak (quality_tasks.train); the low-rank hooks compress
 from 10% of the steps on (START).
 
 Configurations (--configs): "hooks" (the default) are the per-step ones, a DDP comm hook
@@ -50,12 +50,11 @@ from fastddp.hooks import catalog
 from fastddp.link import EmulatedLinkGroup
 
 from common import periodic_sync, quality_chart, quality_table_merge  # benchmarks/common/: scripts run from benchmarks/
-from common.quality_tasks import task as make_task
+from common.quality_tasks import task as make_task, train
 
 # The low-rank hooks' plain allreduce steps (PowerSGD's start_powerSGD_iter): 10% of the
 # run, where torch's PowerSGDState docs say to start tuning it. Set from --steps in worker().
 START = 30
-FINAL_LR = 0.1  # every run's learning rate decays along a cosine to this share of its peak
 # Within this of fp32 allreduce's final score counts as its quality: one digit in a hundred
 # held-out images (accuracy), 2% of the bits per character (text).
 TOLERANCE = {"accuracy": 0.01, "bits/char": 0.02}
@@ -107,26 +106,6 @@ TIMED_STEPS = 8  # per-step configurations: the median of this many steps
 TIMED_MIN = 96   # periodic ones: the mean over whole sync periods of at least this many steps
 
 
-def train(t, config: str, steps: int, eval_every: int) -> dict:
-    """Scores every eval_every steps (rank 0's model), and the bytes sent per step."""
-    run = CONFIGS[config](t, None, START)
-    decay = torch.optim.lr_scheduler.LambdaLR(
-        run.opt, lambda s: FINAL_LR + (1 - FINAL_LR) * (1 + math.cos(math.pi * s / steps)) / 2)
-    rank, scores = dist.get_rank(), {}
-    for step in range(1, steps + 1):
-        x, y = t.batch(rank, step)
-        run.opt.zero_grad(set_to_none=True)
-        t.loss(run.model, x, y).backward()
-        run.opt.step()
-        run.after_step()
-        decay.step()
-        if step % eval_every == 0 or step == steps:
-            scores[step] = t.evaluate(run.module)
-    sent = run.sent(steps)
-    run.close()
-    return {"scores": scores, "sent": sent}
-
-
 def step_ms(t, config: str, link: str, quick: bool = False) -> float | None:
     """A per-step configuration: the median of TIMED_STEPS steps past the low-rank hooks'
     start. A periodic one: the mean over whole sync periods (at least TIMED_MIN steps; one
@@ -166,7 +145,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
     out = {}
     for name in args.tasks:
         t = make_task(name)
-        runs = {c: train(t, c, args.steps, args.eval_every) for c in args.configs}
+        runs = {c: train(t, CONFIGS[c](t, None, START), args.steps, args.eval_every)
+                for c in args.configs}
         times = {c: {link: step_ms(t, c, link, args.quick) for link in args.links}
                  for c in args.configs}
         out[name] = {"metric": t.metric, "higher": t.higher_is_better, "runs": runs,

@@ -50,17 +50,26 @@ def _float32_bytes(model: nn.Module) -> int:
 
 
 def diloco(sync_every: int, wire: str = "fp32", fragments: int = 1, overlap: int = 0,
-           quantized_sum: str = "gather") -> Callable:
-    """fastddp.DiLoCo around the task's optimizer (the inner one), outer Nesterov SGD."""
+           quantized_sum: str = "gather", outer_lr: float = OUTER_LR,
+           outer_momentum: float = OUTER_MOMENTUM) -> Callable:
+    """fastddp.DiLoCo around the task's optimizer (the inner one), outer Nesterov SGD (plain
+    SGD at momentum 0)."""
     def make(t, group, start: int) -> Setup:
         model = t.make_model()
         opt = t.optimizer(model.parameters())
-        d = fastddp.DiLoCo(model, opt, sync_every=sync_every, outer_lr=OUTER_LR,
-                           outer_momentum=OUTER_MOMENTUM, wire=wire, fragments=fragments,
+        d = fastddp.DiLoCo(model, opt, sync_every=sync_every, outer_lr=outer_lr,
+                           outer_momentum=outer_momentum, wire=wire, fragments=fragments,
                            overlap=overlap, quantized_sum=quantized_sum, process_group=group)
         return Setup(model, model, opt, lambda steps: round(d.stats()["payload_bytes"] / steps),
                      period=sync_every, warmup=sync_every, close=d.close)
     return make
+
+
+def alone(t, group, start: int) -> Setup:
+    """No communication at all: every rank trains its own copy on its own batches (what
+    DiLoCo with H = infinity would do); rank 0's copy is scored."""
+    model = t.make_model()
+    return Setup(model, model, t.optimizer(model.parameters()), lambda steps: 0)
 
 
 def post_local_sgd(period: int = POST_LOCAL_PERIOD) -> Callable:

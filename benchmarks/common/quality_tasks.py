@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed
 import torch.nn.functional as F
 from torch import nn
 
+FINAL_LR = 0.1  # every run's learning rate decays along a cosine to this share of its peak
 TEXT_BYTES = 600_000  # of the standard library's source: enough for a few hundred steps
 CONTEXT = 64
 
@@ -125,3 +127,25 @@ def _text() -> Task:
 
 def task(name: str) -> Task:
     return {"digits": _digits, "text": _text}[name]()
+
+
+def train(t: Task, run, steps: int, eval_every: int) -> dict:
+    """Trains ``run`` (a periodic_sync.Setup: the module the loss runs, the one scored, the
+    optimizer, what follows each step) for ``steps`` steps on this rank's batches, the
+    learning rate along a cosine to FINAL_LR of its peak. Returns rank 0's scores every
+    ``eval_every`` steps (and at the last) and the bytes one rank sent per step."""
+    decay = torch.optim.lr_scheduler.LambdaLR(
+        run.opt, lambda s: FINAL_LR + (1 - FINAL_LR) * (1 + math.cos(math.pi * s / steps)) / 2)
+    rank, scores = torch.distributed.get_rank(), {}
+    for step in range(1, steps + 1):
+        x, y = t.batch(rank, step)
+        run.opt.zero_grad(set_to_none=True)
+        t.loss(run.model, x, y).backward()
+        run.opt.step()
+        run.after_step()
+        decay.step()
+        if step % eval_every == 0 or step == steps:
+            scores[step] = t.evaluate(run.module)
+    sent = run.sent(steps)
+    run.close()
+    return {"scores": scores, "sent": sent}

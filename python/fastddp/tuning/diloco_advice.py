@@ -20,6 +20,15 @@ recommends it. It is proposed when all three hold:
 
 Of the configurations meeting 2 and 3, the fastest predicted is recommended. When 1 holds and
 2 or 3 does not, the text says which, with the figures.
+
+Those rows were measured at the paper's outer step (Nesterov SGD, lr 0.7, momentum 0.9). What
+the outer learning rate and momentum do on a short run with few workers is a second table
+(diloco_small_table.py, benchmarks/diloco_small.py, docs/diloco.md#small-jobs): the paragraph
+cites its row for the run's world size on the nearest task (the paper's setting, the best
+measured one with its ``--sync`` flag, and no communication at all), and says plainly when the
+table has no row for that world size or task: then nothing is known of the outer settings
+there. The recommendation itself stays the quality table's (its rows are what was measured
+with the H it recommends).
 """
 
 import math
@@ -27,7 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fastddp.link.model import Link
-from fastddp.tuning import cost_model, quality, quality_table
+from fastddp.tuning import cost_model, diloco_small_table, quality, quality_table
 
 COMM_BOUND = 0.5
 MIN_GAIN = 0.2
@@ -133,8 +142,46 @@ def consider(per_step: Sequence[dict[str, Any]], compute_ms: float, numel: int, 
               "predicted_step_ms": (pick or {}).get("predicted_step_ms"),
               "task": task, "text": None}
     if bound:
-        result["text"] = _why(best, options, faster, chosen, table, task)
+        result["text"] = (_why(best, options, faster, chosen, table, task) + "\n"
+                          + outer_settings(task, world))
     return result
+
+
+def _better(a: float, b: float, higher: bool) -> bool:
+    return a > b if higher else a < b
+
+
+def outer_settings(task: str, world: int) -> str:
+    """The small-job table's line for ``world`` workers on ``task`` (Note [DiLoCo advice]),
+    or what it does not know."""
+    table = diloco_small_table.SMALL_JOBS
+    entry = table["tasks"].get(task, {"worlds": {}})
+    regime = f"{table['steps']} inner steps at H = {table['sync_every']}"
+    where = f"{quality.TASKS.get(task, task)}"
+    if world not in entry["worlds"]:
+        measured = sorted({w for e in table["tasks"].values() for w in e["worlds"]})
+        return (f"Outer settings: the small-job table (docs/diloco.md#small-jobs) has no row "
+                f"for {world} workers on {where} (measured: "
+                f"{', '.join(map(str, measured))} workers, {regime}), so how the outer "
+                "learning rate and momentum train at this scale is not known here; the "
+                "defaults (the paper's 0.7 and 0.9) were tuned on the paper's task over "
+                "thousands of inner steps. Compare the loss after the first syncs with a run "
+                "where no worker syncs.")
+    rows, higher = entry["worlds"][world], entry["higher_is_better"]
+    settings = {name: rows[name] for name in table["settings"] if name in rows}
+    best = (max if higher else min)(settings, key=settings.get)
+    lr, momentum = table["settings"][best]
+    paper, alone = rows[table["paper"]], rows[table["alone"]]
+    flag = f"--sync diloco:H={table['sync_every']},outer_lr={lr:g},outer_momentum={momentum:g}"
+    text = (f"Outer settings on a short run ({regime}, {world} workers, {where}; "
+            f"docs/diloco.md#small-jobs): {table['reference']} {rows[table['reference']]:.4f}, "
+            f"no communication {alone:.4f}, the defaults ({table['paper']}) {paper:.4f}")
+    text += (": the best measured." if best == table["paper"] else
+             f", the best measured {best} {settings[best]:.4f} ({flag}).")
+    if not _better(paper, alone, higher):
+        text += (" Here the defaults trained no better than not communicating at all: on a "
+                 "run like this one, lower the outer momentum.")
+    return text
 
 
 def _why(best: dict[str, Any], options: list[dict[str, Any]], faster: list[dict[str, Any]],

@@ -138,6 +138,8 @@ def test_slow_link_recommends_diloco_the_table_supports(table) -> None:
     assert "diloco h100 3.1900 (within 2%), 0.12 MB sent a step" in text
     assert "Recommended: --sync diloco:H=100 " in text
     assert text in advise.format_markdown(advice)
+    # The outer settings' line: the small-job table's row for these 4 workers, or its absence.
+    assert text.endswith(diloco_advice.outer_settings("text", WORLD))
 
 
 def test_slow_link_unmeasured_rows_are_never_recommended(table) -> None:
@@ -240,3 +242,59 @@ def test_a_failing_diloco_verdict_costs_nothing_else(table, monkeypatch) -> None
     assert advice["diloco"] == {"error": "RuntimeError: boom", "recommended": None,
                                 "text": None}
     assert advice["best"] in ("int8", "fp8") and "DiLoCo" not in advise.format_markdown(advice)
+
+
+# A small-job table as benchmarks/diloco_small.py writes it (bits/char, lower is better).
+SMALL = {"steps": 1000, "sync_every": 20, "reference": "torch DDP", "alone": "no communication",
+         "paper": "diloco 0.7/0.9 (paper)",
+         "settings": {"diloco 0.7/0.9 (paper)": [0.7, 0.9], "diloco 1/0 (averaging)": [1.0, 0.0],
+                      "diloco 0.5/0.5": [0.5, 0.5]},
+         "tasks": {"text": {"metric": "bits/char", "higher_is_better": False, "worlds": {
+             2: {"torch DDP": 2.50, "no communication": 2.90, "diloco 0.7/0.9 (paper)": 2.95,
+                 "diloco 1/0 (averaging)": 2.60, "diloco 0.5/0.5": 2.70},
+             3: {"torch DDP": 2.50, "no communication": 2.90, "diloco 0.7/0.9 (paper)": 2.55,
+                 "diloco 1/0 (averaging)": 2.60, "diloco 0.5/0.5": 2.58}}}}}
+
+
+def test_outer_settings_cite_the_small_job_row(monkeypatch) -> None:
+    monkeypatch.setattr(diloco_advice.diloco_small_table, "SMALL_JOBS", SMALL)
+    text = diloco_advice.outer_settings("text", 2)
+    assert text.startswith("Outer settings on a short run (1000 inner steps at H = 20, 2 workers")
+    for cited in ("torch DDP 2.5000", "no communication 2.9000",
+                  "the defaults (diloco 0.7/0.9 (paper)) 2.9500",
+                  "the best measured diloco 1/0 (averaging) 2.6000 "
+                  "(--sync diloco:H=20,outer_lr=1,outer_momentum=0)"):
+        assert cited in text, cited
+    # The paper's setting ended worse than no communication (2.95 against 2.90): said so.
+    assert "no better than not communicating" in text
+    # The flag it cites is the launcher's.
+    flag = text[text.index("(--sync ") + len("(--sync "):text.index(").", text.index("(--sync "))]
+    assert parse_sync_spec(flag) == {"sync_every": 20, "outer_lr": 1.0, "outer_momentum": 0.0}
+    # At 3 workers the defaults are the best and beat no communication: nothing more said.
+    text = diloco_advice.outer_settings("text", 3)
+    assert text.endswith("the defaults (diloco 0.7/0.9 (paper)) 2.5500: the best measured.")
+
+
+def test_outer_settings_say_what_the_table_does_not_know(monkeypatch) -> None:
+    monkeypatch.setattr(diloco_advice.diloco_small_table, "SMALL_JOBS", SMALL)
+    for task, world in (("text", 8), ("digits", 2)):
+        text = diloco_advice.outer_settings(task, world)
+        assert text.startswith(f"Outer settings: the small-job table "
+                               f"(docs/diloco.md#small-jobs) has no row for {world} workers")
+        assert "(measured: 2, 3 workers, 1000 inner steps at H = 20)" in text
+        assert "is not known here" in text and "Recommended" not in text
+
+
+def test_the_shipped_small_job_table_is_whole() -> None:
+    """Every measured world holds the reference, no communication and every setting, and
+    each setting is one the launcher's --sync takes."""
+    table = diloco_advice.diloco_small_table.SMALL_JOBS
+    assert {task: set(entry["worlds"]) for task, entry in table["tasks"].items()} == {
+        "text": {2, 4}, "digits": {2, 4}}  # what docs/diloco.md's small-job table shows
+    assert table["paper"] in table["settings"]
+    for task in table["tasks"].values():
+        for rows in task["worlds"].values():
+            assert set(rows) == {table["reference"], table["alone"], *table["settings"]}
+    for lr, momentum in table["settings"].values():
+        spec = f"diloco:H={table['sync_every']},outer_lr={lr:g},outer_momentum={momentum:g}"
+        assert parse_sync_spec(spec)["outer_lr"] == lr

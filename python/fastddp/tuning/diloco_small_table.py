@@ -1,0 +1,50 @@
+"""Generated (do not edit) by
+
+    python benchmarks/diloco_small.py --write-table python/fastddp/tuning/diloco_small_table.py
+
+DiLoCo's outer settings on short runs (issue 54 item 3): each configuration's final held-out score per task and world
+size, which --advise cites (fastddp/tuning/diloco_advice.py). The table and its reading:
+docs/diloco.md, benchmarks/results/diloco_small.md."""
+
+SMALL_JOBS = {'steps': 1000,
+ 'sync_every': 20,
+ 'settings': {'diloco 0.7/0.9 (paper)': [0.7, 0.9],
+              'diloco 0.35/0.9': [0.35, 0.9],
+              'diloco 0.7/0.5': [0.7, 0.5],
+              'diloco 1/0 (averaging)': [1.0, 0.0],
+              'diloco 0.5/0.5': [0.5, 0.5]},
+ 'tasks': {'text': {'metric': 'bits/char',
+                    'higher_is_better': False,
+                    'worlds': {2: {'torch DDP': 2.6465,
+                                   'no communication': 2.7658,
+                                   'diloco 0.7/0.9 (paper)': 2.6051,
+                                   'diloco 0.35/0.9': 2.6599,
+                                   'diloco 0.7/0.5': 2.6329,
+                                   'diloco 1/0 (averaging)': 2.7416,
+                                   'diloco 0.5/0.5': 2.7869},
+                               4: {'torch DDP': 2.5603,
+                                   'no communication': 2.7658,
+                                   'diloco 0.7/0.9 (paper)': 2.5539,
+                                   'diloco 0.35/0.9': 2.6434,
+                                   'diloco 0.7/0.5': 2.629,
+                                   'diloco 1/0 (averaging)': 2.7467,
+                                   'diloco 0.5/0.5': 2.7801}}},
+           'digits': {'metric': 'accuracy',
+                      'higher_is_better': True,
+                      'worlds': {2: {'torch DDP': 0.9865,
+                                     'no communication': 0.9865,
+                                     'diloco 0.7/0.9 (paper)': 0.1684,
+                                     'diloco 0.35/0.9': 0.9731,
+                                     'diloco 0.7/0.5': 0.9899,
+                                     'diloco 1/0 (averaging)': 0.9899,
+                                     'diloco 0.5/0.5': 0.9865},
+                                 4: {'torch DDP': 0.9832,
+                                     'no communication': 0.9865,
+                                     'diloco 0.7/0.9 (paper)': 0.9899,
+                                     'diloco 0.35/0.9': 0.9899,
+                                     'diloco 0.7/0.5': 0.9832,
+                                     'diloco 1/0 (averaging)': 0.9832,
+                                     'diloco 0.5/0.5': 0.9832}}}},
+ 'reference': 'torch DDP',
+ 'alone': 'no communication',
+ 'paper': 'diloco 0.7/0.9 (paper)'}
