@@ -10,8 +10,8 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from fastddp import _C
-from fastddp._group_ops import broadcast_tensors
 from fastddp import hooks as fastddp_hooks
+from fastddp._group_ops import broadcast_tensors
 from fastddp.ddp import (_compile, _forward, _hook_install, _hook_state, _overlap_optimizer,
                          _pickling, _python_reducer)
 from fastddp.ddp._construction import (_check_module, _expect_sparse_gradients, _not_yet,
