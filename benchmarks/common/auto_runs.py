@@ -92,7 +92,7 @@ class Run:
 
 
 def fixed(kind: str, group: dist.ProcessGroup, name: str) -> Run:
-    """A run of candidate ``name`` (fastddp/hooks/_auto.py's names) from the first step."""
+    """A run of candidate ``name`` (fastddp/hooks/auto_hook.py's names) from the first step."""
     cap = advise.variant_cap(name)
     return Run(kind, group, auto_module.hook_for(name), cap if cap is not None else CAP_MB)
 

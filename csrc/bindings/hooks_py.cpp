@@ -15,7 +15,7 @@
 #include "../hooks/hierarchical/hierarchical.h"
 #include "../hooks/powersgd/orthogonalize.h"
 #include "../hooks/powersgd/powersgd_plan.h"
-#include "../hooks/quant4/quant4_ops.h"
+#include "../diloco/quant4_ops.h"
 #include "../hooks/quant8/quant8_ops.h"
 #include "../hooks/common/registry.h"
 #include "../hooks/common/side_stream.h"
@@ -126,19 +126,6 @@ void bind_hooks(py::module& m) {
       "Hierarchical reduction (Note [hierarchical reduction]): reduce_scatter over intra_group, "
       "`inner` (a hook built on inter_group) on this rank's shard, allgather over intra_group. "
       "factor_counts_nodes: the model's reducer runs on inter_group (torchft).");
-  m.def(
-      "hierarchical_wire_bytes",
-      [](const CommHook& hook, int64_t numel, const std::string& dtype) {
-        const auto* h = dynamic_cast<const HierarchicalHook*>(&hook);
-        if (h == nullptr) throw py::type_error("fastddp: not a hierarchical comm hook");
-        Bucket bucket;
-        const at::ScalarType type = dtype == "float64" ? at::kDouble : at::kFloat;
-        bucket.flat = at::empty({numel}, at::TensorOptions().dtype(type).device(at::kMeta));
-        return std::make_pair(h->wire_bytes(bucket), h->intra_wire_bytes(bucket));
-      },
-      py::arg("hook"), py::arg("numel"), py::arg("dtype") = "float32",
-      "(inter-node bytes, intra-node bytes) one rank sends for a bucket of `numel` elements.");
-  m.def("comm_hook_name", [](const CommHook& hook) { return hook.name(); });
   // For other extensions: fastddp::register_comm_hook_factory without linking to us.
   m.attr("_comm_hook_registrar") = py::capsule(
       reinterpret_cast<void*>(static_cast<RegisterCommHookFn>(&register_comm_hook_factory)),

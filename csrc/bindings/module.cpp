@@ -224,7 +224,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_participants", &Reducer::set_participants, py::arg("count"),
            py::arg("contributes"), nogil())
       .def("settle_pending", &Reducer::settle_pending, py::arg("commit"), nogil())
-      .def("settle_waiting", &Reducer::settle_waiting, nogil())
       .def("freeze_buckets", &Reducer::freeze_buckets, nogil())
       .def("shadow_backward", &Reducer::shadow_backward, nogil())
       .def("record_default_ready_order", &Reducer::record_default_ready_order, nogil())

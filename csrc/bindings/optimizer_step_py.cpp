@@ -118,8 +118,7 @@ void bind_optimizer_step(py::module& m) {
              std::vector<FusedGroup> native;
              for (const py::dict& g : groups) native.push_back(fused_group(g));
              step.set_groups(std::move(native));
-           })
-      .def("clear_state", &FusedStep::clear_state);
+           });
 }
 
 }  // namespace fastddp

@@ -20,12 +20,6 @@ FusedStep::FusedStep(Kind kind, std::vector<at::Tensor> params, std::vector<int6
                 " group indices for ", params_.size(), " parameters");
 }
 
-void FusedStep::clear_state() {
-  for (auto& state : state_) state.clear();
-  std::fill(known_.begin(), known_.end(), false);
-  std::fill(fresh_.begin(), fresh_.end(), false);
-}
-
 void FusedStep::step_bucket(const std::vector<size_t>& params) {
   // Per param group, in the bucket's order: the parameters with a gradient,
   // as torch's step skips those whose .grad is None.

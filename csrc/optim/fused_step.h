@@ -61,8 +61,6 @@ class FusedStep final : public OptimizerStep {
 
   // Before each synchronized backward: the param groups' hyperparameters.
   void set_groups(std::vector<FusedGroup> groups) { groups_ = std::move(groups); }
-  // The optimizer's state was replaced (load_state_dict): forget every tensor.
-  void clear_state();
 
   void step_bucket(const std::vector<size_t>& params) override;
   void end_of_backward() override {}

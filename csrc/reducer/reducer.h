@@ -209,7 +209,6 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // The last finished step's hook state: kept if `commit`, else put back as
   // after an overflow step. No-op when nothing waits.
   void settle_pending(bool commit);
-  bool settle_waiting() const;
   // The buckets stay as they are (no rebuild from the first step's order), so
   // that a replica that joins later lays them out as the others did.
   void freeze_buckets();

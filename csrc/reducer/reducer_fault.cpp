@@ -38,11 +38,6 @@ void Reducer::settle_pending(bool commit) {
   }
 }
 
-bool Reducer::settle_waiting() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return fault_.holding();
-}
-
 void Reducer::freeze_buckets() {
   std::lock_guard<std::mutex> lock(mutex_);
   ready_order_.note_rebuilt();

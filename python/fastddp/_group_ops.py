@@ -15,6 +15,7 @@ takes ``timeout`` as torch declares it (``def wait(self, timeout)``) raises Type
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
@@ -24,6 +25,8 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions, AllT
 
 # c10d's kNoTimeout (Work::wait's default in C++): wait as long as the backend's timeout.
 NO_TIMEOUT = timedelta(0)
+# torch DDP broadcasts module state in chunks of this size.
+BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 
 
 def wait(work: dist.Work) -> None:
@@ -89,3 +92,9 @@ def all_gather_single(group: dist.ProcessGroup, output: torch.Tensor,
     # torch 2.14 added the method under this name; the old one is c10d's _allgather_base.
     launch = getattr(group, "all_gather_single", None) or group._allgather_base
     return launch(output, tensor, AllgatherOptions())
+
+
+def broadcast_tensors(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor], src: int) -> None:
+    """Copies `tensors` from rank `src` to every rank, coalesced into few collectives."""
+    if tensors:
+        dist._broadcast_coalesced(group, list(tensors), BROADCAST_BUCKET_BYTES, src)

@@ -1,6 +1,9 @@
 """The layout of python/fastddp stays layered (issue 27): no module imports, directly or
 through others, a module that imports it back, counting imports deferred into functions and
-those under ``if TYPE_CHECKING``; and no source file grows past 450 lines.
+those under ``if TYPE_CHECKING``; and no source file grows past 450 lines. The packages
+(issue 53): none imports another's private modules or names (a name with a leading
+underscore, or anything under one), the shared foundation aside (FOUNDATION), and no
+package imports, directly or through others, a package that imports it back.
 
 The graph is read from the sources with ``ast``, nothing is imported. ``from X import Y`` is
 an edge to module ``X.Y`` where that is a module of the package, else to ``X``; the implicit
@@ -20,6 +23,10 @@ SOURCE_ROOT = Path(__file__).resolve().parents[2] / "python"
 MAX_LINES = 450
 # setup.py's extension: a module (a leaf) whether or not it is built in this checkout.
 EXTENSIONS = ("fastddp._C",)
+# The shared foundation under the packages: the extension and the top-level helpers, which
+# every package may use (private by name, as they are no user's API).
+FOUNDATION = ("fastddp._C", "fastddp._group_ops", "fastddp._compat", "fastddp._build",
+              "fastddp._libstdcxx")
 
 
 def modules(root: Path) -> dict[str, Path]:
@@ -88,6 +95,82 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def package_of(module: str) -> str:
+    """``fastddp.hooks`` for ``fastddp.hooks._auto``; the root ``fastddp`` for its own
+    top-level modules (``fastddp.__main__``)."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 or f"{module}/" in _SUBPACKAGES else PACKAGE
+
+
+_SUBPACKAGES: set[str] = set()
+
+
+def _private(dotted: str) -> bool:
+    """A module or name under another package with a leading underscore anywhere below the
+    package (``fastddp.hooks._auto``, ``fastddp.launch.patch._set_ddp_names``), outside the
+    foundation."""
+    if any(dotted == f or dotted.startswith(f + ".") for f in FOUNDATION):
+        return False
+    return any(part.startswith("_") and not part.startswith("__")
+               for part in dotted.split(".")[1:])
+
+
+def private_imports(root: Path) -> list[str]:
+    """``module: name`` for every private module or name of another package that a module
+    imports (``from X import _y``, ``import X._y``, or ``alias._y`` on a module imported as
+    ``alias``), deferred imports included."""
+    found = modules(root)
+    _SUBPACKAGES.clear()
+    _SUBPACKAGES.update(f"{name}/" for name, path in found.items()
+                        if path.name == "__init__.py" and name.count(".") == 1)
+    bad = []
+    for name, path in found.items():
+        own = package_of(name)
+        tree = ast.parse(path.read_text(), filename=str(path))
+        aliases: dict[str, str] = {}  # local name -> the dotted module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] == PACKAGE:
+                        aliases[a.asname or a.name.split(".")[0]] = (
+                            a.name if a.asname else PACKAGE)
+                        named = [a.name]
+                        bad += [f"{name}: {d}" for d in named
+                                if package_of(d) != own and _private(d)]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module and \
+                    node.module.split(".")[0] == PACKAGE:
+                for a in node.names:
+                    dotted = f"{node.module}.{a.name}"
+                    aliases[a.asname or a.name] = dotted
+                    if package_of(dotted) != own and _private(dotted):
+                        bad.append(f"{name}: {dotted}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                    node.value.id in aliases and node.attr.startswith("_") and \
+                    not node.attr.startswith("__"):
+                dotted = f"{aliases[node.value.id]}.{node.attr}"
+                if f"{dotted}/" in _SUBPACKAGES or dotted.count(".") >= 2 or \
+                        dotted in found:
+                    if package_of(dotted) != own and _private(dotted):
+                        bad.append(f"{name}: {dotted}")
+    return sorted(set(bad))
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Package -> the other packages its modules import. The root package is left out: its
+    ``__init__`` imports every package (that is how the package is built), and a module that
+    imports ``fastddp`` uses the product's public API as a user does."""
+    packages: dict[str, set[str]] = {}
+    for module, edges in graph.items():
+        own = package_of(module)
+        if own == PACKAGE:
+            continue
+        packages.setdefault(own, set()).update(
+            p for e in edges if (p := package_of(e)) not in (own, PACKAGE)
+            and e not in FOUNDATION)
+    return packages
+
+
 def long_files(root: Path, limit: int = MAX_LINES) -> list[str]:
     return [f"{path.relative_to(root)}: {n} lines" for path in modules(root).values()
             if (n := len(path.read_text().splitlines())) > limit]
@@ -98,6 +181,18 @@ def test_the_package_has_no_import_cycle() -> None:
     assert len(graph) > 20, sorted(graph)  # the package was found
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_package_imports_another_packages_private_names() -> None:
+    assert private_imports(SOURCE_ROOT) == []
+
+
+def test_no_package_imports_a_package_that_imports_it_back() -> None:
+    graph = import_graph(SOURCE_ROOT)
+    packages = package_graph(graph)
+    assert {"fastddp.ddp", "fastddp.hooks", "fastddp.launch", "fastddp.diloco"} <= set(packages)
+    cycle = find_cycle(packages)
+    assert cycle is None, "packages in a circle: " + " -> ".join(cycle)
 
 
 def test_no_source_file_over_the_limit() -> None:
@@ -141,9 +236,36 @@ def test_the_checker_ignores_parent_packages_and_names(tmp_path: Path) -> None:
     assert long_files(tmp_path) == [f"fastddp/sub/x.py: {MAX_LINES + 1} lines"]
 
 
+def test_the_checker_finds_private_imports_and_package_circles(tmp_path: Path) -> None:
+    # b imports a's private module, a private name, and reaches one through an alias; a's
+    # own modules may use each other's private names; the foundation is anyone's. a imports
+    # b through one module and b imports a through another: a circle of packages, though
+    # no module circle.
+    _write(tmp_path, {"fastddp/__init__.py": "", "fastddp/_group_ops.py": "",
+                      "fastddp/a/__init__.py": "", "fastddp/a/_impl.py": "def _f(): pass\n",
+                      "fastddp/a/api.py": "from fastddp.a._impl import _f\n"
+                                          "from fastddp.b.top import T\n_g = 1\n",
+                      "fastddp/b/__init__.py": "",
+                      "fastddp/b/top.py": "from fastddp import _group_ops\nT = 1\n",
+                      "fastddp/b/other.py": "from fastddp.a import _impl\n"
+                                            "from fastddp.a.api import _f\n"
+                                            "import fastddp.a.api as api\n"
+                                            "def g():\n    return api._g\n"})
+    assert private_imports(tmp_path) == ["fastddp.b.other: fastddp.a._impl",
+                                         "fastddp.b.other: fastddp.a.api._f",
+                                         "fastddp.b.other: fastddp.a.api._g"]
+    graph = import_graph(tmp_path)
+    assert find_cycle(graph) is None
+    assert find_cycle(package_graph(graph)) == ["fastddp.a", "fastddp.b", "fastddp.a"]
+
+
 if __name__ == "__main__":
     root = Path(sys.argv[1]) if len(sys.argv) > 1 else SOURCE_ROOT
     found = find_cycle(import_graph(root))
     print("import cycle: " + " -> ".join(found) if found else "no import cycle")
     print("\n".join(long_files(root)) or f"no file over {MAX_LINES} lines")
-    sys.exit(1 if found or long_files(root) else 0)
+    private = private_imports(root)
+    print("\n".join(private) or "no private import across packages")
+    circle = find_cycle(package_graph(import_graph(root)))
+    print("packages in a circle: " + " -> ".join(circle) if circle else "no package circle")
+    sys.exit(1 if found or long_files(root) or private or circle else 0)

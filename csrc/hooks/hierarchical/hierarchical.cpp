@@ -290,8 +290,4 @@ int64_t HierarchicalHook::wire_bytes(const Bucket& bucket) const {
   return inner_->wire_bytes(shard);
 }
 
-int64_t HierarchicalHook::intra_wire_bytes(const Bucket& bucket) const {
-  return 2 * padded_numel(bucket.flat.numel()) * static_cast<int64_t>(bucket.flat.element_size());
-}
-
 }  // namespace fastddp

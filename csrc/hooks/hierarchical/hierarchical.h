@@ -93,10 +93,8 @@ class HierarchicalHook : public CommHook {
   at::Tensor settle_step(const at::Tensor& finite) override { return inner_->settle_step(finite); }
   void discard_step() override { inner_->discard_step(); }
   // The inner hook's bytes for this rank's shard: what crosses the inter-node
-  // link. The intra-node bytes are intra_wire_bytes().
+  // link (the node's reduce_scatter and allgather are not counted).
   int64_t wire_bytes(const Bucket& bucket) const override;
-  // reduce_scatter + allgather of the padded bucket inside the node.
-  int64_t intra_wire_bytes(const Bucket& bucket) const;
 
   const std::shared_ptr<CommHook>& inner() const { return inner_; }
   int local_size() const { return local_size_; }

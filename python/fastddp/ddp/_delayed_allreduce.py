@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastddp import _group_ops
-from fastddp.ddp._module_sync import broadcast_tensors
+from fastddp._group_ops import broadcast_tensors
 
 
 def check_arguments(named_params, hook_param) -> None:

@@ -1,5 +1,5 @@
 """Registering a comm hook on fastddp.DistributedDataParallel: the C++ hook that runs it,
-torch's PowerSGDState tied live to it (fastddp/hooks/_powersgd_live.py), and for
+torch's PowerSGDState tied live to it (fastddp/hooks/powersgd_live.py), and for
 ``fastddp.hooks.auto()`` the tuner that picks the hook while training (fastddp.tuning)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from fastddp import hooks
 from fastddp.ddp._mixed_precision import refuse_comm_hook
 from fastddp.ddp._tuner_handle import TunerHandle
-from fastddp.hooks import AutoHook, _powersgd_live
+from fastddp.hooks import AutoHook, powersgd_live
 from fastddp.tuning.auto import AutoTuner
 
 
@@ -31,10 +31,10 @@ def install(ddp: DistributedDataParallel, state: object, hook: Any) -> None:
     native = hooks.resolve(state, hook, ddp.process_group, ddp._reducer_params)
     # torch's PowerSGDState: its training state goes into the native hook (raises, before
     # anything changes, for a state it cannot take), and is read from it from now on.
-    live = _powersgd_live.load(state, ddp, native)
+    live = powersgd_live.load(state, ddp, native)
     if ddp._reducer is None:  # world size 1: a hook runs there too, as in torch
         ddp._build_reducer()
     ddp._native_hook = native
     ddp._reducer.set_comm_hook(native)
     if live:
-        _powersgd_live.link(state, ddp, native)
+        powersgd_live.link(state, ddp, native)

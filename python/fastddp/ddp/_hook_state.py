@@ -24,7 +24,7 @@ _SCALARS = ("iter", "rng_state", "numel_before", "numel_after", "next_stats_repo
 _BUCKET_KEYS = {"bucket_q": "bucket_qs", "bucket_error_tail": "bucket_error_tails"}
 
 
-def _hook_name(ddp: DistributedDataParallel) -> str:
+def hook_name(ddp: DistributedDataParallel) -> str:
     return ddp._native_hook.name if ddp._native_hook is not None else "allreduce"
 
 
@@ -34,14 +34,14 @@ def _stateful(ddp: DistributedDataParallel, what: str) -> Any:
     hook = ddp._native_hook
     if hook is not None and hasattr(hook, "state_dict"):
         return hook
-    if _has_state(ddp):
-        raise NotImplementedError(f"fastddp: {what}: the comm hook {_hook_name(ddp)!r} keeps "
+    if has_state(ddp):
+        raise NotImplementedError(f"fastddp: {what}: the comm hook {hook_name(ddp)!r} keeps "
                                   "state fastddp cannot save (PowerSGD's it can; a Python "
                                   "hook's state is its own object)")
     return None
 
 
-def _has_state(ddp: DistributedDataParallel) -> bool:
+def has_state(ddp: DistributedDataParallel) -> bool:
     """Whether the registered hook keeps state between steps (the half hooks with error
     feedback, or a Python hook, whose state is the user's object)."""
     if not ddp._comm_hooks:
@@ -61,7 +61,7 @@ def state_dict(ddp: DistributedDataParallel) -> dict[str, Any]:
     _reduces(ddp, "comm_hook_state_dict()")
     hook = _stateful(ddp, "comm_hook_state_dict()")
     if hook is None:
-        return {"hook": _hook_name(ddp)}
+        return {"hook": hook_name(ddp)}
     raw = hook.state_dict()
     names = ddp._reducer_param_names
     params = ddp._reducer_params
@@ -83,7 +83,7 @@ def load_state_dict(ddp: DistributedDataParallel, state: dict[str, Any]) -> None
         raise ValueError(f"fastddp: {where} takes what comm_hook_state_dict() returned "
                          f"(a dict with a 'hook' key), got {type(state).__name__}")
     hook = _stateful(ddp, where)
-    name = _hook_name(ddp)
+    name = hook_name(ddp)
     if state["hook"] != name:
         raise ValueError(f"fastddp: {where}: the state is of comm hook {state['hook']!r}, "
                          f"but {name!r} is registered")
@@ -133,7 +133,7 @@ def compression_stats(ddp: DistributedDataParallel) -> dict[str, Any]:
     hook = ddp._native_hook
     if hook is None or not hasattr(hook, "compression_stats"):
         raise NotImplementedError(f"fastddp: compression_stats(): the comm hook "
-                                  f"{_hook_name(ddp)!r} "
+                                  f"{hook_name(ddp)!r} "
                                   "keeps no PowerSGD statistics (see comm_stats())")
     rate, before, after = hook.compression_stats()
     step_in, step_out = hook.last_step_bytes()

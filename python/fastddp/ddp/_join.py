@@ -21,8 +21,8 @@ from torch.distributed.algorithms.join import JoinHook
 from torch.nn.parallel import DistributedDataParallel
 
 from fastddp import _group_ops
-from fastddp.ddp._hook_state import _hook_name
-from fastddp.ddp._module_sync import broadcast_tensors
+from fastddp.ddp._hook_state import hook_name
+from fastddp._group_ops import broadcast_tensors
 
 
 
@@ -66,7 +66,7 @@ def sync_buffers(ddp: DistributedDataParallel, joined: bool = False) -> None:
         # what it carried, and this is the first collective of a step.
         raise RuntimeError(
             f"fastddp: the broadcast of the module's buffers from rank {src} before the "
-            f"forward (comm hook {_hook_name(ddp)!r}) failed on rank "
+            f"forward (comm hook {hook_name(ddp)!r}) failed on rank "
             f"{ddp.process_group.rank()}: {e}") from e
 
 

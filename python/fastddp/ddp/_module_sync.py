@@ -11,9 +11,6 @@ import torch.distributed as dist
 
 from fastddp import _group_ops
 
-# torch DDP broadcasts module state in chunks of this size.
-BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
-
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -155,8 +152,3 @@ def _shown(key: str, value: list[int]) -> str:
     mib = [f"{v / 1e6:g}" for v in value]
     return mib[0] if key == "bucket_cap_mb" else "[" + ", ".join(mib) + "]"
 
-
-def broadcast_tensors(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor], src: int) -> None:
-    """Copies `tensors` from rank `src` to every rank, coalesced into few collectives."""
-    if tensors:
-        dist._broadcast_coalesced(group, list(tensors), BROADCAST_BUCKET_BYTES, src)

@@ -11,6 +11,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from fastddp import _C
 from fastddp import hooks as fastddp_hooks
+from fastddp._group_ops import broadcast_tensors
 from fastddp.ddp import (_compile, _forward, _hook_install, _hook_state, _overlap_optimizer,
                          _pickling, _python_reducer)
 from fastddp.ddp._construction import (_check_module, _expect_sparse_gradients, _not_yet,
@@ -23,8 +24,7 @@ from fastddp.ddp._introspection import bucket_sizes, comm_stats, logging_data
 from fastddp.ddp._join import _JoinHook
 from fastddp.ddp._mixed_precision import MixedPrecision, reducer_arguments
 from fastddp.ddp._mixed_precision import check_arguments as check_mixed_precision
-from fastddp.ddp._module_sync import (broadcast_tensors, verify_bucket_layout,
-                                      verify_param_shapes, written_in_python)
+from fastddp.ddp._module_sync import verify_bucket_layout, verify_param_shapes, written_in_python
 from fastddp.ddp._optim_in_backward import InBackwardOptimizers
 from fastddp.ddp._options import bucket_align_bytes, world1_reducer_requested
 from fastddp.ddp._reducer_proxy import ReducerProxy

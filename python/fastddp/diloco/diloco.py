@@ -15,6 +15,7 @@ instead of wrapping the model.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastddp.ddp._module_sync import broadcast_tensors
-from fastddp.diloco._args import check_config
+from fastddp._group_ops import broadcast_tensors
+from fastddp.diloco._args import DiLoCoConfig, check_config, check_settings
 from fastddp.diloco._fragment import Fragment
 from fastddp.diloco._split import split_parameters
 
@@ -92,6 +93,17 @@ class DiLoCo:
         self._period = c.sync_every // c.fragments
         self._step = 0
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
+
+    @staticmethod
+    def check_settings(**settings: Any) -> None:
+        """Checks DiLoCo's settings (the keyword arguments after ``sync_every``'s position,
+        ``sync_every`` included) before any model exists, with the constructor's defaults for
+        those not given: what ``python -m fastddp --sync`` does before the script runs.
+        Raises ValueError or TypeError naming the culprit, as the constructor would."""
+        defaults = {name: p.default for name, p in inspect.signature(DiLoCo).parameters.items()
+                    if p.default is not inspect.Parameter.empty}
+        settings = {**defaults, **settings}
+        check_settings(**{name: settings[name] for name in DiLoCoConfig.__dataclass_fields__})
 
     @property
     def step(self) -> int:

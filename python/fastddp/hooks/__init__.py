@@ -20,7 +20,7 @@ torch's own hook functions are recognized and run by the same C++ code:
 ``powerSGD_hook`` and ``batched_powerSGD_hook`` with a ``PowerSGDState`` (its settings
 are read at registration; its training state is loaded into the native hook, and read back
 from it whenever Python reads the state, so torch's checkpoint recipe works: see
-_powersgd_live.py). Any other callable ``hook(state, bucket) -> torch.futures.Future`` runs as
+powersgd_live.py). Any other callable ``hook(state, bucket) -> torch.futures.Future`` runs as
 it would under torch DDP, on a real ``torch.distributed.GradBucket``.
 
 A built-in hook object is also a torch-style Python hook: calling it runs the same algorithm
@@ -30,21 +30,22 @@ reference that fastddp's native path is tested against, bit for bit.
 Here: the catalog that names every hook for the launcher, the tuner, the self-check and the
 docs (catalog.py), the constructors (_constructors.py), the hook objects and their torch references
 (_comm_hook.py), torch's own hooks on fastddp (_torch_hooks.py), auto()'s hook and the
-tuner's candidate names (_auto.py; the tuner is fastddp.tuning), hierarchical reduction's
-process groups (_hierarchical.py), and PowerSGD: its arguments (_powersgd_args.py), torch's
-PowerSGDState kept live on the native hook (_powersgd_live.py) and its checkpoint layout
+tuner's candidate names (auto_hook.py; the tuner is fastddp.tuning), hierarchical reduction's
+process groups (node_groups.py), and PowerSGD: its arguments (_powersgd_args.py), torch's
+PowerSGDState kept live on the native hook (powersgd_live.py) and its checkpoint layout
 (_powersgd_layout.py).
 """
 
-from fastddp.hooks._auto import AutoHook
-from fastddp.hooks._comm_hook import CommHook, HierarchicalHook  # noqa: F401
+from fastddp.hooks.auto_hook import AutoHook
+from fastddp.hooks._comm_hook import CommHook, HierarchicalHook
 from fastddp.hooks._constructors import (acpsgd, allreduce, auto, batched_powersgd, bf16, fp8,
                                          fp16, from_registry, hierarchical,
                                          hierarchical_groups, int8, powersgd)
-# Beyond __all__: what fastddp.DistributedDataParallel and the tuner call to register a hook.
+# Beyond __all__: what fastddp.DistributedDataParallel, the tuner, the launcher's link emulator
+# and the torchft integration call to register a hook or recognize one of torch's.
 from fastddp.hooks._torch_hooks import (builtin_for_type, check_comm_hook,  # noqa: F401
-                                        native_torch_hooks, resolve)
+                                        native_torch_hooks, resolve, torch_builtin)
 
-__all__ = ["AutoHook", "CommHook", "acpsgd", "allreduce", "auto", "batched_powersgd", "bf16",
-           "fp16", "fp8", "from_registry", "hierarchical", "hierarchical_groups", "int8",
-           "native_torch_hooks", "powersgd"]
+__all__ = ["AutoHook", "CommHook", "HierarchicalHook", "acpsgd", "allreduce", "auto",
+           "batched_powersgd", "bf16", "fp16", "fp8", "from_registry", "hierarchical",
+           "hierarchical_groups", "int8", "native_torch_hooks", "powersgd"]

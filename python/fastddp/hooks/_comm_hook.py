@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from fastddp import _C, _group_ops
-from fastddp.hooks import _hierarchical
+from fastddp.hooks import node_groups
 
 _HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _TORCH_REFERENCES = {"powersgd": " (torch's powerSGD_hook is its reference)",
@@ -141,13 +141,13 @@ class HierarchicalHook(CommHook):
         where = repr(self)
         if self.groups is not None:
             intra, inter = self.groups
-            _hierarchical.check_groups(intra, inter, process_group, where)
+            node_groups.check_groups(intra, inter, process_group, where)
         elif self.mesh is not None:
-            intra, inter = _hierarchical.groups_from_mesh(self.mesh, process_group, where)
+            intra, inter = node_groups.groups_from_mesh(self.mesh, process_group, where)
         else:
             local = (self.local_size if self.local_size is not None
-                     else _hierarchical.local_size_from_env(where))
-            intra, inter = _hierarchical.groups_from_local_size(local, process_group, where)
+                     else node_groups.local_size_from_env(where))
+            intra, inter = node_groups.groups_from_local_size(local, process_group, where)
         self._made[id(process_group)] = (process_group, intra, inter)
         return intra, inter
 

@@ -7,8 +7,8 @@ from typing import Any
 import torch.distributed as dist
 
 from fastddp import _C
-from fastddp.hooks import _hierarchical, catalog
-from fastddp.hooks._auto import AutoHook
+from fastddp.hooks import catalog, node_groups
+from fastddp.hooks.auto_hook import AutoHook
 from fastddp.hooks._comm_hook import CommHook, HierarchicalHook
 from fastddp.hooks._powersgd_args import powersgd_options
 
@@ -129,9 +129,9 @@ def hierarchical(inter: CommHook | None = None, mesh: Any = None, local_size: in
     if sum(x is not None for x in (mesh, local_size, groups)) > 1:
         raise ValueError(f"{where}: give at most one of mesh=, local_size= and groups=")
     if mesh is not None:
-        _hierarchical.check_mesh(mesh, where)
+        node_groups.check_mesh(mesh, where)
     if local_size is not None:
-        _hierarchical.check_local_size(local_size, where)
+        node_groups.check_local_size(local_size, where)
     if groups is not None and (not isinstance(groups, (tuple, list)) or len(groups) != 2):
         raise TypeError(f"{where}: groups must be (intra_group, inter_group)")
     return HierarchicalHook(inter, mesh=mesh, local_size=local_size,
@@ -145,8 +145,8 @@ def hierarchical_groups(local_size: int | None = None, process_group: dist.Proce
     EmulatedLinkGroup's. A collective call: every rank calls it, in the same order."""
     where = "fastddp.hooks.hierarchical_groups"
     group = process_group if process_group is not None else dist.group.WORLD
-    local = local_size if local_size is not None else _hierarchical.local_size_from_env(where)
-    return _hierarchical.groups_from_local_size(local, group, where)
+    local = local_size if local_size is not None else node_groups.local_size_from_env(where)
+    return node_groups.groups_from_local_size(local, group, where)
 
 
 def auto(policy: str = "any", **settings: Any) -> AutoHook:

@@ -1,6 +1,6 @@
 """The checkpoint format of torch's ``PowerSGDState`` on fastddp: the native PowerSGD hooks'
 state (per parameter index, C++) as torch's per-bucket dicts and back. The live view that
-reads it (_powersgd_live.py) and any state saved from it use this layout.
+reads it (powersgd_live.py) and any state saved from it use this layout.
 
 Layout (what the dicts mean next to torch's): keys are the model's current bucket indices
 (``bucket.index()``, as torch's); values are torch's per-bucket tensors for that bucket:
@@ -34,7 +34,7 @@ LAYOUT_ATTR = "_fastddp_layout"
 
 
 class Parameters(Protocol):
-    """What the conversions read of a model and its native hook (_powersgd_live's _Source):
+    """What the conversions read of a model and its native hook (powersgd_live's _Source):
     the reduced parameters' names and tensors in the reducer's order, the hook's rank and
     whether it is the batched one."""
 

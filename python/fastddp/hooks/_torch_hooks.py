@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from fastddp import _C
 from fastddp.hooks import catalog
-from fastddp.hooks._auto import AutoHook
+from fastddp.hooks.auto_hook import AutoHook
 from fastddp.hooks._comm_hook import CommHook
 from fastddp.hooks._constructors import allreduce, fp16
 from fastddp.hooks._powersgd_args import options_from_state
@@ -37,8 +37,8 @@ def _from_powersgd_state(state: Any, name: str) -> tuple[dist.ProcessGroup | Non
     return state.process_group, CommHook(name, **options_from_state(state))
 
 
-def _torch_builtin(hook: Any) -> str | None:
-    """The fastddp built-in equivalent to one of torch's default hooks, or None."""
+def torch_builtin(hook: Any) -> str | None:
+    """The fastddp built-in equivalent to one of torch's default hooks (by name), or None."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
 
     if not inspect.isfunction(hook) or hook.__module__ != dh.__name__:
@@ -99,7 +99,7 @@ def resolve(state: object, hook: Any, process_group: dist.ProcessGroup,
         group, native = _from_powersgd_state(state, native_name)
         # torch's hook reduces over state.process_group, or WORLD when it is None.
         return native.native(group if group is not None else dist.group.WORLD)
-    builtin = _torch_builtin(hook)
+    builtin = torch_builtin(hook)
     if builtin is not None and (state is None or isinstance(state, dist.ProcessGroup)):
         # torch's hooks reduce over `state`, or WORLD when it is None.
         group = state if state is not None else dist.group.WORLD

@@ -1,7 +1,7 @@
 """One catalog of fastddp's hooks: the single place that names them. Every reader takes its
 names from here: the constructors' option checks (_constructors.py), torch's hooks run
 natively (_torch_hooks.py), the launcher's ``--hook`` (launch/hook_spec.py), the tuner's
-candidates, families and cost model (hooks/_auto.py, tuning/auto.py, tuning/advise.py,
+candidates, families and cost model (hooks/auto_hook.py, tuning/auto.py, tuning/advise.py,
 tuning/_auto_choice.py), ``--advise``'s quality line (tuning/quality.py), the quality
 benchmark (benchmarks/quality.py), the self-check (selfcheck/cases.py), and the docs' tables
 (tests/python/hooks/test_catalog.py holds docs/hooks.md and the C++ registry to it).

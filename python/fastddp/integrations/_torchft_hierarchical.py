@@ -26,7 +26,7 @@ from typing import Any
 import torch.distributed as dist
 
 from fastddp import _C
-from fastddp.hooks._comm_hook import HierarchicalHook
+from fastddp.hooks import HierarchicalHook
 
 # Inner hooks whose state (PowerSGD's Q and iteration, ACP-SGD's P) would have to follow the
 # quorum's groups into a new C++ hook and come from a peer on healing: not carried here.

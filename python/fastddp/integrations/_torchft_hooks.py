@@ -21,9 +21,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
-from fastddp.hooks import AutoHook, CommHook
-from fastddp.hooks._comm_hook import HierarchicalHook
-from fastddp.hooks._torch_hooks import _torch_builtin
+from fastddp.hooks import AutoHook, CommHook, HierarchicalHook, torch_builtin
 from fastddp.integrations import _torchft_hierarchical
 
 
@@ -49,7 +47,7 @@ def for_quorum(state: object, hook: Any, manager: Any) -> tuple[None, CommHook]:
         return None, _torchft_hierarchical.for_replica_group(hook, manager)
     if isinstance(hook, CommHook):
         return None, hook
-    builtin = _torch_builtin(hook)
+    builtin = torch_builtin(hook)
     if builtin is not None:
         return None, CommHook(builtin)
     name = getattr(hook, "__qualname__", type(hook).__name__)

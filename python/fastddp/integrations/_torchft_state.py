@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from fastddp.ddp import _hook_state
+from fastddp.ddp import surface
 
 KEY = "fastddp_comm_hook"
 # The error-feedback entries of a PowerSGD state (fastddp/ddp/_hook_state.py): this replica's.
@@ -38,15 +38,15 @@ def export(ddp: Any) -> dict[str, Any]:
     native = ddp._native_hook
     if native is not None and hasattr(native, "state_dict"):
         return ddp.comm_hook_state_dict()
-    name = _hook_state._hook_name(ddp)
-    return {"hook": name, "residual_only": _hook_state._has_state(ddp)}
+    name = surface.comm_hook_name(ddp)
+    return {"hook": name, "residual_only": surface.comm_hook_keeps_state(ddp)}
 
 
 def load(ddp: Any, state: dict[str, Any]) -> None:
     """Takes a peer's export(): the state its next steps start from."""
     if state.get("hook") is None or ddp._reducer is None:
         return
-    name = _hook_state._hook_name(ddp)
+    name = surface.comm_hook_name(ddp)
     if state["hook"] != name:
         raise ValueError(f"fastddp under torchft: the peer's comm hook is {state['hook']!r}, "
                          f"this replica's {name!r}: every replica must register the same hook")

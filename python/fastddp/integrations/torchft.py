@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from fastddp.ddp import DistributedDataParallel as _FastDDP
-from fastddp.ddp import _hook_install
+from fastddp.ddp import surface
 from fastddp.integrations import _torchft_group, _torchft_hooks, _torchft_state
 from fastddp.launch.hook_spec import fastddp_hook, parse_hook_spec
 
@@ -238,7 +238,7 @@ class DistributedDataParallel(_FastDDP):
         self._reducer.set_fault_sink(self._on_failure)
         if self._hook_args is not None:
             state, hook = self._hook_args
-            _hook_install.install(self, state, hook)
+            surface.install_comm_hook(self, state, hook)
             if saved is not None and "residual_only" not in saved:
                 self.load_comm_hook_state_dict(saved)  # this replica's own state, as it was
         self._bound = group

@@ -53,7 +53,6 @@ class LinkEmulation:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
         from fastddp import hooks
-        from fastddp.hooks._torch_hooks import _torch_builtin
 
         if isinstance(hook, (hooks.CommHook, hooks.AutoHook)):
             # None is the model's (already emulated) group.
@@ -61,7 +60,7 @@ class LinkEmulation:
         if isinstance(state, powerSGD_hook.PowerSGDState):
             state.process_group = self.group_for(state.process_group)
             return state
-        if _torch_builtin(hook) is not None and (
+        if hooks.torch_builtin(hook) is not None and (
                 state is None or isinstance(state, dist.ProcessGroup)):
             return self.group_for(state)
         name = getattr(hook, "__qualname__", type(hook).__name__)

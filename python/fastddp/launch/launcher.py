@@ -15,7 +15,7 @@ import socket
 import sys
 import textwrap
 
-from fastddp.diloco.sync_patch import sync_patch
+from fastddp.launch.sync_patch import sync_patch
 from fastddp.hooks import catalog
 from fastddp.launch.patch import HookUnavailableError, parse_hook_spec, patch
 from fastddp.link.model import parse_link

@@ -24,8 +24,7 @@ import torch
 from torch import nn
 
 from fastddp.ddp import DistributedDataParallel as FastDDP
-from fastddp.ddp import _compile
-from fastddp.ddp._tuner_handle import TunerHandle
+from fastddp.ddp import surface
 from fastddp.launch._emulate_link import LinkEmulation
 # The --hook option's names, re-exported: the launcher, benchmarks and tests import them here.
 from fastddp.launch.hook_spec import (FP8_FORMATS, HOOK_NAMES, HookSpec,  # noqa: F401
@@ -294,10 +293,10 @@ def _hook_factory(spec: HookSpec | None, disabled: bool,
     return fastddp_hook_maker(spec, option)
 
 
-@_compile.eager
+@surface.eager
 def _advise_before_forward(advisor: Advisor, model: nn.Module) -> None:
     if _rank() == 0:
-        advisor.before_forward(model, TunerHandle(model))  # one small object, rank 0 only
+        advisor.before_forward(model, surface.TunerHandle(model))  # one small object, rank 0 only
 
 
 def _patched_class(base: type, owner: Patch) -> type:
@@ -331,10 +330,10 @@ def _patched_class(base: type, owner: Patch) -> type:
 
         if owner.advisor is not None:  # otherwise forward stays the base's: no extra frame
 
-            # Kept from dynamo as the base's forward is (see fastddp/ddp/_compile.py).
-            @_compile.nonrecursive_disable
+            # Kept from dynamo as the base's forward is (fastddp.ddp.surface, from _compile.py).
+            @surface.nonrecursive_disable
             def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-                _compile.skip_this_frame_from_now_on()
+                surface.skip_this_frame_from_now_on()
                 _advise_before_forward(owner.advisor, self)
                 return super().forward(*inputs, **kwargs)
 

@@ -6,7 +6,7 @@ import statistics
 from typing import Any
 
 from fastddp.hooks import catalog
-from fastddp.hooks._auto import HIER, LOSSLESS, lossy
+from fastddp.hooks.auto_hook import HIER, LOSSLESS, lossy
 from fastddp.link.model import Link, bus_factor
 from fastddp.tuning import advise
 

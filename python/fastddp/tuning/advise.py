@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from fastddp.hooks import catalog
-from fastddp.hooks._auto import HIER, HIER_INNERS, cap_variant, variant_cap
+from fastddp.hooks.auto_hook import HIER, HIER_INNERS, cap_variant, variant_cap
 from fastddp.link.model import Link, bus_factor
 from fastddp.tuning import cost_model, diloco_advice, quality
 

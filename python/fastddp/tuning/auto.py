@@ -1,7 +1,7 @@
 """``--hook auto[:lossless|bf16|any]`` / ``fastddp.hooks.auto(policy)``: fastddp picks the
 communication hook and bucket size itself, in the first steps of the run. Here: the tuner,
 which measures, schedules the trials and installs the hooks; its decision rule is
-_auto_choice.py's, the candidates' names and ``AutoHook`` are fastddp/hooks/_auto.py's.
+_auto_choice.py's, the candidates' names and ``AutoHook`` are fastddp/hooks/auto_hook.py's.
 
 Note [auto tuning]: the tuner runs at the start of each synchronized forward (a forward
 with gradients on, outside no_sync), from the model's own ``comm_stats()``. In order:
@@ -70,9 +70,9 @@ import torch
 import torch.distributed as dist
 
 from fastddp import _group_ops, hooks
-from fastddp.hooks import _hierarchical, catalog
+from fastddp.hooks import catalog, node_groups
 # lossy: the tests read it as auto.lossy.
-from fastddp.hooks._auto import HIER, LOSSLESS, LOW_RANK, AutoHook, lossy  # noqa: F401
+from fastddp.hooks.auto_hook import HIER, LOSSLESS, LOW_RANK, AutoHook, lossy  # noqa: F401
 from fastddp.link.emulator import EmulatedLinkGroup
 from fastddp.link.model import Link, bus_factor
 from fastddp.tuning import advise
@@ -225,12 +225,12 @@ class AutoTuner:
         base = self.group.inner if emulated else self.group
         if self.spec.groups is not None:
             intra, inter = self.spec.groups
-            _hierarchical.check_groups(intra, inter, base, where)
+            node_groups.check_groups(intra, inter, base, where)
             return intra, inter
         local = self.spec.local_size
         if local is None and (local := _local_size_from_env(base)) is None:
             return None
-        intra, inter = _hierarchical.groups_from_local_size(local, base, where)
+        intra, inter = node_groups.groups_from_local_size(local, base, where)
         if emulated:  # the launcher's --emulate-link: one link for every group
             return EmulatedLinkGroup(intra, self.group.link), EmulatedLinkGroup(
                 inter, self.group.link)

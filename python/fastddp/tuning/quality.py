@@ -6,7 +6,7 @@ what the compression cost in quality where it was measured."""
 from collections.abc import Sequence
 
 from fastddp.hooks import catalog
-from fastddp.hooks._auto import HIER, LOSSLESS, lossy
+from fastddp.hooks.auto_hook import HIER, LOSSLESS, lossy
 from fastddp.tuning.quality_table import QUALITY
 
 # Lossy candidate (cost model name) -> the benchmark's configuration name (the catalog's).

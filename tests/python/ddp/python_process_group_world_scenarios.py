@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import fastddp
 from fastddp import _group_ops
-from fastddp.hooks import _hierarchical
+from fastddp.hooks import node_groups
 from tests.python.ddp.skip_unused_scenarios import CAP_MB, Branches
 # Branches: 8 in, 32 out
 from tests.python.ddp.skip_unused_scenarios import _batch as branches_batch
@@ -251,7 +251,7 @@ def global_ranks() -> dict:
     c10d's record."""
     strict, known = StrictGroup(), registered()
     return {"strict": _group_ops.global_ranks(strict),
-            "hierarchical": _hierarchical._model_group_ranks(strict),
+            "hierarchical": node_groups._model_group_ranks(strict),
             "registered": _group_ops.global_ranks(known),
             "strict_calls": dict(strict.calls), "registered_calls": dict(known.calls)}
 

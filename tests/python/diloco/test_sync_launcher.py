@@ -28,7 +28,7 @@ def test_sync_equals_the_api(tmp_path, wire):
     direct, _ = launched(tmp_path, "direct", [], ["--steps", "6", "--direct", "3",
                                                   "--wire", wire])
     assert "fastddp.DiLoCo(sync_every=3" in output, output
-    assert synced["class"] == "fastddp.diloco.sync_patch", synced["class"]
+    assert synced["class"] == "fastddp.launch.sync_patch", synced["class"]
     assert synced["ranks_agree"] and direct["ranks_agree"]
     assert synced["params"] == direct["params"]
 

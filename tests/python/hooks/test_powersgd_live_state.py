@@ -1,4 +1,4 @@
-"""torch's PowerSGDState on fastddp kept live on the native hook (fastddp/hooks/_powersgd_live.py):
+"""torch's PowerSGDState on fastddp kept live on the native hook (fastddp/hooks/powersgd_live.py):
 against torch's own hook, torch's checkpoint recipe, and the state's lifetime."""
 
 import pytest

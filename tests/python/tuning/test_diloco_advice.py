@@ -12,8 +12,8 @@ from contextlib import redirect_stdout
 
 import pytest
 
-from fastddp.diloco.sync_patch import parse_sync_spec
-from fastddp.hooks._auto import AutoHook
+from fastddp.launch.sync_patch import parse_sync_spec
+from fastddp.hooks.auto_hook import AutoHook
 from fastddp.link.model import Link, parse_link
 from fastddp.tuning import _auto_choice, advise, auto, diloco_advice, quality_table
 from fastddp.tuning import cost_model as cm

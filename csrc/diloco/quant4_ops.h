@@ -1,4 +1,4 @@
-// Tensor-level entry points to the 4-bit block quantization kernels
+// DiLoCo's int4 wire: tensor-level entry points to the 4-bit block quantization kernels
 // (kernels/quant4.h, Note [int4 wire format]): checks, device guard, current
 // CUDA stream, CPU threading. Bound as `_C.quantize4`, `_C.dequantize4` and
 // `_C.sum_shards4` for DiLoCo's wire="int4" (python/fastddp/diloco/) and the

@@ -12,7 +12,6 @@ Optimizers over anything else are left alone.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import weakref
 from typing import Any
 
@@ -20,9 +19,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fastddp.ddp._module_sync import broadcast_tensors
-from fastddp.diloco._args import DiLoCoConfig, check_settings
-from fastddp.diloco.diloco import DiLoCo
+from fastddp._group_ops import broadcast_tensors
+from fastddp.diloco import DiLoCo
 from fastddp.launch.patch import _set_ddp_names, imported_bindings
 
 # --sync diloco:KEY=VALUE,... : the DiLoCo argument each key sets, and its type.
@@ -53,11 +51,8 @@ def parse_sync_spec(text: str) -> dict[str, Any]:
         raise ValueError(f"--sync {text!r}: H=STEPS (inner steps between syncs) is required")
     # Every setting checked now, with DiLoCo's defaults for the others, rather than at the
     # script's first optimizer step.
-    defaults = {name: p.default for name, p in inspect.signature(DiLoCo).parameters.items()
-                if p.default is not inspect.Parameter.empty}
-    settings = {**defaults, **kwargs}
     try:
-        check_settings(**{name: settings[name] for name in DiLoCoConfig.__dataclass_fields__})
+        DiLoCo.check_settings(**kwargs)
     except (TypeError, ValueError) as e:
         raise ValueError(f"--sync {text!r}: {e}") from None
     return kwargs

@@ -3,11 +3,11 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
-#include "../../kernels/block_absmax.h"
-#include "../../kernels/quant4.h"
-#include "../../util/current_stream.h"
-#include "../../util/message.h"
-#include "../../util/profile_range.h"
+#include "../kernels/block_absmax.h"
+#include "../kernels/quant4.h"
+#include "../util/current_stream.h"
+#include "../util/message.h"
+#include "../util/profile_range.h"
 
 #if defined(FASTDDP_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>

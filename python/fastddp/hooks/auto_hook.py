@@ -8,7 +8,7 @@ catalog's candidates (fastddp/hooks/catalog.py: ``bf16``, ``bf16_fp32_accumulate
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastddp.hooks import _hierarchical, catalog
+from fastddp.hooks import catalog, node_groups
 
 # The candidates, their policies and families are the catalog's (fastddp/hooks/catalog.py).
 POLICIES = catalog.POLICIES
@@ -49,7 +49,7 @@ class AutoHook:
         if self.local_size is not None and self.groups is not None:
             raise ValueError("fastddp.hooks.auto: give at most one of local_size= and groups=")
         if self.local_size is not None:
-            _hierarchical.check_local_size(self.local_size, "fastddp.hooks.auto")
+            node_groups.check_local_size(self.local_size, "fastddp.hooks.auto")
         if self.groups is not None and (not isinstance(self.groups, (tuple, list))
                                         or len(self.groups) != 2):
             raise TypeError("fastddp.hooks.auto: groups must be (intra_group, inter_group)")
