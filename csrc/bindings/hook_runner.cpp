@@ -60,7 +60,7 @@ class HookRunner {
                     " has shape ", grads[i].sizes(), ", the runner was built for ",
                     c10::IntArrayRef(shapes_[i]));
     }
-    hook_->set_divide_factor(world_size_);
+    hook_->set_divisors({world_size_, world_size_});
     for (size_t b = 0; b < buckets_.size(); ++b) {
       Bucket& bucket = buckets_[b];
       for (size_t k = 0; k < bucket.params.size(); ++k) {

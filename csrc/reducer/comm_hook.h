@@ -37,6 +37,20 @@ namespace fastddp {
 
 class NonFiniteGuard;
 
+// Note [step divisors]: what one step's average divides the sum by. Two
+// numbers, because torch's hooks answer two questions. `requested` is what
+// the mean is asked to be over: the world size, or under
+// join(divide_by_initial_world_size=False) the ranks still training.
+// `participants` is how many ranks' gradients the sum holds: the group's
+// size, or a fault-tolerant engine's participants this step (Note
+// [fault-tolerant step]). torch's default hooks divide by the first; its
+// PowerSGD hook by the group's size whatever join() asks, so fastddp's
+// PowerSGD divides by the second. One call gives a hook both.
+struct StepDivisors {
+  int64_t requested;
+  int64_t participants;
+};
+
 class CommHook {
  public:
   virtual ~CommHook() = default;
@@ -66,17 +80,11 @@ class CommHook {
   virtual void write_back(Bucket& bucket, const c10::IValue& result,
                           std::vector<at::Tensor>& dsts);
 
-  // The number the averaged gradient is divided by this step: the world
-  // size, or under join(divide_by_initial_world_size=False) the number of
-  // ranks still training. Hooks that divide by the group size themselves, as
-  // torch's do, may ignore it.
-  virtual void set_divide_factor(int64_t factor) { (void)factor; }
-
-  // The number of ranks whose gradients the group's sum holds this step: the
-  // group's size, or under a fault-tolerant engine the step's participants
-  // (Note [fault-tolerant step]). For the hooks that divide by the group size
-  // whatever join() asks, as torch's PowerSGD does.
-  virtual void set_group_divisor(int64_t count) { (void)count; }
+  // Before every step's first copy_in (at the forward, and for a joined
+  // rank's shadow step): this step's divisors (Note [step divisors]). A hook
+  // divides by the one its torch counterpart divides by; a hook that divides
+  // by its group's size itself (torch's upcast hook) ignores both.
+  virtual void set_divisors(StepDivisors divisors) { (void)divisors; }
 
   // Every bucket of this step has been run() or skipped, the last one skipped
   // (skip_all_reduce_unused_params, Note [skipping unused buckets]): no run()

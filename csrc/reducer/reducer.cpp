@@ -119,8 +119,7 @@ void Reducer::reset_iteration() {
   FASTDDP_CHECK(!fault_.holding(), "fastddp: the previous step's commit was not settled "
                 "(fastddp.integrations.torchft settles it before every forward)");
   const int64_t participants = fault_.participants(world_size());
-  hook_->set_divide_factor(join_.divide_factor(static_cast<int>(participants)));
-  hook_->set_group_divisor(participants);
+  hook_->set_divisors({join_.divide_factor(static_cast<int>(participants)), participants});
   finite_.begin_step();  // Note [a bad step leaves no trace]: nothing collected yet
   stats_.begin_step(*group_);  // the cost and collectives from here on are this step's
   views_.note_grads(params_);  // Note [gradients handed out]: these stay the user's

@@ -22,7 +22,7 @@ void Reducer::shadow_backward() {
       if (join != nullptr) join->release();
     }
   } release{lazy ? &join_ : nullptr};
-  hook_->set_divide_factor(world_size());
+  hook_->set_divisors({world_size(), fault_.participants(world_size())});
   // The training ranks vote at the end of their forward (Note [skipping
   // unused buckets]); this rank takes part without a vote of its own.
   if (skip_votes_needed()) {

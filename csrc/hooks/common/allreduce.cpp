@@ -10,10 +10,10 @@ namespace fastddp {
 AllreduceHook::AllreduceHook(c10::intrusive_ptr<c10d::ProcessGroup> group)
     : group_(std::move(group)) {
   FASTDDP_CHECK(group_, "fastddp: AllreduceHook needs a process group");
-  set_divide_factor(group_->getSize());
+  divide_by(group_->getSize());
 }
 
-void AllreduceHook::set_divide_factor(int64_t factor) {
+void AllreduceHook::divide_by(int64_t factor) {
   FASTDDP_CHECK(factor > 0, "fastddp: the divide factor must be positive, got ", factor);
   if (factor == factor_ && inverse_.defined()) return;  // set every step: no op when unchanged
   factor_ = factor;

@@ -21,10 +21,13 @@ class AllreduceHook : public CommHook {
   void copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) override;
   c10::intrusive_ptr<c10::ivalue::Future> run(Bucket& bucket, size_t index,
                                               bool is_last) override;
-  void set_divide_factor(int64_t factor) override;
+  // join(divide_by_initial_world_size=False): divide by the ranks still training.
+  void set_divisors(StepDivisors divisors) override { divide_by(divisors.requested); }
   bool supports_sparse() const override { return true; }  // gloo's sparse allreduce
 
  private:
+  void divide_by(int64_t factor);
+
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   int64_t factor_ = 0;
   at::Tensor inverse_;  // wrapped-number scalar 1/factor, as torch's reducer uses

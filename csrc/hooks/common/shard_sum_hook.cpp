@@ -29,10 +29,10 @@ ShardSumHook::ShardSumHook(c10::intrusive_ptr<c10d::ProcessGroup> group,
 void ShardSumHook::check_group() {
   FASTDDP_CHECK(group_, "fastddp: the ", name(), " comm hook needs a process group");
   world_size_ = group_->getSize();
-  set_divide_factor(world_size_);
+  divide_by(world_size_);
 }
 
-void ShardSumHook::set_divide_factor(int64_t factor) {
+void ShardSumHook::divide_by(int64_t factor) {
   FASTDDP_CHECK(factor > 0, "fastddp: the divide factor must be positive, got ", factor);
   divisor_ = factor;
   scale_ = 1.0 / static_cast<double>(factor);

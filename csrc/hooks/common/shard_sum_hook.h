@@ -49,7 +49,7 @@ namespace fastddp {
 class ShardSumHook : public PipelinedHook {
  public:
   // join(divide_by_initial_world_size=False): divide by the ranks still training.
-  void set_divide_factor(int64_t factor) override;
+  void set_divisors(StepDivisors divisors) override { divide_by(divisors.requested); }
   bool settles_own_state() const override { return has_residuals(); }
   at::Tensor settle_step(const at::Tensor& finite) override;
   void discard_step() override;
@@ -96,6 +96,7 @@ class ShardSumHook : public PipelinedHook {
   double scale_ = 1.0;   // 1 / divisor_
 
  private:
+  void divide_by(int64_t factor);
   struct ExchangeStage;
   void finish(Stage& stage) final;
 

@@ -31,7 +31,7 @@ class UpcastAllreduceHook : public CommHook {
   void copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) override;
   c10::intrusive_ptr<c10::ivalue::Future> run(Bucket& bucket, size_t index,
                                               bool is_last) override;
-  // Divides by the group size whatever join() asks (set_divide_factor is not
+  // Divides by the group size whatever join() asks (set_divisors is not
   // overridden), as torch's hook does.
   void write_back(Bucket& bucket, const c10::IValue& result,
                   std::vector<at::Tensor>& dsts) override;

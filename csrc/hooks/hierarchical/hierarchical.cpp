@@ -58,12 +58,12 @@ HierarchicalHook::HierarchicalHook(c10::intrusive_ptr<c10d::ProcessGroup> intra,
   node_count_ = inter_->getSize();
   FASTDDP_CHECK(local_size_ >= 1 && node_count_ >= 1,
                 "fastddp: the hierarchical comm hook got empty groups");
-  set_divide_factor(static_cast<int64_t>(local_size_) * node_count_);
+  divide_by(static_cast<int64_t>(local_size_) * node_count_);
 }
 
 std::string HierarchicalHook::name() const { return "hierarchical(" + inner_->name() + ")"; }
 
-void HierarchicalHook::set_divide_factor(int64_t factor) {
+void HierarchicalHook::divide_by(int64_t factor) {
   FASTDDP_CHECK(factor > 0, "fastddp: the divide factor must be positive, got ", factor);
   // The inner hook divides by the node count itself.
   const double ranks = static_cast<double>(factor) * (factor_counts_nodes_ ? local_size_ : 1);

@@ -85,7 +85,7 @@ class HierarchicalHook : public CommHook {
   void copy_in(Bucket& bucket, size_t slot, const at::Tensor& grad) override;
   c10::intrusive_ptr<c10::ivalue::Future> run(Bucket& bucket, size_t index,
                                               bool is_last) override;
-  void set_divide_factor(int64_t factor) override;
+  void set_divisors(StepDivisors divisors) override { divide_by(divisors.requested); }
   void drain() override;
   void abandon_step() override;
   void after_step(const at::Tensor& kept) override { inner_->after_step(kept); }
@@ -101,6 +101,7 @@ class HierarchicalHook : public CommHook {
   int node_count() const { return node_count_; }
 
  private:
+  void divide_by(int64_t factor);
   // Buffers of one bucket, kept across steps (keyed by Bucket::id).
   struct BucketState {
     // The bucket padded to a multiple of local*nodes; undefined when it needs

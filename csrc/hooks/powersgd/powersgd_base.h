@@ -58,7 +58,8 @@ class PowerSGDBase : public PipelinedHook {
   const PowerSGDOptions& options() const { return options_; }
   // torch's hook divides by the group's size whatever join() asks; under a
   // fault-tolerant engine, by the step's participants.
-  void set_group_divisor(int64_t count) override { divisor_ = count; }
+  // torch's PowerSGD divides by the group's size whatever join() asks.
+  void set_divisors(StepDivisors divisors) override { divisor_ = divisors.participants; }
   int64_t iter() const { return iter_.load(); }
   // torch's PowerSGDState.compression_stats(): (rate, numel before, numel after).
   std::vector<double> compression_stats() const;
@@ -103,7 +104,7 @@ class PowerSGDBase : public PipelinedHook {
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   PowerSGDOptions options_;
   NumpyRandomState rng_;
-  // The group's size, or the step's participants (CommHook::set_group_divisor).
+  // The group's size, or the step's participants (Note [step divisors]).
   int64_t divisor_;
   std::atomic<int64_t> iter_;
   // Guards the statistics and the hooks' bucket state: decompression
