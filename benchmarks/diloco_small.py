@@ -31,14 +31,13 @@ timing (gloo's sums are in rank order), so a loaded machine only makes it slower
 import argparse
 import os
 import pprint
-import socket
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from common import periodic_sync  # benchmarks/common/: scripts run from benchmarks/
+from common import machine, periodic_sync, quality_table_merge  # benchmarks/common/: scripts run from benchmarks/
 from common.quality_tasks import task as make_task, train
 
 # name -> (outer_lr, outer_momentum). The effective outer step on a steady pseudo-gradient is
@@ -75,11 +74,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
 
 
 def run_world(world: int, args: argparse.Namespace) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     queue = mp.get_context("spawn").Queue()
-    mp.spawn(worker, args=(world, port, args, queue), nprocs=world)
+    mp.spawn(worker, args=(world, machine.free_port(), args, queue), nprocs=world)
     return queue.get()
 
 
@@ -112,11 +108,7 @@ def report(results: dict, args: argparse.Namespace) -> list[str]:
 def write_table(path: str, results: dict, args: argparse.Namespace) -> None:
     """SMALL_JOBS: task -> world -> configuration -> final score, with the run's settings;
     merged by world into the module at ``path`` when its steps and H are these."""
-    scope: dict = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            exec(compile(f.read(), path, "exec"), scope)  # a file this benchmark generated
-    old = scope.get("SMALL_JOBS", {})
+    old = quality_table_merge.read(path, "SMALL_JOBS")
     same = old.get("steps") == args.steps and old.get("sync_every") == args.sync_every
     table = old if same else {"steps": args.steps, "sync_every": args.sync_every,
                               "settings": {}, "tasks": {}}

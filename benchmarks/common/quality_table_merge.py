@@ -13,14 +13,15 @@ import os
 import pprint
 
 
-def read(path: str) -> dict:
-    """The QUALITY literal of an existing table, {} where there is none."""
+def read(path: str, name: str = "QUALITY") -> dict:
+    """The ``name`` literal of an existing generated table (quality.py's QUALITY,
+    diloco_small.py's SMALL_JOBS), {} where there is none."""
     if not os.path.exists(path):
         return {}
     scope: dict = {}
     with open(path) as f:
-        exec(compile(f.read(), path, "exec"), scope)  # a file this benchmark generated
-    return scope.get("QUALITY", {})
+        exec(compile(f.read(), path, "exec"), scope)  # a file a benchmark generated
+    return scope.get(name, {})
 
 
 def merge(old: dict, new: dict) -> dict:

@@ -95,14 +95,17 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def package_of(module: str) -> str:
-    """``fastddp.hooks`` for ``fastddp.hooks._auto``; the root ``fastddp`` for its own
-    top-level modules (``fastddp.__main__``)."""
-    parts = module.split(".")
-    return ".".join(parts[:2]) if len(parts) > 2 or f"{module}/" in _SUBPACKAGES else PACKAGE
+def subpackages(names) -> set[str]:
+    """The package's subpackages (``fastddp.hooks``) among dotted module names: those with
+    modules under them."""
+    return {".".join(n.split(".")[:2]) for n in names if n.count(".") >= 2}
 
 
-_SUBPACKAGES: set[str] = set()
+def package_of(module: str, subs: set[str]) -> str:
+    """``fastddp.hooks`` for ``fastddp.hooks._auto`` (``subs``: subpackages()); the root
+    ``fastddp`` for its own top-level modules (``fastddp.__main__``, ``fastddp._C``)."""
+    head = ".".join(module.split(".")[:2])
+    return head if head in subs else PACKAGE
 
 
 def _private(dotted: str) -> bool:
@@ -120,39 +123,32 @@ def private_imports(root: Path) -> list[str]:
     imports (``from X import _y``, ``import X._y``, or ``alias._y`` on a module imported as
     ``alias``), deferred imports included."""
     found = modules(root)
-    _SUBPACKAGES.clear()
-    _SUBPACKAGES.update(f"{name}/" for name, path in found.items()
-                        if path.name == "__init__.py" and name.count(".") == 1)
+    subs = subpackages(found)
     bad = []
     for name, path in found.items():
-        own = package_of(name)
+        own = package_of(name, subs)
+
+        def check(dotted: str) -> None:
+            if package_of(dotted, subs) != own and _private(dotted):
+                bad.append(f"{name}: {dotted}")
+
         tree = ast.parse(path.read_text(), filename=str(path))
         aliases: dict[str, str] = {}  # local name -> the dotted module it is bound to
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 for a in node.names:
                     if a.name.split(".")[0] == PACKAGE:
-                        aliases[a.asname or a.name.split(".")[0]] = (
-                            a.name if a.asname else PACKAGE)
-                        named = [a.name]
-                        bad += [f"{name}: {d}" for d in named
-                                if package_of(d) != own and _private(d)]
+                        aliases[a.asname or PACKAGE] = a.name if a.asname else PACKAGE
+                        check(a.name)
             elif isinstance(node, ast.ImportFrom) and not node.level and node.module and \
                     node.module.split(".")[0] == PACKAGE:
                 for a in node.names:
-                    dotted = f"{node.module}.{a.name}"
-                    aliases[a.asname or a.name] = dotted
-                    if package_of(dotted) != own and _private(dotted):
-                        bad.append(f"{name}: {dotted}")
+                    aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+                    check(f"{node.module}.{a.name}")
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
-                    node.value.id in aliases and node.attr.startswith("_") and \
-                    not node.attr.startswith("__"):
-                dotted = f"{aliases[node.value.id]}.{node.attr}"
-                if f"{dotted}/" in _SUBPACKAGES or dotted.count(".") >= 2 or \
-                        dotted in found:
-                    if package_of(dotted) != own and _private(dotted):
-                        bad.append(f"{name}: {dotted}")
+                    node.value.id in aliases:
+                check(f"{aliases[node.value.id]}.{node.attr}")
     return sorted(set(bad))
 
 
@@ -160,13 +156,14 @@ def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     """Package -> the other packages its modules import. The root package is left out: its
     ``__init__`` imports every package (that is how the package is built), and a module that
     imports ``fastddp`` uses the product's public API as a user does."""
+    subs = subpackages(graph)
     packages: dict[str, set[str]] = {}
     for module, edges in graph.items():
-        own = package_of(module)
+        own = package_of(module, subs)
         if own == PACKAGE:
             continue
         packages.setdefault(own, set()).update(
-            p for e in edges if (p := package_of(e)) not in (own, PACKAGE)
+            p for e in edges if (p := package_of(e, subs)) not in (own, PACKAGE)
             and e not in FOUNDATION)
     return packages
 

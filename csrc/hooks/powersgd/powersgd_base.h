@@ -57,8 +57,7 @@ class PowerSGDBase : public PipelinedHook {
 
   const PowerSGDOptions& options() const { return options_; }
   // torch's hook divides by the group's size whatever join() asks; under a
-  // fault-tolerant engine, by the step's participants.
-  // torch's PowerSGD divides by the group's size whatever join() asks.
+  // fault-tolerant engine, by the step's participants (Note [step divisors]).
   void set_divisors(StepDivisors divisors) override { divisor_ = divisors.participants; }
   int64_t iter() const { return iter_.load(); }
   // torch's PowerSGDState.compression_stats(): (rate, numel before, numel after).
