@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from common import machine, periodic_sync, quality_table_merge  # benchmarks/common/: scripts run from benchmarks/
+# benchmarks/common/: scripts run from benchmarks/
+from common import machine, periodic_sync, quality_table_merge
 from common.quality_tasks import task as make_task, train
 
 # name -> (outer_lr, outer_momentum). The effective outer step on a steady pseudo-gradient is
@@ -124,9 +125,9 @@ def write_table(path: str, results: dict, args: argparse.Namespace) -> None:
         shown = os.path.relpath(os.path.abspath(path), ROOT)
         f.write(f'"""Generated (do not edit) by\n\n    python benchmarks/diloco_small.py '
                 f'--write-table {shown}\n\nDiLoCo\'s outer settings on short runs (issue 54 '
-                "item 3): each configuration's final held-out score per task and world\n"
-                "size, which --advise cites (fastddp/tuning/diloco_advice.py). The table and its "
-                'reading:\ndocs/diloco.md, benchmarks/results/diloco_small.md."""\n\n'
+                "item 3): each configuration's\nfinal held-out score per task and world size, "
+                "which --advise cites\n(fastddp/tuning/diloco_advice.py). The table and its "
+                'reading: docs/diloco.md,\nbenchmarks/results/diloco_small.md."""\n\n'
                 f"SMALL_JOBS = {pprint.pformat(table, sort_dicts=False)}\n")
 
 

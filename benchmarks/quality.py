@@ -12,8 +12,8 @@ held-out accuracy) and the source of Python's standard library (a character-leve
 transformer, held-out bits per character). Every configuration trains the same model from
 the same seed on the same per-rank batches for --steps steps on --nproc gloo ranks, one
 intra-op thread each, and is scored on the held-out split every --eval-every steps. The
-learning rate decays along a cosine to a tenth of its peak (quality_tasks.train); the low-rank hooks compress
-from 10% of the steps on (START).
+learning rate decays along a cosine to a tenth of its peak (quality_tasks.train); the
+low-rank hooks compress from 10% of the steps on (START).
 
 Configurations (--configs): "hooks" (the default) are the per-step ones, a DDP comm hook
 each; "sync" is issue 47's comparison of those that synchronize every few steps (torch's

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch import nn
 
 from fastddp import _group_ops
-from fastddp._group_ops import broadcast_tensors
 
 
 def check_arguments(named_params, hook_param) -> None:
@@ -46,7 +45,7 @@ class DelayedAllReduce:
             self.views.append(self.buffer[offset:offset + p.numel()].view(p.shape))
             offset += p.numel()
         with torch.no_grad():
-            broadcast_tensors(group, [p.detach() for p in self.params], src=0)
+            _group_ops.broadcast_tensors(group, [p.detach() for p in self.params], src=0)
         self._work: dist.Work | None = None
         self._handle = hook_param.register_hook(self._launch)
 

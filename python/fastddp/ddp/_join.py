@@ -22,8 +22,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fastddp import _group_ops
 from fastddp.ddp._hook_state import hook_name
-from fastddp._group_ops import broadcast_tensors
-
 
 
 def find_common_rank(ddp: DistributedDataParallel, candidate: bool) -> int:
@@ -60,7 +58,7 @@ def sync_buffers(ddp: DistributedDataParallel, joined: bool = False) -> None:
     src = find_common_rank(ddp, not joined) if ddp._join_config.enable else 0
     try:
         with torch.no_grad():
-            broadcast_tensors(ddp.process_group, ddp.modules_buffers, src=src)
+            _group_ops.broadcast_tensors(ddp.process_group, ddp.modules_buffers, src=src)
     except RuntimeError as e:
         # Typically a dead or stuck peer: gloo's text names neither the collective nor
         # what it carried, and this is the first collective of a step.
@@ -102,4 +100,4 @@ class _JoinHook(JoinHook):
         if ddp.forward_sync_buffers:
             states += [b.detach() for b in ddp.modules_buffers]
         with torch.no_grad():
-            broadcast_tensors(ddp.process_group, states, src=src)
+            _group_ops.broadcast_tensors(ddp.process_group, states, src=src)

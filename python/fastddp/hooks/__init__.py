@@ -36,7 +36,6 @@ PowerSGDState kept live on the native hook (powersgd_live.py) and its checkpoint
 (_powersgd_layout.py).
 """
 
-from fastddp.hooks.auto_hook import AutoHook
 from fastddp.hooks._comm_hook import CommHook, HierarchicalHook
 from fastddp.hooks._constructors import (acpsgd, allreduce, auto, batched_powersgd, bf16, fp8,
                                          fp16, from_registry, hierarchical,
@@ -45,6 +44,7 @@ from fastddp.hooks._constructors import (acpsgd, allreduce, auto, batched_powers
 # and the torchft integration call to register a hook or recognize one of torch's.
 from fastddp.hooks._torch_hooks import (builtin_for_type, check_comm_hook,  # noqa: F401
                                         native_torch_hooks, resolve, torch_builtin)
+from fastddp.hooks.auto_hook import AutoHook
 
 __all__ = ["AutoHook", "CommHook", "HierarchicalHook", "acpsgd", "allreduce", "auto",
            "batched_powersgd", "bf16", "fp16", "fp8", "from_registry", "hierarchical",

@@ -296,7 +296,8 @@ def _hook_factory(spec: HookSpec | None, disabled: bool,
 @surface.eager
 def _advise_before_forward(advisor: Advisor, model: nn.Module) -> None:
     if _rank() == 0:
-        advisor.before_forward(model, surface.TunerHandle(model))  # one small object, rank 0 only
+        # One small object, rank 0 only.
+        advisor.before_forward(model, surface.TunerHandle(model))
 
 
 def _patched_class(base: type, owner: Patch) -> type:

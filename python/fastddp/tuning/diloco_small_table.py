@@ -2,9 +2,10 @@
 
     python benchmarks/diloco_small.py --write-table python/fastddp/tuning/diloco_small_table.py
 
-DiLoCo's outer settings on short runs (issue 54 item 3): each configuration's final held-out score per task and world
-size, which --advise cites (fastddp/tuning/diloco_advice.py). The table and its reading:
-docs/diloco.md, benchmarks/results/diloco_small.md."""
+DiLoCo's outer settings on short runs (issue 54 item 3): each configuration's
+final held-out score per task and world size, which --advise cites
+(fastddp/tuning/diloco_advice.py). The table and its reading: docs/diloco.md,
+benchmarks/results/diloco_small.md."""
 
 SMALL_JOBS = {'steps': 1000,
  'sync_every': 20,

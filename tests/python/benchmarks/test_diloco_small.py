@@ -77,7 +77,8 @@ def test_small_job_rows_against_the_training_written_out(tmp_path):
     # Averaging through DiLoCo's pseudo-gradient, anchor - mean(anchor - local), rounds
     # differently from mean(local) by a few float32 ulps of each weight at each of the 2
     # syncs; over 20 more steps that moves the held-out bits/char by far less than 1e-3
-    # (measured: 3e-6, the print's rounding included), against a gap of 0.03-0.1 between the table's settings.
+    # (measured: 3e-6, the print's rounding included), against a gap of 0.03-0.1 between
+    # the table's settings.
     assert abs(rows["diloco 1/0 (averaging)"] - averaged) <= 1e-3, (rows, averaged)
     # And the averaging is real: it differs from training alone.
     assert abs(averaged - alone) > 1e-3, (averaged, alone)
