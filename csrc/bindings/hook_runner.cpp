@@ -2,9 +2,9 @@
 // benchmarks and tests that time or compare hooks (fastddp's native ones and
 // torch's Python ones behind PythonCommHook) on the very same buckets.
 //
-// It plays the reducer's part of Note [comm hook contract]: buckets planned
-// over the gradients in reverse order (the order backward makes them ready,
-// which is what the reducer's rebuilt buckets follow), copy_in per slot,
+// It plays the reducer's part of Note [comm hook contract]: the buckets the
+// reducer rebuilds to when gradients become ready in reverse order (as backward
+// makes them), planned by the reducer's own planner, copy_in per slot,
 // run() per bucket in order, then wait and write_back. The layout is fixed
 // for the runner's life, so hooks keep their per-bucket state (PowerSGD's
 // error feedback and warm start) from one run() to the next.
@@ -34,15 +34,16 @@ class HookRunner {
     FASTDDP_CHECK(!grads.empty(), "fastddp HookRunner: no gradients");
     FASTDDP_CHECK(bucket_cap_bytes > 0, "fastddp HookRunner: bucket_cap_bytes must be > 0, got ",
                   bucket_cap_bytes);
-    // Planned over the reversed list, then mapped back to indices into `grads`.
+    // The reducer's rebuilt buckets, by the reducer's own planner, for gradients that
+    // become ready last first.
     std::vector<TensorSpec> specs;
-    for (size_t i = grads.size(); i-- > 0;) specs.push_back(spec_of(grads[i], false));
-    BucketPlan plan = plan_buckets(specs, {static_cast<size_t>(bucket_cap_bytes)});
-    for (auto& bucket : plan.buckets) {
-      for (size_t& index : bucket) index = grads.size() - 1 - index;
+    std::vector<size_t> ready_order;
+    for (size_t i = 0; i < grads.size(); ++i) {
+      specs.push_back(spec_of(grads[i], false));
+      ready_order.push_back(grads.size() - 1 - i);
     }
-    // plan_buckets sorts by smallest (reversed) index: the last gradients come first.
-    plan_ = plan.buckets;
+    plan_ = plan_buckets_from_ready_order(specs, ready_order,
+                                          {static_cast<size_t>(bucket_cap_bytes)}).buckets;
     for (const at::Tensor& g : grads) shapes_.push_back(g.sizes().vec());
     buckets_ = make_buckets(grads, plan_, {}, align_bytes);
     hook_->on_new_buckets(buckets_);

@@ -27,15 +27,13 @@ void bind_optimizer_step(py::module& m);    // optimizer_step_py.cpp
 
 namespace {
 
-// Same arguments and result as torch.distributed._compute_bucket_assignment_by_size.
-py::tuple compute_bucket_assignment_by_size(const std::vector<at::Tensor>& tensors,
-                                            const std::vector<size_t>& size_limits,
-                                            const std::vector<bool>& expect_sparse_gradient,
-                                            const std::vector<int64_t>& tensor_indices) {
+// The planner's view of `tensors`; tensor i is parameter order[i] when an order is given.
+std::vector<TensorSpec> specs_of(const std::vector<at::Tensor>& tensors,
+                                 const std::vector<bool>& expect_sparse_gradient,
+                                 const std::vector<size_t>& order) {
   FASTDDP_CHECK(expect_sparse_gradient.empty() || expect_sparse_gradient.size() == tensors.size(),
                 "fastddp: expect_sparse_gradient has ", expect_sparse_gradient.size(),
                 " entries for ", tensors.size(), " tensors");
-  std::vector<size_t> order(tensor_indices.begin(), tensor_indices.end());
   std::vector<TensorSpec> specs;
   for (size_t i = 0; i < tensors.size(); ++i) {
     FASTDDP_CHECK(!tensors[i].is_sparse(), "fastddp: tensor ", i, " is sparse; no support for "
@@ -44,13 +42,37 @@ py::tuple compute_bucket_assignment_by_size(const std::vector<at::Tensor>& tenso
     specs.push_back(spec_of(
         tensors[i], !expect_sparse_gradient.empty() && expect_sparse_gradient.at(index)));
   }
-  BucketPlan plan;
+  return specs;
+}
+
+// The planner's invalid_argument is Python's ValueError, as torch's planner raises it.
+template <typename Plan>
+BucketPlan planned(Plan&& plan) {
   try {
-    plan = plan_buckets(specs, size_limits, order);
+    return plan();
   } catch (const std::invalid_argument& e) {
     throw py::value_error(e.what());
   }
+}
+
+// Same arguments and result as torch.distributed._compute_bucket_assignment_by_size.
+py::tuple compute_bucket_assignment_by_size(const std::vector<at::Tensor>& tensors,
+                                            const std::vector<size_t>& size_limits,
+                                            const std::vector<bool>& expect_sparse_gradient,
+                                            const std::vector<int64_t>& tensor_indices) {
+  const std::vector<size_t> order(tensor_indices.begin(), tensor_indices.end());
+  const std::vector<TensorSpec> specs = specs_of(tensors, expect_sparse_gradient, order);
+  const BucketPlan plan = planned([&] { return plan_buckets(specs, size_limits, order); });
   return py::make_tuple(plan.buckets, plan.size_limits);
+}
+
+// The buckets a Reducer starts with, in the order it reduces them (plan_initial_buckets):
+// what DDP's constructor passes to _C.Reducer, with no reordering in Python.
+std::vector<std::vector<size_t>> initial_bucket_plan(
+    const std::vector<at::Tensor>& tensors, const std::vector<size_t>& size_limits,
+    const std::vector<bool>& expect_sparse_gradient) {
+  const std::vector<TensorSpec> specs = specs_of(tensors, expect_sparse_gradient, {});
+  return planned([&] { return plan_initial_buckets(specs, size_limits); }).buckets;
 }
 
 using nogil = py::call_guard<py::gil_scoped_release>;
@@ -141,6 +163,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("tensors"), py::arg("size_limits"),
         py::arg("expect_sparse_gradient") = std::vector<bool>{},
         py::arg("tensor_indices") = std::vector<int64_t>{});
+  m.def("initial_bucket_plan", &fastddp::initial_bucket_plan, py::arg("tensors"),
+        py::arg("size_limits"), py::arg("expect_sparse_gradient") = std::vector<bool>{},
+        "The Reducer's first buckets (parameter indices), in the order it reduces them.");
   // DDP's default bucket sizes, defined once in core/bucket_plan.h.
   m.attr("DEFAULT_BUCKET_CAP_BYTES") = fastddp::kDefaultBucketCapBytes;
   m.attr("DEFAULT_FIRST_BUCKET_BYTES") = fastddp::kDefaultFirstBucketBytes;

@@ -86,6 +86,14 @@ BucketPlan plan_buckets(const std::vector<TensorSpec>& tensors,
   return plan;
 }
 
+BucketPlan plan_initial_buckets(const std::vector<TensorSpec>& tensors,
+                                const std::vector<size_t>& size_limits) {
+  BucketPlan plan = plan_buckets(tensors, size_limits);
+  std::reverse(plan.buckets.begin(), plan.buckets.end());
+  std::reverse(plan.size_limits.begin(), plan.size_limits.end());
+  return plan;
+}
+
 BucketPlan plan_buckets_from_ready_order(const std::vector<TensorSpec>& tensors,
                                          const std::vector<size_t>& ready_order,
                                          const std::vector<size_t>& size_limits) {

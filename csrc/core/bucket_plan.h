@@ -55,6 +55,15 @@ BucketPlan plan_buckets(const std::vector<TensorSpec>& tensors,
                         const std::vector<size_t>& size_limits,
                         const std::vector<size_t>& order = {});
 
+// The buckets a reducer starts with, in the order it reduces them: the plan of
+// plan_buckets in the given (forward) order, its buckets reversed. Backward makes
+// the last parameters' gradients ready first, so their bucket is reduced first;
+// torch DDP hands its Reducer `reversed(_compute_bucket_assignment_by_size(...))`
+// for the same reason. DDP's constructor takes it from here (_C.initial_bucket_plan)
+// and passes it to the Reducer unchanged.
+BucketPlan plan_initial_buckets(const std::vector<TensorSpec>& tensors,
+                                const std::vector<size_t>& size_limits);
+
 // Plans the rebuilt buckets from the order in which gradients became ready,
 // as torch's Reducer does after its first iteration (its limits are
 // {first_bucket_bytes, bucket_bytes_cap}, or the user's per-bucket list).

@@ -15,6 +15,7 @@ namespace {
 using fastddp::BucketPlan;
 using fastddp::plan_buckets;
 using fastddp::plan_buckets_from_ready_order;
+using fastddp::plan_initial_buckets;
 using fastddp::TensorSpec;
 
 using Buckets = std::vector<std::vector<size_t>>;
@@ -167,6 +168,19 @@ TEST_CASE("size_limits reports the limit in force for every bucket", "[bucket_pl
     CHECK(plan.buckets == Buckets{{0}});
     CHECK(plan.size_limits == Limits{40});
   }
+}
+
+TEST_CASE("the initial plan is the forward plan, its buckets reduced last first",
+          "[bucket_plan]") {
+  // Limits 40, 80, 120 over ten 40-byte tensors, as in the limit-list case above: the
+  // same buckets, each with its limit, in reverse, so the 1-tensor bucket of the first
+  // limit (the model's first parameter, whose gradient comes last) is reduced last.
+  const BucketPlan plan =
+      plan_initial_buckets(f32s({10, 10, 10, 10, 10, 10, 10, 10, 10, 10}), {40, 80, 120});
+  CHECK(plan.buckets == Buckets{{9}, {6, 7, 8}, {3, 4, 5}, {1, 2}, {0}});
+  CHECK(plan.size_limits == Limits{120, 120, 120, 80, 40});
+  CHECK(plan_initial_buckets({}, {40}).num_buckets() == 0);
+  CHECK_THROWS_AS(plan_initial_buckets(f32s({10}), {}), std::invalid_argument);
 }
 
 TEST_CASE("invalid inputs throw std::invalid_argument", "[bucket_plan]") {

@@ -205,9 +205,10 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 or getattr(self, "check_for_nan_in_grad", False))
 
     def _initial_plan(self) -> list[list[int]]:
-        plan, _ = _C.compute_bucket_assignment_by_size(
+        """The reducer's first buckets, in the order it reduces them: C++ plans and orders
+        them (core/bucket_plan.h, plan_initial_buckets); Python passes them on unchanged."""
+        return _C.initial_bucket_plan(
             self._reducer_params, self._bucket_limits[0], self._expect_sparse)
-        return list(reversed(plan))
 
     def _build_reducer(self, plan: list[list[int]] | None = None) -> None:
         options = {"gradient_as_bucket_view": self.gradient_as_bucket_view,

@@ -74,3 +74,17 @@ def test_ddp_default_limits():
 def test_empty_limit_list_is_rejected():
     with pytest.raises(ValueError):
         _C.compute_bucket_assignment_by_size([torch.empty(3)], [])
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_initial_plan_is_what_torch_ddp_hands_its_reducer(seed):
+    # torch DDP's constructor: `reversed(dist._compute_bucket_assignment_by_size(...)[0])`
+    # goes to its Reducer. fastddp's constructor passes _C.initial_bucket_plan on as it is.
+    rng = random.Random(seed)
+    tensors = random_tensors(rng, DTYPES, devices=("cpu", "meta"))
+    limits = random_limits(rng)
+    sparse = [rng.random() < 0.2 for _ in tensors] if seed % 2 else []
+    theirs, _ = dist._compute_bucket_assignment_by_size(tensors, limits, sparse)
+    assert _C.initial_bucket_plan(tensors, limits, sparse) == list(reversed(theirs))
+    with pytest.raises(ValueError):
+        _C.initial_bucket_plan(tensors, [])
