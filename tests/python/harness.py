@@ -1,4 +1,4 @@
-"""A persistent world of N real ranks (spawned processes, gloo on 127.0.0.1 unless told
+"""A persistent world of N real ranks (processes of their own, gloo on 127.0.0.1 unless told
 otherwise) that runs named scenario functions on every rank and hands back what each rank
 returned or raised.
 
@@ -7,9 +7,13 @@ world once and runs many scenarios on it. Every wait has a deadline: a rank that
 answer in time fails the test and the whole world is killed and reaped; the next run
 starts a fresh one.
 
-A world started with ``start_method="forkserver"`` forks its ranks from a server that has
-imported torch and fastddp already: a rank starts in a fraction of a second instead of
-seconds, for tests that need many short-lived worlds (test_faults.py kills a rank in each).
+Ranks are forked from a server that has imported torch and fastddp already
+(``start_method="forkserver"``, the default but for NCCL worlds): a rank starts in a fraction
+of a second instead of the 2.5-3 CPU-seconds of a spawned one's imports, and the suite starts
+a few hundred ranks (every world after a failed scenario starts again). Each rank takes the
+test process's environment as it is when the rank starts, as a spawned one does (the
+server's is the one of its own start). ``start_method="spawn"`` starts a fresh interpreter
+per rank.
 ``run(..., allow_deaths=True)`` reports a rank that died (by a signal, say) as a result
 instead of tearing the world down at once.
 """
@@ -59,10 +63,14 @@ class RankResult:
 
 
 class World:
-    """`size` ranks in spawned processes, one process group over `backend`."""
+    """`size` ranks in processes of their own, one process group over `backend`."""
 
     def __init__(self, size: int, backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S,
-                 start_method: str = "spawn"):
+                 start_method: str | None = None):
+        if start_method is None:
+            # NCCL ranks use CUDA, and CUDA is not fork-safe once a process has touched it:
+            # they get a fresh interpreter each, as they always did.
+            start_method = "spawn" if backend == "nccl" else "forkserver"
         if start_method not in ("spawn", "forkserver"):
             raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
         self.size = size
@@ -102,7 +110,7 @@ class World:
             parent_end, child_end = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, self.size, port, self.backend, child_end),
+                args=(rank, self.size, port, self.backend, child_end, dict(os.environ)),
                 name=f"fastddp-test-rank{rank}",
                 daemon=True,
             )
@@ -265,8 +273,11 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 
 def _worker_main(rank: int, size: int, port: int, backend: str,
-                 conn: multiprocessing.connection.Connection) -> None:
+                 conn: multiprocessing.connection.Connection, environ: dict[str, str]) -> None:
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    # A forked rank has its server's environment: the test process's now replaces it.
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(size), LOCAL_RANK=str(rank))
     try:
@@ -347,6 +358,10 @@ def _failure(rank: int, e: BaseException) -> RankResult:
 
 
 # Scenarios that exercise the harness itself (see test_harness.py).
+def environment(name: str) -> str | None:
+    return os.environ.get(name)
+
+
 def ping() -> int:
     import torch.distributed as dist
 

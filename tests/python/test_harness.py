@@ -73,3 +73,22 @@ def test_rank_killed_by_a_signal(allow_deaths):
     finally:
         world.close(polite=False)
     assert not world.running and reaped(pids)
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_ranks_see_the_environment_of_their_start(monkeypatch, start_method):
+    # The fork server keeps the environment of its own start (an earlier test's, here);
+    # a rank must see the test process's as it is when the rank starts, as a spawned one does.
+    early = World(1, start_method=start_method)
+    early.start()  # the fork server (if not started yet) starts without the variable
+    early.close()
+    monkeypatch.setenv("FASTDDP_HARNESS_PROBE", start_method)
+    world = World(2, timeout_s=60, start_method=start_method)
+    try:
+        assert world.check(harness.environment, name="FASTDDP_HARNESS_PROBE") == \
+            [start_method] * 2
+        assert world.check(harness.environment, name="RANK") == ["0", "1"]
+    finally:
+        world.close()
+    assert World(1).start_method == "forkserver"
+    assert World(1, backend="nccl").start_method == "spawn"  # CUDA is not fork-safe
