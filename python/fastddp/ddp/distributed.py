@@ -205,8 +205,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 or getattr(self, "check_for_nan_in_grad", False))
 
     def _initial_plan(self) -> list[list[int]]:
-        """The reducer's first buckets, in the order it reduces them: C++ plans and orders
-        them (core/bucket_plan.h, plan_initial_buckets); Python passes them on unchanged."""
+        """The reducer's first buckets as C++ plans and orders them (plan_initial_buckets)."""
         return _C.initial_bucket_plan(
             self._reducer_params, self._bucket_limits[0], self._expect_sparse)
 
