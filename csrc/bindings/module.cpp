@@ -6,8 +6,6 @@
 #include <pybind11/functional.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include <stdexcept>
-
 #include "../core/bucket_plan.h"
 #include "../hooks/common/allreduce.h"
 #include "../hooks/common/upcast_allreduce.h"
@@ -45,16 +43,6 @@ std::vector<TensorSpec> specs_of(const std::vector<at::Tensor>& tensors,
   return specs;
 }
 
-// The planner's invalid_argument is Python's ValueError, as torch's planner raises it.
-template <typename Plan>
-BucketPlan planned(Plan&& plan) {
-  try {
-    return plan();
-  } catch (const std::invalid_argument& e) {
-    throw py::value_error(e.what());
-  }
-}
-
 // Same arguments and result as torch.distributed._compute_bucket_assignment_by_size.
 py::tuple compute_bucket_assignment_by_size(const std::vector<at::Tensor>& tensors,
                                             const std::vector<size_t>& size_limits,
@@ -62,7 +50,9 @@ py::tuple compute_bucket_assignment_by_size(const std::vector<at::Tensor>& tenso
                                             const std::vector<int64_t>& tensor_indices) {
   const std::vector<size_t> order(tensor_indices.begin(), tensor_indices.end());
   const std::vector<TensorSpec> specs = specs_of(tensors, expect_sparse_gradient, order);
-  const BucketPlan plan = planned([&] { return plan_buckets(specs, size_limits, order); });
+  // The planner's std::invalid_argument reaches Python as ValueError (pybind11's own
+  // translation), as torch's planner raises it.
+  const BucketPlan plan = plan_buckets(specs, size_limits, order);
   return py::make_tuple(plan.buckets, plan.size_limits);
 }
 
@@ -72,7 +62,7 @@ std::vector<std::vector<size_t>> initial_bucket_plan(
     const std::vector<at::Tensor>& tensors, const std::vector<size_t>& size_limits,
     const std::vector<bool>& expect_sparse_gradient) {
   const std::vector<TensorSpec> specs = specs_of(tensors, expect_sparse_gradient, {});
-  return planned([&] { return plan_initial_buckets(specs, size_limits); }).buckets;
+  return plan_initial_buckets(specs, size_limits).buckets;
 }
 
 using nogil = py::call_guard<py::gil_scoped_release>;
