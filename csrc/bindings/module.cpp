@@ -12,7 +12,7 @@
 #include "../reducer/comm_hook.h"
 #include "../reducer/reducer.h"
 #include "../util/message.h"
-#include "../reducer/optimizer_step.h"
+#include "../optim/optimizer_step.h"
 
 namespace py = pybind11;
 

@@ -11,7 +11,7 @@
 
 #include "../optim/fused_step.h"
 #include "../util/message.h"
-#include "../reducer/optimizer_step.h"
+#include "../optim/optimizer_step.h"
 
 namespace py = pybind11;
 

@@ -24,7 +24,7 @@
 #include <utility>
 #include <vector>
 
-#include "../reducer/optimizer_step.h"
+#include "optimizer_step.h"
 
 namespace fastddp {
 

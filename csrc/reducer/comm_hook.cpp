@@ -7,11 +7,10 @@
 #include <stdexcept>
 
 #include "../kernels/nonfinite.h"
-#include "nonfinite_guard.h"
-#include "step_state.h"
 #include "../util/current_stream.h"
 #include "../util/message.h"
 #include "../util/step_cost.h"
+#include "finite_checks.h"
 
 #if defined(FASTDDP_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>

@@ -115,7 +115,7 @@ class CommHook {
   // backward that reached the write-back, with `finite` (all_finite of the
   // averaged gradients; undefined: nothing was checked, the step stands); it keeps the
   // new state where `finite` is true or the state it read was already not
-  // all finite (reducer/step_state.h), else the state it read, and returns
+  // all finite (reducer/finite_checks.h), else the state it read, and returns
   // that choice as a 0-dim bool (a device tensor on a device: no host sync).
   // discard_step(): a failed step; the state it read stands.
   virtual bool settles_own_state() const { return false; }

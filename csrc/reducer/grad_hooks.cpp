@@ -1,8 +1,11 @@
-// The grad-accumulator post-hooks, and the error compiled autograd gets.
+// The grad-accumulator post-hooks, the error compiled autograd gets, and the
+// gradient's slot (Note [distributed autograd]).
 #include "grad_hooks.h"
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/distributed/autograd/context/context.h>
 
 #include "../util/message.h"
 
@@ -45,6 +48,20 @@ void GradHooks::hook(size_t i, const at::Tensor& param, const std::string& name)
                 "compiled autograd, or compile the model with the default eager backward");
           }));
   accumulators_[i] = std::move(accumulator);
+}
+
+void GradSlot::capture() {
+  context_ = torch::distributed::autograd::ThreadLocalDistAutogradContext::getContextPtr();
+}
+
+void GradSlot::with_grad(const at::Tensor& param,
+                         const std::function<bool(at::Tensor&)>& fn) const {
+  if (!context_) {
+    fn(const_cast<at::Tensor&>(param).mutable_grad());
+    return;
+  }
+  // torch's DistAutogradContext stores the tensor back only when fn says so.
+  context_->runGradCallbackForVariable(param, fn);
 }
 
 }  // namespace fastddp

@@ -1,10 +1,12 @@
-// The full-precision grads and masters of DDP's mixed_precision (Note [mixed
-// precision]).
+// DDP's mixed_precision (Note [mixed precision]): the full-precision grads and
+// masters, and the reducer's side of a forward that cast the parameters.
 #include "mixed_precision.h"
 
 #include <ATen/ATen.h>
 
-#include "grad_slot.h"
+#include "../util/message.h"
+#include "grad_hooks.h"
+#include "reducer.h"
 
 namespace fastddp {
 
@@ -49,6 +51,23 @@ void MixedPrecision::restore_masters() {
   }
   cast_params_.clear();
   masters_.clear();
+}
+
+void Reducer::after_param_cast(std::vector<at::Tensor> params, std::vector<at::Tensor> masters) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  FASTDDP_CHECK(options_.mixed_precision,
+                "fastddp: after_param_cast belongs to a reducer built for mixed_precision");
+  FASTDDP_CHECK(params.size() == masters.size(), "fastddp: ", params.size(),
+                " cast parameters but ", masters.size(), " masters");
+  // A forward of the module while its backward is reducing (the masters of this
+  // iteration would be replaced half-way).
+  FASTDDP_CHECK(!reducing(),
+                "fastddp: mixed_precision: the module ran a forward while DDP's backward was "
+                "reducing its gradients");
+  mixed_precision_.set_cast(std::move(params), std::move(masters));
+  // A dtype change (set_data) drops the parameter's grad accumulator: the next
+  // backward runs a new one, which must carry the hook.
+  install_hooks();
 }
 
 }  // namespace fastddp

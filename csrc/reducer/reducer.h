@@ -100,16 +100,13 @@
 #include <vector>
 
 #include "bucket.h"
-#include "bucket_views.h"
 #include "comm_hook.h"
 #include "fault_tolerance.h"
 #include "finite_checks.h"
 #include "grad_hooks.h"
-#include "grad_slot.h"
-#include "join_shadow.h"
+#include "join.h"
 #include "mixed_precision.h"
 #include "ready_order.h"
-#include "skip_votes.h"
 #include "static_graph.h"
 #include "step_stats.h"
 #include "unused_parameters.h"

@@ -99,46 +99,6 @@ std::vector<int64_t> Reducer::last_ready_order() const {
   return ready_order_.last();
 }
 
-std::vector<int64_t> Reducer::last_unused_parameters() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return std::vector<int64_t>(unused_.list().begin(), unused_.list().end());
-}
-
-void Reducer::set_track_finite(bool on) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  finite_.set_tracking(on);
-}
-
-std::optional<bool> Reducer::last_step_finite() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return finite_.last_step_finite();
-}
-
-std::string Reducer::last_error() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return stats_.last_error();
-}
-
-CommStats Reducer::comm_stats() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  CommStats stats = stats_.read();  // never waits for the device (Note [device timeline])
-  for (const Bucket& bucket : buckets_) {
-    stats.bucket_bytes.push_back(bucket.bytes());
-    stats.wire_bytes.push_back(hook_->wire_bytes(bucket));
-  }
-  return stats;
-}
-
-void Reducer::set_timing_sample_rate(int64_t rate) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  stats_.set_sample_rate(rate);
-}
-
-void Reducer::set_time_every_step(bool on) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  stats_.set_time_every_step(on);
-}
-
 void Reducer::check_parameters_unchanged() const {
   // A parameter converted after wrapping (module.double(), .to(device) on the
   // inner module) keeps its name but loses the gradient hook the reducer

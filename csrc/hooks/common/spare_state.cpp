@@ -14,7 +14,7 @@
 #include "../../util/current_stream.h"
 #include "../../util/message.h"
 #include "../../util/step_cost.h"
-#include "../../reducer/step_state.h"
+#include "../../reducer/finite_checks.h"
 
 namespace fastddp {
 namespace {

@@ -35,7 +35,7 @@ using StateRead = std::function<std::vector<at::Tensor>(bool witness)>;
 
 // Settles a step: keeps its state (each live swapped with its spare) where
 // `finite` is undefined or true, or where the state read was already not all
-// finite (reducer/step_state.h); else the state the step read stands (a
+// finite (reducer/finite_checks.h); else the state the step read stands (a
 // tensor it made: zeros on a device). On the CPU the state read is asked for
 // only after a non-finite step. On a device the host swaps always and
 // put_back_unless() restores; the witness stands for the state read there,

@@ -7,7 +7,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "../../reducer/nonfinite_guard.h"
+#include "../../reducer/finite_checks.h"
 #include "../../util/profile_range.h"
 #include "../../util/step_cost.h"
 #include "half_ops.h"

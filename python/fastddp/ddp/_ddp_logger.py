@@ -12,7 +12,7 @@ host's clock (CPU) they are the last step's, read at the next forward, as torch'
 reads its CPU timer. On a GPU they are CUDA events that the reducer records only in the
 sampled iterations, as torch's does (the reducer is told the sample rate), and that
 ``comm_stats()`` reads without waiting for the device (Note [device timeline] in
-csrc/reducer/device_timeline.h): a sampled iteration's figures arrive at the first
+csrc/reducer/step_stats.h): a sampled iteration's figures arrive at the first
 synchronized forward that finds them complete, usually one or two after it, where torch's
 logger synchronizes the device to read them at once. Until then the iteration stays pending
 (with its forward times and bucket count, taken at the forward after it); one that a later

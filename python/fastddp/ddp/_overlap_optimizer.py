@@ -3,7 +3,7 @@
 
 Note [overlapped optimizer, Python side]
 The reducer steps the optimizer bucket by bucket, each as soon as that bucket's averaged
-gradients are in ``param.grad`` (csrc/reducer/optimizer_step.h, Note [overlapped
+gradients are in ``param.grad`` (csrc/optim/optimizer_step.h, Note [overlapped
 optimizer]). Each step is the optimizer's own ``step()`` with every param group narrowed to
 the bucket's parameters: every ``torch.optim`` update is elementwise per parameter (the
 single-tensor, foreach and fused implementations alike), so the steps together give the

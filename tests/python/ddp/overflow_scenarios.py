@@ -1,5 +1,5 @@
 """One overflow step under torch.amp.GradScaler leaves no trace in a hook's state (Note [a bad
-step leaves no trace] in csrc/reducer/step_state.h).
+step leaves no trace] in csrc/reducer/finite_checks.h).
 
 The reference is torch's own definition of a skipped step: GradScaler skips the optimizer
 step of an iteration whose gradients overflowed and halves its scale. So the same training

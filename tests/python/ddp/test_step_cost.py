@@ -8,7 +8,7 @@ passes are: a figure that drops below its budget is a saving to write down here.
 BUDGETS are for zero_grad(set_to_none=False): the gradients are kept from step to step, and
 the result is written back into them, as torch does. ONE_PASS below is for torch's default,
 set_to_none=True: the new gradient is copied in once and its slot becomes .grad (Note
-[gradients handed out], csrc/reducer/bucket_views.h), nothing is copied back where the
+[gradients handed out], csrc/reducer/bucket.h), nothing is copied back where the
 reduction's result is the bucket."""
 
 import math

@@ -1,11 +1,12 @@
 // Note [fault-tolerant step] (fault_tolerance.h): the reducer's entry points
 // for fastddp.integrations.torchft.
-#include "reducer.h"
+#include "fault_tolerance.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
 #include "../util/message.h"
+#include "reducer.h"
 
 namespace fastddp {
 

@@ -1,13 +1,25 @@
-// The reducer's side of join() (uneven inputs): a rank without data runs the
-// collectives of one backward with zero gradients, in the others' order.
+// join() (uneven inputs): a rank without data runs the collectives of one
+// backward with zero gradients, in the others' order, on its shadow buckets.
+#include "join.h"
+
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "../util/message.h"
-#include "nonfinite_guard.h"
+#include "finite_checks.h"
 #include "reducer.h"
 
 namespace fastddp {
+
+std::vector<Bucket>& JoinShadow::buckets_for(const std::vector<Bucket>& buckets, bool lazy,
+                                             int64_t align_bytes) {
+  if (shadows_.size() != buckets.size()) {
+    shadows_.clear();
+    for (const Bucket& bucket : buckets) shadows_.push_back(bucket.zeros_like());
+  }
+  if (lazy && !all_allocated(shadows_)) allocate_flat(shadows_, align_bytes);
+  return shadows_;
+}
 
 void Reducer::shadow_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
