@@ -34,27 +34,6 @@ namespace fastddp {
 using GradAccumulatorPtr =
     decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
-class GradHooks {
- public:
-  // `on_ready(i)` runs when parameter i's gradient has been accumulated.
-  explicit GradHooks(std::function<void(size_t)> on_ready) : on_ready_(std::move(on_ready)) {}
-  ~GradHooks();  // removes every hook
-  GradHooks(const GradHooks&) = delete;
-  GradHooks& operator=(const GradHooks&) = delete;
-
-  // Puts the hook on parameter i's current grad accumulator, moving it from
-  // the one it was on if that changed (a dtype change makes a new one).
-  void hook(size_t i, const at::Tensor& param, const std::string& name);
-  // Parameter i's accumulator, the node the unused-parameter search looks for.
-  const torch::autograd::Node* accumulator(size_t i) const { return accumulators_[i].get(); }
-
- private:
-  std::function<void(size_t)> on_ready_;
-  // The engine holds accumulators weakly; keeping them alive keeps our hooks.
-  std::vector<GradAccumulatorPtr> accumulators_;
-  std::vector<uintptr_t> keys_;
-};
-
 class GradSlot {
  public:
   // Reads the calling thread's dist-autograd context (none outside one).
@@ -70,6 +49,32 @@ class GradSlot {
 
  private:
   std::shared_ptr<torch::distributed::autograd::DistAutogradContext> context_;
+};
+
+class GradHooks {
+ public:
+  // `on_ready(i)` runs when parameter i's gradient has been accumulated.
+  explicit GradHooks(std::function<void(size_t)> on_ready) : on_ready_(std::move(on_ready)) {}
+  ~GradHooks();  // removes every hook
+  GradHooks(const GradHooks&) = delete;
+  GradHooks& operator=(const GradHooks&) = delete;
+
+  // Puts the hook on parameter i's current grad accumulator, moving it from
+  // the one it was on if that changed (a dtype change makes a new one).
+  void hook(size_t i, const at::Tensor& param, const std::string& name);
+  // Parameter i's accumulator, the node the unused-parameter search looks for.
+  const torch::autograd::Node* accumulator(size_t i) const { return accumulators_[i].get(); }
+
+  // Where the gradients of the backward in flight live (Note [distributed autograd]).
+  GradSlot& slot() { return slot_; }
+  const GradSlot& slot() const { return slot_; }
+
+ private:
+  GradSlot slot_;  // Note [distributed autograd]
+  std::function<void(size_t)> on_ready_;
+  // The engine holds accumulators weakly; keeping them alive keeps our hooks.
+  std::vector<GradAccumulatorPtr> accumulators_;
+  std::vector<uintptr_t> keys_;
 };
 
 }  // namespace fastddp

@@ -163,10 +163,10 @@ void Reducer::on_grad_ready(size_t index) {
 }
 
 void Reducer::handle_grad_ready(size_t index) {
-  grad_slot_.capture();
+  grad_hooks_.slot().capture();
   if (track_usage()) {
     // Also under no_sync: a parameter used in any accumulated step is used.
-    grad_slot_.with_grad(params_[index], [&](at::Tensor& grad) {
+    grad_hooks_.slot().with_grad(params_[index], [&](at::Tensor& grad) {
       if (grad.defined()) unused_.note_used(index);
       return false;
     });
@@ -213,7 +213,7 @@ void Reducer::mark_ready(size_t index) {
   const auto [b, slot] = views_.locate(index);
   Bucket& bucket = buckets_[b];
   if (!bucket.allocated()) views_.allocate(buckets_);  // lazy buckets: this backward's first
-  grad_slot_.with_grad(params_[index], [&](at::Tensor& grad) {
+  grad_hooks_.slot().with_grad(params_[index], [&](at::Tensor& grad) {
     check_grad(index, grad, bucket, bucket.views[slot]);
     // Note [fault-tolerant step]: a replica still healing sends zeros.
     copy_in(b, slot, fault_.contributes() ? grad : at::Tensor());
@@ -363,7 +363,7 @@ void Reducer::finalize_backward() {
   if (dynamic_find_unused()) unused_.zero(/*unread=*/true);
   phase_ = Phase::kReduced;
   join_.set_divide_factor(0);
-  grad_slot_.reset();
+  grad_hooks_.slot().reset();
   views_.release(buckets_);
   stats_.end_step(*group_, skip_votes_.skipped());
 }
@@ -452,7 +452,7 @@ void Reducer::fail_iteration(const std::exception_ptr& error) {
   finite_.drop();
   phase_ = Phase::kIdle;
   join_.set_divide_factor(0);
-  grad_slot_.reset();
+  grad_hooks_.slot().reset();
   unused_.zero(/*unread=*/true);
 }
 
@@ -464,7 +464,7 @@ void Reducer::write_back(size_t b, const c10::IValue& result) {
   // found (check_for_nan_in_grad leaves the local gradients in .grad), nor in
   // another dtype or in distributed autograd's context.
   const bool hand_out = !check_usage && !options_.check_for_nan_in_grad &&
-                        !mixed_precision_.on() && !grad_slot_.in_dist_autograd();
+                        !mixed_precision_.on() && !grad_hooks_.slot().in_dist_autograd();
   if (bucket.sparse) {
     // The reduced sparse tensor becomes the gradient, as in torch's reducer.
     const size_t index = bucket.params[0];
@@ -476,7 +476,7 @@ void Reducer::write_back(size_t b, const c10::IValue& result) {
                   reduced.is_sparse() ? "sparse" : "dense", " tensor of shape ", reduced.sizes(),
                   " for the sparse gradient of parameter '", names_[index], "' (shape ",
                   params_[index].sizes(), ")");
-    grad_slot_.with_grad(params_[index], [&](at::Tensor& grad) {
+    grad_hooks_.slot().with_grad(params_[index], [&](at::Tensor& grad) {
       grad = reduced;
       return true;
     });
@@ -490,11 +490,11 @@ void Reducer::write_back(size_t b, const c10::IValue& result) {
     // As torch's upcast hook: every gradient of the bucket back to the master's dtype,
     // keeping its values only where the reduction does not overwrite them.
     if (mixed_precision_.on()) {
-      mixed_precision_.full_precision_grad(grad_slot_, params_[index], index, unused);
+      mixed_precision_.full_precision_grad(grad_hooks_.slot(), params_[index], index, unused);
     }
     if (unused) continue;  // .grad stays as it is
     at::Tensor& view = bucket.views[k];
-    grad_slot_.with_grad(params_[index], [&](at::Tensor& grad) {
+    grad_hooks_.slot().with_grad(params_[index], [&](at::Tensor& grad) {
       bool replaced = false;
       if (options_.gradient_as_bucket_view) {
         if (!grad.defined()) {
@@ -531,7 +531,7 @@ void Reducer::write_back(size_t b, const c10::IValue& result) {
   // Only once the result is there: a failed write-back leaves .grad as it was.
   for (size_t k = 0; k < handed.size(); ++k) {
     if (!handed[k].defined()) continue;
-    grad_slot_.with_grad(params_[bucket.params[k]], [&](at::Tensor& grad) {
+    grad_hooks_.slot().with_grad(params_[bucket.params[k]], [&](at::Tensor& grad) {
       grad = handed[k];
       return true;
     });

@@ -326,7 +326,6 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::shared_ptr<OptimizerStep> optimizer_step_;
   ReducerOptions options_;
   std::vector<Bucket> buckets_;
-  GradSlot grad_slot_;  // Note [distributed autograd]
   mutable std::mutex mutex_;
   Phase phase_ = Phase::kIdle;
   int64_t num_iterations_ = 0;  // synchronized forwards

@@ -14,6 +14,9 @@ of its name, or one of the reducer's own parts in REDUCER_PARTS (reducer.h's cla
 cut by concept there too); a new part is named there with its concept, so that glue such
 as the reducer_join.cpp that stood beside join_shadow.h does not come back unseen.
 
+class Reducer keeps at most REDUCER_MEMBERS data members: a feature's state is its own class's
+member, one per feature, not loose fields of the reducer.
+
 The Python a newcomer reads to follow one synchronized step, listed in docs/design.md ("One
 step, read in order"), stays under ONE_STEP_LINES: the core stays small as the extras grow.
 
@@ -30,6 +33,7 @@ FOLDERS = ("python/fastddp", "csrc", "tests", "benchmarks")
 SUFFIXES = (".py", ".h", ".cpp", ".cu", ".cuh")
 REVIEW_LINES = 600
 ONE_STEP_LINES = 4_500
+REDUCER_MEMBERS = 25
 # Files past REVIEW_LINES that were read again and hold one concept: path -> that concept.
 READ_FOR_ONE_CONCEPT: dict[str, str] = {}
 # The Reducer's parts beyond reducer.cpp (its step), each one concept of the class itself.
@@ -78,6 +82,25 @@ def unlisted_reducer_parts(root: Path) -> list[str]:
     """csrc/reducer's .cpp files with no header of their name, not in REDUCER_PARTS."""
     return [path.name for path in sorted((root / "csrc/reducer").glob("*.cpp"))
             if not path.with_suffix(".h").exists() and path.name not in REDUCER_PARTS]
+
+
+def data_members(header: str, name: str) -> list[str]:
+    """The data members of C++ class ``name`` in ``header``'s text: declarations ending in
+    ``_;``, ``_ = ...;`` or ``_{...};`` (the project's trailing underscore), not functions."""
+    body = header.split(f"\nclass {name} ", 1)[1].split("\n};", 1)[0]
+    found = []
+    for line in body.split("\n"):
+        code = line.split("//", 1)[0].strip()
+        match = re.search(r"(\w+_)\s*(=[^;(]*|\{[^;]*\})?;$", code)
+        if match and "(" not in code.split("=", 1)[0]:
+            found.append(match.group(1))
+    return found
+
+
+def test_the_reducer_holds_its_features_not_their_fields() -> None:
+    members = data_members((ROOT / "csrc/reducer/reducer.h").read_text(), "Reducer")
+    assert {"params_", "buckets_", "mutex_", "grad_hooks_"} <= set(members)  # read right
+    assert len(members) <= REDUCER_MEMBERS, members
 
 
 def one_step_reading(root: Path) -> dict[str, int]:
