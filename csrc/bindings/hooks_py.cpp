@@ -126,11 +126,6 @@ void bind_hooks(py::module& m) {
       "Hierarchical reduction (Note [hierarchical reduction]): reduce_scatter over intra_group, "
       "`inner` (a hook built on inter_group) on this rank's shard, allgather over intra_group. "
       "factor_counts_nodes: the model's reducer runs on inter_group (torchft).");
-  // For other extensions: fastddp::register_comm_hook_factory without linking to us.
-  m.attr("_comm_hook_registrar") = py::capsule(
-      reinterpret_cast<void*>(static_cast<RegisterCommHookFn>(&register_comm_hook_factory)),
-      "fastddp.RegisterCommHookFn");
-
   m.def("half_compress", &half_compress, py::arg("src"), py::arg("scale"), py::arg("dtype"),
         py::arg("residual") = py::none(), py::arg("out") = py::none(),
         "half(src * scale [+ residual]) as a 1-D bf16/fp16 tensor; residual updated in place.");

@@ -1,19 +1,13 @@
-// The comm-hook registry: built-in and third-party hooks by name.
+// The comm-hook registry: fastddp's hooks by name.
 //
 // A hook is registered as a factory taking the process group and typed
 // options; `fastddp.hooks` (Python) and `_C.create_comm_hook` look hooks up
 // here, so a built-in never needs its own binding.
 //
-// Adding a hook from C++:
-//   * inside fastddp: FASTDDP_REGISTER_COMM_HOOK("name", factory) in the hook's .cpp;
-//   * from another torch extension: include this header and the CommHook
-//     interface (reducer/comm_hook.h), and call the registration function
-//     fetched from the capsule `fastddp._C._comm_hook_registrar`:
-//       auto* add = static_cast<fastddp::RegisterCommHookFn>(
-//           PyCapsule_GetPointer(capsule, "fastddp.RegisterCommHookFn"));
-//       add("mine", [](auto group, const fastddp::HookOptions& o) { ... });
-//     then `fastddp.hooks.from_registry("mine", **options)` builds it. (The
-//     capsule spares that extension from linking against fastddp._C.)
+// Adding a hook from C++: FASTDDP_REGISTER_COMM_HOOK("name", factory) in the
+// hook's .cpp (docs/hooks.md, "Adding a hook"). The registry is fastddp's own:
+// the package installs no headers for another extension to compile a CommHook
+// against.
 #pragma once
 
 #include <c10/util/intrusive_ptr.h>
@@ -66,7 +60,6 @@ using CommHookFactory = std::function<std::shared_ptr<CommHook>(
 
 // Registers `factory` under `name`; raises if the name is taken.
 void register_comm_hook_factory(const std::string& name, CommHookFactory factory);
-using RegisterCommHookFn = void (*)(const std::string&, CommHookFactory);
 
 // Builds the hook registered as `name`; raises, listing the known names, if none is.
 std::shared_ptr<CommHook> create_comm_hook(const std::string& name,
