@@ -2,7 +2,9 @@
 through others, a module that imports it back, counting imports deferred into functions and
 those under ``if TYPE_CHECKING``. The packages (issue 53): none imports another's private modules or names (a name with a leading
 underscore, or anything under one), the shared foundation aside (FOUNDATION), and no
-package imports, directly or through others, a package that imports it back.
+package imports, directly or through others, a package that imports it back. The DDP core
+(CORE) reaches, directly or through others, nothing but itself and the foundation: the extras
+are built on it, never under it.
 
 The graph is read from the sources with ``ast``, nothing is imported. ``from X import Y`` is
 an edge to module ``X.Y`` where that is a module of the package, else to ``X``; the implicit
@@ -25,6 +27,9 @@ EXTENSIONS = ("fastddp._C",)
 # every package may use (private by name, as they are no user's API).
 FOUNDATION = ("fastddp._C", "fastddp._group_ops", "fastddp._compat", "fastddp._build",
               "fastddp._libstdcxx")
+# The DDP core (issue 53): the class and the hooks. The extras (tuning, launch, diloco,
+# integrations, selfcheck, link) use it through its public names.
+CORE = ("fastddp.ddp", "fastddp.hooks")
 
 
 def modules(root: Path) -> dict[str, Path]:
@@ -183,6 +188,27 @@ def test_no_package_imports_a_package_that_imports_it_back() -> None:
     assert {"fastddp.ddp", "fastddp.hooks", "fastddp.launch", "fastddp.diloco"} <= set(packages)
     cycle = find_cycle(packages)
     assert cycle is None, "packages in a circle: " + " -> ".join(cycle)
+
+
+def reached_from(graph: dict[str, set[str]], starts: tuple[str, ...]) -> set[str]:
+    """The modules that the modules under ``starts`` import, directly or through others."""
+    stack = [m for m in graph if m.startswith(starts)]
+    seen: set[str] = set()
+    while stack:
+        for name in graph.get(stack.pop(), ()):
+            if name not in seen:
+                seen.add(name)
+                stack.append(name)
+    return seen
+
+
+def test_the_core_imports_no_extra() -> None:
+    graph = import_graph(SOURCE_ROOT)
+    reached = reached_from(graph, CORE)
+    assert "fastddp.hooks.catalog" in reached  # the core's own imports were followed
+    outside = sorted(m for m in reached
+                     if not m.startswith(CORE) and not m.startswith(FOUNDATION))
+    assert outside == []
 
 
 def _write(root: Path, files: dict[str, str]) -> None:

@@ -1,6 +1,7 @@
 """Registering a comm hook on fastddp.DistributedDataParallel: the C++ hook that runs it,
 torch's PowerSGDState tied live to it (fastddp/hooks/powersgd_live.py), and for
-``fastddp.hooks.auto()`` the tuner that picks the hook while training (fastddp.tuning)."""
+``fastddp.hooks.auto()`` the tuner that picks the hook while training (fastddp.tuning,
+started through fastddp.hooks.auto_hook)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from fastddp import hooks
 from fastddp.ddp._mixed_precision import refuse_comm_hook
 from fastddp.ddp._tuner_handle import TunerHandle
-from fastddp.hooks import AutoHook, powersgd_live
-from fastddp.tuning.auto import AutoTuner
+from fastddp.hooks import AutoHook, auto_hook, powersgd_live
 
 
 def install(ddp: DistributedDataParallel, state: object, hook: Any) -> None:
@@ -26,7 +26,8 @@ def install(ddp: DistributedDataParallel, state: object, hook: Any) -> None:
         if state is not None and state is not ddp.process_group:
             raise ValueError(f"{hook!r}: state must be None (the model's process group), "
                              f"got {type(state).__name__}")
-        state, ddp._auto = None, AutoTuner(TunerHandle(ddp), hook, ddp._auto_install)
+        state, ddp._auto = None, auto_hook.start_tuner(TunerHandle(ddp), hook,
+                                                         ddp._auto_install)
         hook = ddp._auto.initial_hook()
     native = hooks.resolve(state, hook, ddp.process_group, ddp._reducer_params)
     # torch's PowerSGDState: its training state goes into the native hook (raises, before

@@ -6,7 +6,7 @@ catalog's candidates (fastddp/hooks/catalog.py: ``bf16``, ``bf16_fp32_accumulate
 ``fp8``, ``powersgd_r<rank>``, ``acpsgd_r<rank>``) and ``hier_<inner>``."""
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from fastddp.hooks import catalog, node_groups
 
@@ -71,6 +71,27 @@ class AutoHook:
         if hierarchical and self.policy != "lossless":
             names += [catalog.HIER_PREFIX + inner for inner in catalog.hier_inners(self.policy)]
         return names
+
+
+# What runs an AutoHook on a model: fastddp.tuning.auto.AutoTuner, handed over by the
+# package's face (fastddp/__init__.py). The DDP core starts it through here, so that the core
+# does not import the tuner, an extra built on it (issue 53).
+_tuner: Callable[..., Any] | None = None
+
+
+def set_tuner(tuner: Callable[..., Any]) -> None:
+    """``tuner(handle, hook, install)`` becomes what runs an AutoHook: ``handle`` the model as
+    a TunerHandle, ``install(native, cap_bytes)`` puts a candidate in place."""
+    global _tuner
+    _tuner = tuner
+
+
+def start_tuner(handle: Any, hook: AutoHook, install: Callable[..., Any]) -> Any:
+    """The tuner of ``hook`` on the model behind ``handle``."""
+    if _tuner is None:
+        raise RuntimeError("fastddp.hooks.auto(): no tuner was set; import fastddp, which "
+                           "sets fastddp.tuning's")
+    return _tuner(handle, hook, install)
 
 
 def lossy(name: str) -> bool:
