@@ -48,6 +48,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 import fastddp
 from fastddp.hooks import catalog
 from fastddp.link import EmulatedLinkGroup
+from fastddp.tuning import candidates
 
 from common import periodic_sync, quality_chart, quality_table_merge  # benchmarks/common/: scripts run from benchmarks/
 from common.quality_tasks import task as make_task, train
@@ -72,24 +73,24 @@ def _hook(config: catalog.Config, rank: int | None):
 
 
 def _configs() -> dict:
-    """name -> make(task, group, start) -> periodic_sync.Setup: every catalog configuration
-    with a quality row (fastddp/hooks/catalog.py; plain allreduce is the baseline, no hook
+    """name -> make(task, group, start) -> periodic_sync.Setup: every tuner candidate with a
+    quality row (fastddp/tuning/candidates.py; plain allreduce is the baseline, no hook
     registered), torch's hooks beside fastddp's, batched PowerSGD, and hierarchical
     reduction on 2 "nodes" of 2 ranks with each lossy inter-node hook."""
     rows = {}
-    for config in [c for c in catalog.CONFIGS if c.quality]:
-        for rank in RANKS if "{rank}" in config.quality else (None,):
-            rows[config.quality.format(rank=rank)] = ("fastddp", (
-                (lambda: None) if config.flag == "allreduce"
-                else lambda c=config, r=rank: _hook(c, r)))
+    for candidate in [c for c in candidates.CANDIDATES if c.quality]:
+        for rank in RANKS if "{rank}" in candidate.quality else (None,):
+            rows[candidate.quality.format(rank=rank)] = ("fastddp", (
+                (lambda: None) if candidate.flag == "allreduce"
+                else lambda c=candidate.config, r=rank: _hook(c, r)))
     rows["torch bf16_compress_hook"] = ("torch", lambda: (None, default_hooks.bf16_compress_hook))
     rows["torch powerSGD_hook r2"] = ("torch", lambda: (psgd.PowerSGDState(
         None, matrix_approximation_rank=2, start_powerSGD_iter=START), psgd.powerSGD_hook))
     rows["batched powersgd r2"] = ("fastddp", lambda: (None, H.batched_powersgd(
         2, start_powerSGD_iter=START)))
-    for inner in catalog.hier_inners():
-        if (row := catalog.quality_of(catalog.HIER_PREFIX + inner)) is not None:
-            inner_config = catalog.by_candidate(inner)[0]
+    for inner in candidates.hier_inners():
+        if (row := candidates.quality_of(candidates.HIER_PREFIX + inner)) is not None:
+            inner_config = candidates.by_name(inner)[0].config
             rows[row] = ("fastddp", lambda c=inner_config: (None, H.hierarchical(
                 _hook(c, None)[1], local_size=2)))
     return {name: periodic_sync.per_step(side, make) for name, (side, make) in rows.items()}

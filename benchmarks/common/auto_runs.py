@@ -92,7 +92,7 @@ class Run:
 
 
 def fixed(kind: str, group: dist.ProcessGroup, name: str) -> Run:
-    """A run of candidate ``name`` (fastddp/hooks/auto_hook.py's names) from the first step."""
+    """A run of candidate ``name`` (fastddp/tuning/candidates.py's names) from the first step."""
     cap = advise.variant_cap(name)
     return Run(kind, group, auto_module.hook_for(name), cap if cap is not None else CAP_MB)
 
@@ -126,7 +126,7 @@ def auto_against_fixed(kind: str, link: str, policy: str, rounds: int = 8,
     group = EmulatedLinkGroup(dist.group.WORLD, link)
     tuned = tune(kind, group, policy)
     summary = tuned.ddp.auto_choice()
-    candidates = names or fastddp.hooks.auto(policy).candidates(CAP_MB)
+    candidates = names or auto_module.candidates.for_auto(fastddp.hooks.auto(policy), CAP_MB)
     runs = {"auto": tuned, **{n: fixed(kind, group, n) for n in candidates}}
     medians = interleaved(runs, rounds)
     grads = sum(p.numel() * 4 for p in tuned.ddp.parameters())

@@ -1,24 +1,12 @@
 """What ``fastddp.hooks.auto()`` returns (``AutoHook``: the policy and the tuner's settings,
-checked) and the names of the configurations it chooses among, which the tuner
-(fastddp/tuning/auto.py, Note [auto tuning]) and ``--advise`` (fastddp/tuning/advise.py)
-share: ``allreduce_fp32`` and its bucket-cap variants (``allreduce_fp32@16MB``), the
-catalog's candidates (fastddp/hooks/catalog.py: ``bf16``, ``bf16_fp32_accumulate``, ``int8``,
-``fp8``, ``powersgd_r<rank>``, ``acpsgd_r<rank>``) and ``hier_<inner>``."""
+checked), and where the DDP core finds the tuner that runs it. The tuner and the
+candidates it chooses among are fastddp.tuning's (auto.py, Note [auto tuning];
+candidates.py)."""
 
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from fastddp.hooks import catalog, node_groups
-
-# The candidates, their policies and families are the catalog's (fastddp/hooks/catalog.py).
-POLICIES = catalog.POLICIES
-# The inter-node hooks of the hierarchical candidates (cost model names).
-HIER_INNERS = tuple(catalog.hier_inners())
-LOSSLESS = catalog.candidate_of("allreduce")
-# The low-rank candidates: they start compressing after a few plain steps.
-LOW_RANK = tuple(n for c, n in catalog.candidates("any") if c.argument == "rank")
-HIER = tuple(catalog.HIER_PREFIX + inner for inner in HIER_INNERS)
-CAP_FACTORS = (0.25, 4.0)
 
 
 @dataclass(frozen=True)
@@ -35,9 +23,9 @@ class AutoHook:
     groups: Any = field(default=None, compare=False, repr=False)  # (intra, inter) groups
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
+        if self.policy not in catalog.POLICIES:
             raise ValueError(f"fastddp.hooks.auto: policy {self.policy!r} is not one of "
-                             f"{', '.join(POLICIES)}")
+                             f"{', '.join(catalog.POLICIES)}")
         for name in ("warmup", "samples", "trials"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < (0 if name == "warmup" else 1):
@@ -63,15 +51,6 @@ class AutoHook:
             "fastddp.hooks.auto() chooses among fastddp's native hooks while training and "
             "runs only on fastddp.DistributedDataParallel, not under stock torch DDP")
 
-    def candidates(self, cap_mb: float, hierarchical: bool = False) -> list[str]:
-        """The policy's candidate names, in a fixed order every rank agrees on;
-        ``hierarchical``: the ranks span several nodes (Note [auto on several nodes])."""
-        names = [LOSSLESS, *(cap_variant(cap_mb * f) for f in CAP_FACTORS)]
-        names += [name for _, name in catalog.candidates(self.policy) if name != LOSSLESS]
-        if hierarchical and self.policy != "lossless":
-            names += [catalog.HIER_PREFIX + inner for inner in catalog.hier_inners(self.policy)]
-        return names
-
 
 # What runs an AutoHook on a model: fastddp.tuning.auto.AutoTuner, handed over by the
 # package's face (fastddp/__init__.py). The DDP core starts it through here, so that the core
@@ -93,17 +72,3 @@ def start_tuner(handle: Any, hook: AutoHook, install: Callable[..., Any]) -> Any
                            "sets fastddp.tuning's")
     return _tuner(handle, hook, install)
 
-
-def lossy(name: str) -> bool:
-    return not name.startswith(LOSSLESS)
-
-
-def cap_variant(cap_mb: float) -> str:
-    """The name of plain allreduce with buckets of ``cap_mb`` MiB."""
-    return f"allreduce_fp32@{cap_mb:g}MB"
-
-
-def variant_cap(name: str) -> float | None:
-    """The bucket cap in MiB a candidate name asks for (None: the run's own)."""
-    _, sep, cap = name.partition("@")
-    return float(cap.removesuffix("MB")) if sep else None

@@ -1,9 +1,8 @@
 """One catalog of fastddp's hooks: the single place that names them. Every reader takes its
 names from here: the constructors' option checks (_constructors.py), torch's hooks run
 natively (_torch_hooks.py), the launcher's ``--hook`` (launch/hook_spec.py), the tuner's
-candidates, families and cost model (hooks/auto_hook.py, tuning/auto.py, tuning/advise.py,
-tuning/_auto_choice.py), ``--advise``'s quality line (tuning/quality.py), the quality
-benchmark (benchmarks/quality.py), the self-check (selfcheck/cases.py), and the docs' tables
+candidates (fastddp/tuning/candidates.py: which configurations it tries, and what it knows
+of them), the self-check (selfcheck/cases.py), and the docs' tables
 (tests/python/hooks/test_catalog.py holds docs/hooks.md and the C++ registry to it).
 
 Two tables:
@@ -12,9 +11,8 @@ Two tables:
   to FASTDDP_REGISTER_COMM_HOOK in csrc/hooks/), its options with their defaults and checks,
   the torch hook functions fastddp runs as it, and its self-check cases.
 - ``CONFIGS``: the configurations that have a name outside Python, one per ``--hook``
-  spelling: the hook and the options that spelling fixes, its tuner candidate, auto's family
-  and the least policy that tries it, its cost-model function, its wire format and its row
-  in the quality benchmark.
+  spelling: the hook and the options that spelling fixes, its argument, the launcher's help
+  line, and the torch hook stock DDP runs instead (or what torch lacks).
 
 Data only: nothing here imports fastddp, so any module may read it (no import cycle).
 Adding a hook: docs/hooks.md, "Adding a hook".
@@ -23,7 +21,8 @@ Adding a hook: docs/hooks.md, "Adding a hook".
 from dataclasses import dataclass, field
 from typing import Any
 
-# auto's policies, least to most lossy: a configuration is tried under its policy and after.
+# fastddp.hooks.auto()'s policies, least to most lossy (the tuner tries a candidate under
+# its policy and after).
 POLICIES = ("lossless", "bf16", "any")
 
 
@@ -94,13 +93,6 @@ class Config:
     # option with choices (fp8's "format"); "" takes no argument.
     argument: str = ""
     start: str = ""  # a low-rank hook's start-iteration option (the launcher starts at 2)
-    candidate: str = ""  # the tuner's name ("{rank}": one per RANKS); "": not a candidate
-    policy: str = ""  # the least auto policy that tries it
-    family: str = ""  # auto tries the best predicted of each family
-    cost: tuple[str, ...] = ()  # fastddp.tuning.cost_model's function and its first arguments
-    wire: str = ""  # the wire format the tuner times kernels of
-    hier: str = ""  # the least policy that tries it between nodes (hier_<candidate>)
-    quality: str = ""  # benchmarks/quality.py's row ("{rank}" per rank)
     torch: str = ""  # the torch hook FASTDDP_DISABLE=1 runs instead (HOOKS' spelling)
     torch_instead: str = ""  # without one: the --hook that compares with torch
     no_torch: str = ""  # without one: what stock torch lacks (the error's words)
@@ -110,14 +102,6 @@ class Config:
         """``flag[:ARG]`` as the launcher's help writes it."""
         return self.flag + ("" if not self.argument else "[:R]" if self.argument == "rank"
                             else f"[:{self.argument.upper()}]")
-
-    def candidates(self) -> tuple[str, ...]:
-        if "{rank}" in self.candidate:
-            return tuple(self.candidate.format(rank=r) for r in RANKS)
-        return (self.candidate,) if self.candidate else ()
-
-
-RANKS = (1, 2, 4, 8)  # the low-rank ranks the tuner tries
 
 
 def _half(name: str) -> tuple[Option, ...]:
@@ -169,45 +153,33 @@ HOOKS = (
 )
 
 CONFIGS = (
-    Config("allreduce", "allreduce", candidate="allreduce_fp32", policy="lossless",
-           family="bucket size", cost=("allreduce_fp32",), wire="fp32", hier="bf16",
-           quality="fp32 allreduce", torch="default_hooks.allreduce_hook",
+    Config("allreduce", "allreduce", torch="default_hooks.allreduce_hook",
            help="plain allreduce through the hook interface"),
     Config("fp16", "fp16", torch="default_hooks.fp16_compress_hook",
            help="compress gradients to fp16 for the allreduce"),
-    Config("bf16", "bf16", {"accumulate": "bf16"}, candidate="bf16", policy="bf16",
-           family="bf16", cost=("bf16",), wire="bf16", hier="bf16", quality="fastddp bf16",
-           torch="default_hooks.bf16_compress_hook",
+    Config("bf16", "bf16", {"accumulate": "bf16"}, torch="default_hooks.bf16_compress_hook",
            help="compress gradients to bf16 for the allreduce"),
-    Config("bf16-fp32acc", "bf16", {"accumulate": "fp32"}, candidate="bf16_fp32_accumulate",
-           policy="bf16", family="bf16", cost=("bf16_fp32_accumulate",), wire="bf16",
-           quality="bf16 fp32-sum", torch_instead="bf16",
+    Config("bf16-fp32acc", "bf16", {"accumulate": "fp32"}, torch_instead="bf16",
            no_torch="built-in hook that accumulates bf16 gradients in fp32",
            help="bf16 on the wire, accumulated in fp32"),
-    Config("int8", "int8", candidate="int8", policy="any", family="8-bit",
-           cost=("quant8", "int8"), wire="int8", hier="any", quality="int8",
-           torch_instead="bf16", no_torch="int8 gradient compression",
+    Config("int8", "int8", torch_instead="bf16", no_torch="int8 gradient compression",
            help="block-scaled int8 on the wire (1/4 of fp32's bytes), accumulated in fp32, "
                 "with error feedback"),
-    Config("fp8", "fp8", argument="format", candidate="fp8", policy="any", family="8-bit",
-           cost=("quant8", "fp8"), wire="e4m3", quality="fp8 e4m3", torch_instead="bf16",
+    Config("fp8", "fp8", argument="format", torch_instead="bf16",
            no_torch="fp8 gradient compression",
            help="the same with fp8 codes; FORMAT: e4m3 (the default) or e5m2"),
     Config("powersgd", "powersgd", argument="rank", start="start_powerSGD_iter",
-           candidate="powersgd_r{rank}", policy="any", family="low-rank", cost=("powersgd",),
-           quality="powersgd r{rank}", torch="powerSGD_hook.powerSGD_hook",
+           torch="powerSGD_hook.powerSGD_hook",
            help="PowerSGD low-rank compression of rank R (default: the hook's default)"),
-    Config("acpsgd", "acpsgd", argument="rank", start="start_iter",
-           candidate="acpsgd_r{rank}", policy="any", family="low-rank", cost=("acpsgd",),
-           quality="acpsgd r{rank}", torch_instead="powersgd",
+    Config("acpsgd", "acpsgd", argument="rank", start="start_iter", torch_instead="powersgd",
            no_torch="acpsgd gradient compression",
            help="ACP-SGD: PowerSGD's compression with one allreduce per bucket per step, "
                 "P and Q in turn (rank R, default 4)"),
 )
 
-# --hook names that are not one hook: auto chooses among CONFIGS, hier wraps one of them.
+# --hook names that are not one hook: auto chooses among the tuner's candidates
+# (fastddp/tuning/candidates.py), hier wraps one of them.
 AUTO, HIER = "auto", "hier"
-HIER_PREFIX = "hier_"  # a hierarchical candidate: hier_<its inner's candidate>
 
 
 def hook(name: str) -> Hook:
@@ -229,63 +201,3 @@ def config(flag: str) -> Config:
 def flags() -> tuple[str, ...]:
     """Every --hook name, in the order the launcher lists them."""
     return (*(c.flag for c in CONFIGS), AUTO, HIER)
-
-
-def candidates(policy: str) -> list[tuple[Config, str]]:
-    """(configuration, candidate name) of every tuner candidate ``policy`` tries, in the
-    catalog's order (the order every rank agrees on)."""
-    allowed = POLICIES[:POLICIES.index(policy) + 1]
-    return [(c, name) for c in CONFIGS if c.policy in allowed for name in c.candidates()]
-
-
-def hier_inners(policy: str | None = None) -> list[str]:
-    """The candidates tried between nodes (under ``policy``; None: under any)."""
-    allowed = POLICIES[:POLICIES.index(policy or "any") + 1]
-    return [c.candidate for c in CONFIGS if c.hier and c.hier in allowed]
-
-
-def by_candidate(name: str) -> tuple[Config, int | None]:
-    """The configuration of a tuner candidate name, and its rank (low-rank ones)."""
-    for c in CONFIGS:
-        if "{rank}" in c.candidate:
-            prefix = c.candidate.removesuffix("{rank}")
-            if name.startswith(prefix) and name[len(prefix):].isdigit():
-                return c, int(name[len(prefix):])
-        elif c.candidate and name == c.candidate:
-            return c, None
-    raise KeyError(f"fastddp.hooks catalog: no candidate {name!r}")
-
-
-def candidate_of(flag: str, rank: int | None = None) -> str:
-    """The tuner's name of ``--hook flag[:rank]`` (rank None: the hook's default)."""
-    c = config(flag)
-    if "{rank}" not in c.candidate:
-        return c.candidate
-    if rank is None:
-        rank = hook(c.hook).option("matrix_approximation_rank").default
-    return c.candidate.format(rank=rank)
-
-
-def flag_of(candidate: str) -> str:
-    """``--hook`` for a tuner candidate: ``bf16_fp32_accumulate`` -> ``bf16-fp32acc``,
-    ``powersgd_r4`` -> ``powersgd:4``, ``hier_int8`` -> ``hier:int8``, ``hier_allreduce_fp32``
-    -> ``hier:none``; plain allreduce is the default, no --hook: ""."""
-    if candidate.startswith(HIER_PREFIX):
-        inner = flag_of(candidate.removeprefix(HIER_PREFIX))
-        return f"{HIER}:{inner or 'none'}"
-    c, rank = by_candidate(candidate)
-    if c.flag == "allreduce":
-        return ""
-    return c.flag if rank is None else f"{c.flag}:{rank}"
-
-
-def quality_of(candidate: str) -> str | None:
-    """The quality benchmark's row of a lossy tuner candidate; None for a lossless one."""
-    if candidate.startswith(HIER_PREFIX):
-        inner = candidate.removeprefix(HIER_PREFIX)
-        flag = by_candidate(inner)[0].flag
-        return None if flag == "allreduce" else f"hier {flag} (2x2)"
-    c, rank = by_candidate(candidate)
-    if c.flag == "allreduce":
-        return None
-    return c.quality.format(rank=rank)

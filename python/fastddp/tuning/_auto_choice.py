@@ -5,8 +5,8 @@ The tuner (auto.py) collects the figures, runs the trials and installs the choic
 import statistics
 from typing import Any
 
-from fastddp.hooks import catalog
-from fastddp.hooks.auto_hook import HIER, LOSSLESS, lossy
+from fastddp.tuning import candidates
+from fastddp.tuning.candidates import HIER, LOSSLESS, lossy
 from fastddp.link.model import Link, bus_factor
 from fastddp.tuning import advise
 
@@ -15,12 +15,12 @@ BLOCK_SAMPLES = 4  # measured steps per trial block; each trial runs two blocks
 
 
 def family(name: str) -> str:
-    """The candidate's family (the catalog's), of which the best predicted gets a trial."""
+    """The candidate's family (candidates.py), of which the best predicted gets a trial."""
     if not lossy(name):
         return "bucket size"
     if name in HIER:
         return "hierarchical"
-    return catalog.by_candidate(name)[0].family
+    return candidates.by_name(name)[0].family
 
 
 def training_link(probed: Link, samples: list[dict[str, Any]], n: int) -> Link:

@@ -42,16 +42,17 @@ from typing import Any
 import torch
 
 from fastddp.hooks import catalog
-from fastddp.hooks.auto_hook import HIER, HIER_INNERS, cap_variant, variant_cap
 from fastddp.link.model import Link, bus_factor
-from fastddp.tuning import cost_model, diloco_advice, quality
+from fastddp.tuning import candidates, cost_model, diloco_advice, quality
+from fastddp.tuning.candidates import HIER, HIER_INNERS, cap_variant, variant_cap
 
 WARMUP_STEPS = 3
 MAX_SAMPLES = 10
-# The tuner's candidates (the catalog's, and the hierarchical ones).
-_CANDIDATES = catalog.candidates("any")
+# The tuner's candidates (candidates.py's, and the hierarchical ones).
+_CANDIDATES = candidates.under("any")
 # Candidate (cost model name) -> the launcher's --hook spelling ("" = no --hook, the default).
-HOOK_SPELLING = {name: catalog.flag_of(name) for name in [n for _, n in _CANDIDATES] + list(HIER)}
+HOOK_SPELLING = {name: candidates.flag_of(name)
+                 for name in [n for _, n in _CANDIDATES] + list(HIER)}
 _MIB = 1024 * 1024
 _SCRATCH_NUMEL = 1 << 22  # kernels are timed on at most 16 MB of fp32
 
@@ -144,15 +145,15 @@ def kernel_costs(shapes: Sequence[tuple[int, ...]], device: str) -> dict[str, di
     cast = _time_ms(lambda: g.to(torch.bfloat16), dev) / mb
     upcast = _time_ms(lambda: half.float(), dev) / mb
     add = _time_ms(lambda: other.add_(g), dev) / mb
-    # Per cost-model function (a catalog entry's ``cost``), its kernels' costs.
+    # Per cost-model function (a candidate's ``cost``), its kernels' costs.
     by_cost = {"allreduce_fp32": {},
                "bf16": {"compress_ms_per_mb": cast, "writeback_ms_per_mb": upcast},
                "bf16_fp32_accumulate": {"compress_ms_per_mb": cast,
                                         "between_ms_per_mb": upcast + add,
                                         "writeback_ms_per_mb": upcast}}
-    costs = {name: (_quant8_costs(g, config.wire, dev, mb) if config.cost[0] == "quant8"
-                    else by_cost[config.cost[0]])
-             for config, name in _CANDIDATES if config.argument != "rank"}
+    costs = {name: (_quant8_costs(g, c.wire, dev, mb) if c.cost[0] == "quant8"
+                    else by_cost[c.cost[0]])
+             for c, name in _CANDIDATES if not c.low_rank}
     costs["hier"] = {"sum_ms_per_mb": add}
     matrices = [s for s in shapes if len(s) > 1]
     rows, cols = max(((s[0], math.prod(s[1:])) for s in matrices), key=math.prod,
@@ -160,7 +161,7 @@ def kernel_costs(shapes: Sequence[tuple[int, ...]], device: str) -> dict[str, di
     rows = max(1, min(rows, _SCRATCH_NUMEL // cols))
     m, error = torch.randn(rows, cols, device=dev), torch.zeros(rows, cols, device=dev)
     mb = rows * cols * 4 / 1e6
-    for r in catalog.RANKS:
+    for r in candidates.RANKS:
         q = torch.randn(cols, r, device=dev)
 
         def between(q: torch.Tensor = q) -> None:
@@ -178,9 +179,9 @@ def kernel_costs(shapes: Sequence[tuple[int, ...]], device: str) -> dict[str, di
             "compress_ms_per_mb": low_rank["compress_ms_per_mb"]
             + low_rank["between_ms_per_mb"] / 2,
             "writeback_ms_per_mb": low_rank["writeback_ms_per_mb"]}}
-        for config, _ in _CANDIDATES:
-            if config.argument == "rank":
-                costs[catalog.candidate_of(config.flag, r)] = low_rank_by_cost[config.cost[0]]
+        for c, _ in _CANDIDATES:
+            if c.low_rank:
+                costs[candidates.name_of(c.flag, r)] = low_rank_by_cost[c.cost[0]]
     return costs
 
 
@@ -200,34 +201,34 @@ def _quant8_costs(g: torch.Tensor, fmt: str, dev: torch.device, mb: float) -> di
 
 def _candidates(costs: dict[str, dict[str, float]], local_size: int | None = None
                 ) -> list[cost_model.Candidate]:
-    # Each candidate modelled by its catalog entry's cost_model function: a low-rank one
-    # with its rank, the others with the entry's arguments (quant8's name).
+    # Each candidate modelled by its cost_model function: a low-rank one with its rank, the
+    # others with the candidate's arguments (quant8's name).
     flat = []
-    for config, name in _CANDIDATES:
-        model, *args = config.cost
-        rank = catalog.by_candidate(name)[1]
+    for c, name in _CANDIDATES:
+        model, *args = c.cost
+        rank = candidates.by_name(name)[1]
         modelled = getattr(cost_model, model)(*([rank] if rank is not None else args),
                                               **costs[name])
-        flat.append(dataclasses.replace(modelled, name=name))  # the catalog's spelling
+        flat.append(dataclasses.replace(modelled, name=name))  # candidates.py's spelling
     if local_size is None:
         return flat
     inners = {c.name: c for c in flat}
     return flat + [dataclasses.replace(
         cost_model.hierarchical(inners[name], local_size, **costs.get("hier", {})),
-        name=catalog.HIER_PREFIX + name) for name in HIER_INNERS]
+        name=candidates.HIER_PREFIX + name) for name in HIER_INNERS]
 
 
 def current_candidate(hook_spec: Any, hook_name: str) -> str | None:
     """The candidate the run used: the launcher's --hook, else the script's, if known."""
     if hook_spec is None:
-        return catalog.candidate_of("allreduce") if hook_name == "allreduce" else None
+        return candidates.LOSSLESS if hook_name == "allreduce" else None
     if hook_spec.name not in [c.flag for c, _ in _CANDIDATES]:
         return None  # fp16, auto, hier: not modelled
     config = catalog.config(hook_spec.name)
     if config.argument not in ("", "rank") and hook_spec.format not in (
             None, catalog.hook(config.hook).option(config.argument).default):
         return None  # modelled with its default format (fp8: e4m3; e5m2 costs the same bytes)
-    return catalog.candidate_of(hook_spec.name, hook_spec.rank)
+    return candidates.name_of(hook_spec.name, hook_spec.rank)
 
 
 def advise(samples: Sequence[dict[str, Any]], link: Link | None, current: str | None,

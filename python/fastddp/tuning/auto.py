@@ -1,7 +1,8 @@
 """``--hook auto[:lossless|bf16|any]`` / ``fastddp.hooks.auto(policy)``: fastddp picks the
 communication hook and bucket size itself, in the first steps of the run. Here: the tuner,
 which measures, schedules the trials and installs the hooks; its decision rule is
-_auto_choice.py's, the candidates' names and ``AutoHook`` are fastddp/hooks/auto_hook.py's.
+_auto_choice.py's, the candidates' names candidates.py's, and ``AutoHook``
+fastddp/hooks/auto_hook.py's.
 
 Note [auto tuning]: the tuner runs at the start of each synchronized forward (a forward
 with gradients on, outside no_sync), from the model's own ``comm_stats()``. In order:
@@ -70,9 +71,11 @@ import torch
 import torch.distributed as dist
 
 from fastddp import _group_ops, hooks
-from fastddp.hooks import catalog, node_groups
+from fastddp.hooks import node_groups
+from fastddp.hooks.auto_hook import AutoHook
+from fastddp.tuning import candidates
 # lossy: the tests read it as auto.lossy.
-from fastddp.hooks.auto_hook import HIER, LOSSLESS, LOW_RANK, AutoHook, lossy  # noqa: F401
+from fastddp.tuning.candidates import HIER, LOSSLESS, LOW_RANK, lossy  # noqa: F401
 from fastddp.link.emulator import EmulatedLinkGroup
 from fastddp.link.model import Link, bus_factor
 from fastddp.tuning import advise
@@ -94,10 +97,11 @@ def hook_for(name: str, groups: tuple | None = None) -> Any:
     if name in HIER:
         if groups is None:
             raise ValueError(f"auto: candidate {name} needs the (intra, inter) groups")
-        return hooks.hierarchical(inter=hook_for(name.removeprefix(catalog.HIER_PREFIX)),
+        return hooks.hierarchical(inter=hook_for(name.removeprefix(candidates.HIER_PREFIX)),
                                   groups=groups)
     # The catalog's configuration (a bucket-cap variant, allreduce_fp32@16MB, is allreduce).
-    config, rank = catalog.by_candidate(name.partition("@")[0])
+    candidate, rank = candidates.by_name(name.partition("@")[0])
+    config = candidate.config
     options = dict(config.options)
     if rank is not None:
         options.update(matrix_approximation_rank=rank, **{config.start: _POWERSGD_START_ITER})
@@ -114,7 +118,7 @@ class AutoTuner:
         self.group = model.process_group
         self.cap_mb = model.bucket_bytes_cap / _MIB
         self.hier_groups = self._hier_groups() if self.group.size() > 1 else None
-        self.names = spec.candidates(self.cap_mb, self.hier_groups is not None)
+        self.names = candidates.for_auto(spec, self.cap_mb, self.hier_groups is not None)
         self.rank0 = self.group.rank() == 0
         self.queue: list[str] = []  # the trial blocks still to run, after the current one
         self._planned = False

@@ -5,13 +5,13 @@ what the compression cost in quality where it was measured."""
 
 from collections.abc import Sequence
 
-from fastddp.hooks import catalog
-from fastddp.hooks.auto_hook import HIER, LOSSLESS, lossy
+from fastddp.tuning import candidates
+from fastddp.tuning.candidates import HIER, LOSSLESS, lossy
 from fastddp.tuning.quality_table import QUALITY
 
-# Lossy candidate (cost model name) -> the benchmark's configuration name (the catalog's).
-CONFIG = {name: row for name in [n for _, n in catalog.candidates("any")] + list(HIER)
-          if (row := catalog.quality_of(name)) is not None}
+# Lossy candidate (cost model name) -> the benchmark's configuration name (candidates.py's).
+CONFIG = {name: row for name in [n for _, n in candidates.under("any")] + list(HIER)
+          if (row := candidates.quality_of(name)) is not None}
 TASKS = {"digits": "a small CNN on scikit-learn's handwritten digits",
          "text": "a character-level transformer on Python's standard library"}
 BASELINE = "fp32 allreduce"
@@ -25,7 +25,7 @@ def nearest_task(shapes: Sequence[Sequence[Sequence[int]]]) -> str:
 def quality_note(candidate: str, shapes: Sequence[Sequence[Sequence[int]]]) -> str | None:
     """One sentence for the advice when ``candidate`` changes the gradients; None when it
     does not (plain allreduce at any bucket size, fp32 hierarchical reduction)."""
-    if not lossy(candidate) or candidate == catalog.HIER_PREFIX + LOSSLESS:
+    if not lossy(candidate) or candidate == candidates.HIER_PREFIX + LOSSLESS:
         return None
     task = nearest_task(shapes)
     table = QUALITY.get(task)

@@ -13,7 +13,7 @@ import pytest
 import fastddp
 from fastddp.hooks import catalog
 from fastddp.launch.hook_spec import fastddp_hook, parse_hook_spec
-from fastddp.tuning import advise, quality
+from fastddp.tuning import advise, candidates, quality
 
 ROOT = Path(__file__).resolve().parents[3]
 REGISTERED = re.compile(r'FASTDDP_REGISTER_COMM_HOOK\("([^"]+)"')
@@ -56,16 +56,20 @@ def test_every_flag_builds_its_catalog_hook(config: catalog.Config) -> None:
 
 
 def test_candidate_names_and_flags_round_trip() -> None:
-    for config, name in catalog.candidates("any"):
-        flag = catalog.flag_of(name)
+    # The tuner's candidates (fastddp/tuning/candidates.py) run the catalog's --hook
+    # configurations: each name, its flag and the launcher's parse of it agree.
+    for candidate, name in candidates.under("any"):
+        flag = candidates.flag_of(name)
         spec = parse_hook_spec(flag or "allreduce")
         assert advise.current_candidate(spec, "") == name, (name, flag)
         assert advise.HOOK_SPELLING[name] == flag
-        assert config.family and config.cost and config.policy, name
-    # Each lossy candidate's quality row is the catalog's (test_quality_note: each is measured).
+        assert catalog.config(candidate.flag).hook, name  # a catalog configuration
+        assert candidate.family and candidate.cost and candidate.policy, name
+    # Each lossy candidate's quality row is its own (test_quality_note: each is measured).
     assert set(quality.CONFIG.values()) == {
-        catalog.quality_of(n) for _, n in catalog.candidates("any") if n != "allreduce_fp32"} | {
-        f"hier {catalog.by_candidate(i)[0].flag} (2x2)" for i in catalog.hier_inners()
+        candidates.quality_of(n) for _, n in candidates.under("any")
+        if n != "allreduce_fp32"} | {
+        f"hier {candidates.by_name(i)[0].flag} (2x2)" for i in candidates.hier_inners()
         if i != "allreduce_fp32"}
 
 
@@ -110,4 +114,4 @@ def test_the_advice_table_in_docs_auto_spells_hooks_as_the_catalog() -> None:
     assert rows
     for candidate, flag, *_ in rows:
         name = candidate.strip().removesuffix(" (this run)")
-        assert (catalog.flag_of(name) or "(default)") == flag.strip(), name
+        assert (candidates.flag_of(name) or "(default)") == flag.strip(), name

@@ -110,7 +110,7 @@ def test_launcher_hook_auto_logs_one_line(tmp_path: Path) -> None:
     lines = [ln for ln in output.splitlines() if ln.startswith("[fastddp] auto:bf16 chose ")]
     assert len(lines) == 1, output
     chosen = lines[0].split(" chose ")[1].split()[0]
-    assert chosen in auto.AutoHook("bf16").candidates(1.0), lines[0]
+    assert chosen in auto.candidates.for_auto(auto.AutoHook("bf16"), 1.0), lines[0]
     assert "ms measured" in lines[0]
 
 
@@ -151,20 +151,21 @@ def test_hierarchical_candidates_follow_torchrun_nodes(world4, local, policy, si
 # --- single process --------------------------------------------------------------------
 
 def test_policies_name_their_candidates() -> None:
-    lossless = auto.AutoHook("lossless").candidates(4.0)
+    lossless = auto.candidates.for_auto(auto.AutoHook("lossless"), 4.0)
     assert lossless == ["allreduce_fp32", "allreduce_fp32@1MB", "allreduce_fp32@16MB"]
-    assert auto.AutoHook("bf16").candidates(4.0) == lossless + ["bf16", "bf16_fp32_accumulate"]
-    anything = auto.AutoHook("any").candidates(4.0)
-    assert anything[:5] == auto.AutoHook("bf16").candidates(4.0)
+    assert auto.candidates.for_auto(auto.AutoHook("bf16"), 4.0) == lossless + [
+        "bf16", "bf16_fp32_accumulate"]
+    anything = auto.candidates.for_auto(auto.AutoHook("any"), 4.0)
+    assert anything[:5] == auto.candidates.for_auto(auto.AutoHook("bf16"), 4.0)
     assert anything[5:7] == ["int8", "fp8"]
     assert anything[7:] == [f"{h}_r{r}" for h in ("powersgd", "acpsgd") for r in (1, 2, 4, 8)]
     assert not any(auto.lossy(n) for n in lossless)
     assert all(auto.lossy(n) for n in anything[3:])
     # Several nodes (Note [auto on several nodes]): hierarchical reduction, never lossless.
-    assert auto.AutoHook("lossless").candidates(4.0, hierarchical=True) == lossless
-    assert auto.AutoHook("bf16").candidates(4.0, hierarchical=True)[5:] == [
+    assert auto.candidates.for_auto(auto.AutoHook("lossless"), 4.0, hierarchical=True) == lossless
+    assert auto.candidates.for_auto(auto.AutoHook("bf16"), 4.0, hierarchical=True)[5:] == [
         "hier_allreduce_fp32", "hier_bf16"]
-    multi = auto.AutoHook("any").candidates(4.0, hierarchical=True)
+    multi = auto.candidates.for_auto(auto.AutoHook("any"), 4.0, hierarchical=True)
     assert multi[:15] == anything and multi[15:] == [
         "hier_allreduce_fp32", "hier_bf16", "hier_int8"]
     assert all(auto.lossy(n) for n in multi[15:])

@@ -15,7 +15,7 @@ import pytest
 from fastddp.launch.sync_patch import parse_sync_spec
 from fastddp.hooks.auto_hook import AutoHook
 from fastddp.link.model import Link, parse_link
-from fastddp.tuning import _auto_choice, advise, auto, diloco_advice, quality_table
+from fastddp.tuning import _auto_choice, advise, auto, candidates, diloco_advice, quality_table
 from fastddp.tuning import cost_model as cm
 
 WORLD = 4
@@ -181,7 +181,7 @@ def test_fast_link_says_nothing_of_diloco(table) -> None:
 def test_auto_choice_unchanged_and_its_one_message(table, monkeypatch) -> None:
     monkeypatch.setattr(advise, "kernel_costs", lambda shapes, device: _free_kernels())
     spec = AutoHook("any")
-    names = spec.candidates(25.0, False)
+    names = candidates.for_auto(spec, 25.0, False)
 
     def plan() -> tuple:
         return _auto_choice.predict([_sample()] * 3, names, WORLD, "cpu", SLOW, None)
