@@ -146,8 +146,6 @@ def torch_hook(spec: HookSpec, option: str = "--hook") -> tuple[Any, Any]:
     PowerSGD starts compressing at iteration 2 rather than torch's default 1,000, so that
     short runs measure compression at all (torch requires > 1 with error feedback).
     """
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
     if spec.name == catalog.HIER:
         raise HookUnavailableError(
             f"{option} {spec}: stock torch DDP (FASTDDP_DISABLE=1) has no hierarchical "
@@ -157,12 +155,14 @@ def torch_hook(spec: HookSpec, option: str = "--hook") -> tuple[Any, Any]:
             f"{option} {spec}: stock torch DDP (FASTDDP_DISABLE=1) cannot tune its hook; run "
             "without FASTDDP_DISABLE, or give torch a fixed --hook")
     config = catalog.config(spec.name)
-    if config.torch.startswith("default_hooks."):
-        return None, getattr(default_hooks, config.torch.removeprefix("default_hooks."))
-    if config.torch.startswith("powerSGD_hook."):
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=spec.rank or 1, start_powerSGD_iter=2)
-        return state, getattr(powerSGD_hook, config.torch.removeprefix("powerSGD_hook."))
+    if config.torch:  # "module.function" of torch's ddp_comm_hooks
+        module, _, function = config.torch.partition(".")
+        hooks = importlib.import_module(f"torch.distributed.algorithms.ddp_comm_hooks.{module}")
+        state = None
+        if module == "powerSGD_hook":
+            state = hooks.PowerSGDState(process_group=None, matrix_approximation_rank=spec.rank
+                                        or 1, start_powerSGD_iter=2)
+        return state, getattr(hooks, function)
     raise HookUnavailableError(
         f"{option} {spec}: stock torch DDP has no {config.no_torch}; use --hook "
         f"{config.torch_instead} to compare with torch")

@@ -1,7 +1,7 @@
 """Comm-hook scenarios, run on every rank of a harness world (see harness.py).
 
 A hook is named by a string (kwargs must pickle): "fastddp.<builtin>[_fp32][_ef]",
-"torch.<default hook or wrapper>", "custom", or "none" (no hook: torch DDP's own
+"torch.<default or debugging hook, or wrapper>", "custom", or "none" (no hook: torch DDP's own
 reduction). Each scenario trains torch DDP and fastddp side by side from one seed and
 compares grads after every backward.
 """
@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -43,7 +44,7 @@ def make_hook(spec: str) -> tuple[object, object]:
         name = spec.removeprefix("torch.")
         if name.endswith("_wrapper"):
             return None, getattr(dh, f"{name}")(dh.allreduce_hook)
-        return None, getattr(dh, name)
+        return None, getattr(dh, name, None) or getattr(debugging_hooks, name)
     parts = spec.removeprefix("fastddp.").split("_")
     if parts[0] == "hier":  # "fastddp.hier_<inner spec>": 2 ranks per node
         inner = make_hook("fastddp." + "_".join(parts[1:]))[1]
