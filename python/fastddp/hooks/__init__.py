@@ -39,7 +39,7 @@ PowerSGDState kept live on the native hook (powersgd_live.py) and its checkpoint
 from fastddp.hooks._comm_hook import CommHook, HierarchicalHook
 from fastddp.hooks._constructors import (acpsgd, allreduce, auto, batched_powersgd, bf16, fp8,
                                          fp16, from_registry, hierarchical,
-                                         hierarchical_groups, int8, powersgd)
+                                         hierarchical_groups, int8, noop, powersgd)
 # Beyond __all__: what fastddp.DistributedDataParallel, the tuner, the launcher's link emulator
 # and the torchft integration call to register a hook or recognize one of torch's.
 from fastddp.hooks._torch_hooks import (builtin_for_type, check_comm_hook,  # noqa: F401
@@ -48,4 +48,4 @@ from fastddp.hooks.auto_hook import AutoHook
 
 __all__ = ["AutoHook", "CommHook", "HierarchicalHook", "acpsgd", "allreduce", "auto",
            "batched_powersgd", "bf16", "fp16", "fp8", "from_registry", "hierarchical",
-           "hierarchical_groups", "int8", "native_torch_hooks", "powersgd"]
+           "hierarchical_groups", "int8", "native_torch_hooks", "noop", "powersgd"]

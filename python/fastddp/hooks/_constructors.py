@@ -35,6 +35,12 @@ def fp16(accumulate: str = "fp16", error_feedback: bool = False) -> CommHook:
     return _checked("fp16", accumulate=accumulate, error_feedback=error_feedback)
 
 
+def noop() -> CommHook:
+    """No communication, as torch's ``debugging_hooks.noop_hook``: each rank keeps its own
+    gradients. For timing a step without DDP's averaging, not for training."""
+    return _checked("noop")
+
+
 def int8(error_feedback: bool = True) -> CommHook:
     """Int8 gradient compression with float32 accumulation (Note [8-bit wire formats] in
     csrc/hooks/quant8/quant8_hook.h): symmetric int8 codes with one float32 scale per block of 256

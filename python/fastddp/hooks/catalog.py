@@ -145,6 +145,10 @@ HOOKS = (
     Hook("acpsgd", "acpsgd", tuple(Option(n, d, checked_by="powersgd_options") for n, d in (
         ("matrix_approximation_rank", 4), ("start_iter", 1_000), ("min_compression_rate", 2),
         ("orthogonalization_epsilon", 0), ("random_seed", 0)))),
+    # No collective, as torch's debugging_hooks.noop_hook: no self-check row (each rank keeps
+    # its own gradients, so there is no average to hold it to); tests/python/hooks holds it to
+    # torch's hook.
+    Hook("noop", "noop"),
     # Two "nodes" of two ranks: float32 inside a node, bf16 (inter's default) between them.
     Hook("hierarchical", None, (Option("inter", None), Option("mesh", None),
                                 Option("local_size", None), Option("groups", None)), (),
@@ -171,6 +175,9 @@ CONFIGS = (
     Config("powersgd", "powersgd", argument="rank", start="start_powerSGD_iter",
            torch="powerSGD_hook.powerSGD_hook",
            help="PowerSGD low-rank compression of rank R (default: the hook's default)"),
+    Config("noop", "noop", torch="debugging_hooks.noop_hook",
+           help="no communication: each rank keeps its own gradients (to time a step "
+                "without DDP's averaging; not for training)"),
     Config("acpsgd", "acpsgd", argument="rank", start="start_iter", torch_instead="powersgd",
            no_torch="acpsgd gradient compression",
            help="ACP-SGD: PowerSGD's compression with one allreduce per bucket per step, "

@@ -24,6 +24,8 @@ EXACT_PAIRS = {
     "fp16_fp32": ("fastddp.fp16_fp32", "fastddp.fp16_fp32"),
     "custom": ("custom", "custom"),
     "bf16_wrapper_custom": ("torch.bf16_wrapper_custom", "torch.bf16_wrapper_custom"),
+    # No collective: each rank's gradients stay its own, on both sides.
+    "noop": ("fastddp.noop", "torch.noop_hook"),
 }
 
 
@@ -68,7 +70,8 @@ def test_failed_step_is_dropped(world, spec):
 
 @pytest.mark.parametrize(("hook", "ref"), [("fastddp.bf16_fp32_ef", "fastddp.bf16_fp32_ef"),
                                          ("fastddp.bf16", "torch.bf16_compress_hook"),
-                                         ("fastddp.fp16", "torch.fp16_compress_hook")])
+                                         ("fastddp.fp16", "torch.fp16_compress_hook"),
+                                         ("fastddp.noop", "torch.noop_hook")])
 def test_hook_gradient_as_bucket_view(world, hook, ref):
     world.check(hooks_scenarios.hooked_training, fast_hook=hook, ref_hook=ref, exact=True,
                 gradient_as_bucket_view=True)
