@@ -28,12 +28,12 @@ in plain torch ops, so ``torch_ddp.register_comm_hook(None, fastddp.hooks.bf16()
 reference that fastddp's native path is tested against, bit for bit.
 
 Here: the catalog that names every hook for the launcher, the tuner, the self-check and the
-docs (catalog.py), the constructors (_constructors.py), the hook objects and their torch references
-(_comm_hook.py), torch's own hooks on fastddp (_torch_hooks.py), auto()'s hook and the
-tuner's candidate names (auto_hook.py; the tuner is fastddp.tuning), hierarchical reduction's
-process groups (node_groups.py), and PowerSGD: its arguments (_powersgd_args.py), torch's
-PowerSGDState kept live on the native hook (powersgd_live.py) and its checkpoint layout
-(_powersgd_layout.py).
+docs (catalog.py), the constructors (_constructors.py), the hook objects and their torch
+references (_comm_hook.py), torch's own hooks on fastddp (_torch_hooks.py), auto()'s hook and
+where the core finds its tuner (auto_hook.py; the tuner and its candidates are
+fastddp.tuning's), hierarchical reduction's process groups (node_groups.py), and PowerSGD: its
+arguments (_powersgd_args.py), torch's PowerSGDState kept live on the native hook
+(powersgd_live.py) and its checkpoint layout (_powersgd_layout.py).
 """
 
 from fastddp.hooks._comm_hook import CommHook, HierarchicalHook
