@@ -37,8 +37,7 @@ REDUCER_MEMBERS = 25
 # Files past REVIEW_LINES that were read again and hold one concept: path -> that concept.
 READ_FOR_ONE_CONCEPT: dict[str, str] = {}
 # The Reducer's parts beyond reducer.cpp (its step), each one concept of the class itself.
-REDUCER_PARTS = {"reducer_graph.cpp": "its view of the autograd graph",
-                 "reducer_layout.cpp": "its bucket layout and the one rebuild"}
+REDUCER_PARTS = {"reducer_graph.cpp": "its view of the autograd graph"}
 
 
 def sources(root: Path) -> list[Path]:

@@ -1,6 +1,8 @@
 // The reducer's bucket layout: the one rebuild from the gradient-ready order,
 // agreeing on rank 0's plan, what Python can read of the layout, and the
 // check that the parameters still match it.
+#include "layout.h"
+
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 

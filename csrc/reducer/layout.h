@@ -1,6 +1,8 @@
-// The order in which gradients become ready: recorded once, for the one bucket
-// rebuild after the first iteration (Reducer::rebuild_buckets, plan_buckets_
-// from_ready_order), and per backward, for introspection (last_ready_order).
+// The bucket layout (its planner is csrc/core/bucket_plan.h; the reducer's side
+// is layout.cpp): the order in which gradients become ready, recorded once, for
+// the one bucket rebuild after the first iteration (Reducer::rebuild_buckets,
+// plan_buckets_from_ready_order), and per backward, for introspection
+// (last_ready_order).
 #pragma once
 
 #include <cstddef>
