@@ -15,6 +15,7 @@
 #include "../hooks/hierarchical/hierarchical.h"
 #include "../hooks/powersgd/orthogonalize.h"
 #include "../hooks/powersgd/powersgd_plan.h"
+#include "../hooks/sharded/reduce_scatter.h"
 #include "../diloco/quant4_ops.h"
 #include "../hooks/quant8/quant8_ops.h"
 #include "../hooks/common/registry.h"
@@ -126,6 +127,15 @@ void bind_hooks(py::module& m) {
       "Hierarchical reduction (Note [hierarchical reduction]): reduce_scatter over intra_group, "
       "`inner` (a hook built on inter_group) on this rank's shard, allgather over intra_group. "
       "factor_counts_nodes: the model's reducer runs on inter_group (torchft).");
+  m.def(
+      "create_reduce_scatter_comm_hook",
+      [](c10::intrusive_ptr<c10d::ProcessGroup> group,
+         std::vector<at::Tensor> shards) -> std::shared_ptr<CommHook> {
+        return std::make_shared<ReduceScatterHook>(std::move(group), std::move(shards));
+      },
+      py::arg("process_group"), py::arg("shards"),
+      "The sharded optimizer's reduction (Note [sharded buckets]): torch DDP's copy-in, then a "
+      "reduce-scatter of bucket b into shards[b]; .grad is left None.");
   m.def("half_compress", &half_compress, py::arg("src"), py::arg("scale"), py::arg("dtype"),
         py::arg("residual") = py::none(), py::arg("out") = py::none(),
         "half(src * scale [+ residual]) as a 1-D bf16/fp16 tensor; residual updated in place.");

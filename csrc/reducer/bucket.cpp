@@ -93,9 +93,11 @@ int64_t lay_out(Bucket& bucket, const std::vector<at::Tensor>& params, int64_t a
 std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
                                  const std::vector<std::vector<size_t>>& plan,
                                  const std::vector<bool>& sparse, int64_t align_bytes,
-                                 std::optional<c10::ScalarType> dtype, bool lazy) {
+                                 std::optional<c10::ScalarType> dtype, bool lazy,
+                                 int64_t shards) {
   FASTDDP_CHECK(align_bytes >= 0 && (align_bytes & (align_bytes - 1)) == 0,
                 "fastddp: the bucket alignment must be 0 or a power of two, got ", align_bytes);
+  FASTDDP_CHECK(shards >= 1, "fastddp: a bucket needs at least one shard, got ", shards);
   std::vector<Bucket> buckets(plan.size());
   // Per (device, dtype): the dense buckets and each one's start in the buffer.
   std::map<std::pair<std::string, c10::ScalarType>, std::vector<std::pair<size_t, int64_t>>>
@@ -131,7 +133,10 @@ std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
     const auto key = std::make_pair(first.device().str(), type);
     int64_t& used = group_numel[key];
     groups[key].emplace_back(b, used);
-    used += lay_out(bucket, params, align);
+    int64_t length = lay_out(bucket, params, align);
+    // Note [sharded buckets]: `shards` equal shards, each starting aligned.
+    if (shards > 1) length = shards * round_up((length + shards - 1) / shards, align);
+    used += length;
   }
   // The layout over meta buffers (sizes and strides, no memory); allocate_flat
   // puts the real buffers behind it.
@@ -168,9 +173,10 @@ namespace {
 
 // A buffer of `numel` elements for one (device, dtype), its start aligned to
 // `align_bytes`; zeros where there is padding (Note [aligned flat buffer]).
-at::Tensor new_buffer(int64_t numel, const at::TensorOptions& options, int64_t align_bytes) {
+at::Tensor new_buffer(int64_t numel, const at::TensorOptions& options, int64_t align_bytes,
+                      bool padded) {
   const int64_t esize = static_cast<int64_t>(c10::elementSize(options.dtype().toScalarType()));
-  if (align_bytes <= esize) return at::empty({numel}, options);
+  if (align_bytes <= esize) return padded ? at::zeros({numel}, options) : at::empty({numel}, options);
   // Zeros: the padding is reduced with the slots, so it must be finite.
   // Allocators align to 64 (CPU) or 512 (CUDA) bytes: room to align the start to more.
   const int64_t spare = align_bytes / esize;
@@ -192,11 +198,15 @@ void rebind(std::vector<Bucket>& buckets, int64_t align_bytes, bool meta) {
   }
   for (const auto& [key, members] : groups) {
     int64_t total = 0;
-    for (size_t b : members) total += buckets[b].flat.numel();
+    bool padded = false;  // sharded buckets are padded at the end also when packed
+    for (size_t b : members) {
+      total += buckets[b].flat.numel();
+      padded = padded || buckets[b].padded();
+    }
     const Bucket& first = buckets[members.front()];
     const auto options = first.flat.options().device(meta ? c10::Device(at::kMeta) : first.device);
     const at::Tensor buffer = meta ? at::empty({total}, options)
-                                   : new_buffer(total, options, align_bytes);
+                                   : new_buffer(total, options, align_bytes, padded);
     int64_t start = 0;
     for (size_t b : members) {
       Bucket& bucket = buckets[b];

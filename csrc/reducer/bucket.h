@@ -149,12 +149,23 @@ bool same_elements(const at::Tensor& a, const at::Tensor& b);
 // `align_bytes`: 0 packs the slots; else a power of two that every slot's
 // start is rounded up to. `dtype`: the buffers' dtype when not the
 // parameters' (mixed_precision's reduce_dtype, Note [mixed precision]).
-// `lazy`: released buffers (Note [lazy bucket storage]).
+// `lazy`: released buffers (Note [lazy bucket storage]). `shards`: every
+// dense bucket's length a multiple of `shards` equal shards (Note [sharded
+// buckets]).
+//
+// Note [sharded buckets]
+// For the sharded optimizer (fastddp.optim.ShardedOptimizer) each rank owns
+// one contiguous shard of every bucket: the bucket's length is padded with
+// zeros up to `shards` equal shards, each a whole number of alignment units,
+// so that a reduce-scatter of the bucket gives rank r elements
+// [r * S, (r + 1) * S) with every shard starting aligned. The padding is zero
+// (allocated zero-filled, never written), so the reduction and an elementwise
+// optimizer step leave it zero.
 std::vector<Bucket> make_buckets(const std::vector<at::Tensor>& params,
                                  const std::vector<std::vector<size_t>>& plan,
                                  const std::vector<bool>& sparse, int64_t align_bytes,
                                  std::optional<c10::ScalarType> dtype = std::nullopt,
-                                 bool lazy = false);
+                                 bool lazy = false, int64_t shards = 1);
 
 // Note [lazy bucket storage]: one new buffer per (device, dtype) behind the
 // dense buckets' flat and views, laid out as before (zero-filled where

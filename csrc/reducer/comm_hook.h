@@ -122,6 +122,13 @@ class CommHook {
   virtual at::Tensor settle_step(const at::Tensor& finite) { return finite; }
   virtual void discard_step() {}
 
+  // Whether the averaged gradients go into .grad. False for the sharded
+  // optimizer's reduce-scatter (Note [sharded buckets]): each rank holds its
+  // shard of the average, none the whole, so the reducer sets every reduced
+  // parameter's .grad to None instead of calling write_back, and a reader of
+  // .grad finds no gradient rather than a partial one.
+  virtual bool writes_grads() const { return true; }
+
   // Whether run() and write_back() accept sparse buckets (see Bucket::sparse):
   // copy_in then stores the gradient in bucket.sparse_grad, run() reduces it,
   // and the future's tensor becomes the parameter's .grad.

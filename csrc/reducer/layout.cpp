@@ -25,15 +25,43 @@ void Reducer::rebuild_buckets() {
   }
   BucketPlan plan = plan_buckets_from_ready_order(specs, ready_order_.recorded(),
                                                   options_.rebuild_limits);
-  buckets_ = make_buckets(params_, broadcast_plan(plan.buckets), options_.expect_sparse,
-                          options_.align_bytes, options_.reduce_dtype,
-                          options_.lazy_bucket_allocation);
-  join_.forget();
-  reset_bucket_views();
+  lay_out_again(broadcast_plan(plan.buckets));
   // Armed already when a framework's prepare_for_backward came first.
   for (Bucket& bucket : buckets_) bucket.pending = bucket.params.size();
+}
+
+void Reducer::lay_out_again(const std::vector<std::vector<size_t>>& plan) {
+  buckets_ = make_buckets(params_, plan, options_.expect_sparse, options_.align_bytes,
+                          options_.reduce_dtype, options_.lazy_bucket_allocation,
+                          options_.shards);
+  join_.forget();
+  reset_bucket_views();
   hook_->on_new_buckets(buckets_);
   ready_order_.note_rebuilt();
+}
+
+void Reducer::shard_buckets(int64_t shards) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  FASTDDP_CHECK(shards >= 1, "fastddp: a bucket needs at least one shard, got ", shards);
+  FASTDDP_CHECK(!reducing(), "fastddp: the buckets cannot be sharded while a backward is "
+                "reducing");
+  for (const Bucket& bucket : buckets_) {
+    FASTDDP_CHECK(!bucket.sparse, "fastddp: parameter '", names_[bucket.params.front()],
+                  "' gets sparse gradients, which sharded buckets do not hold");
+  }
+  options_.shards = shards;
+  std::vector<std::vector<size_t>> plan;
+  for (const Bucket& bucket : buckets_) plan.push_back(bucket.params);
+  lay_out_again(plan);
+}
+
+std::vector<Reducer::SlotLayout> Reducer::bucket_layout() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<SlotLayout> layout;
+  for (const Bucket& bucket : buckets_) {
+    layout.emplace_back(bucket.params, bucket.offsets, bucket.numels, bucket.flat.numel());
+  }
+  return layout;
 }
 
 std::vector<std::vector<size_t>> Reducer::broadcast_plan(

@@ -482,6 +482,17 @@ void Reducer::write_back(size_t b, const c10::IValue& result) {
     });
     return;
   }
+  if (!hook_->writes_grads()) {  // the sharded optimizer's: the shards are the gradients
+    for (const size_t index : bucket.params) {
+      if (check_usage && unused_.globally_unused(index)) continue;  // .grad stays as it is
+      grad_hooks_.slot().with_grad(params_[index], [](at::Tensor& grad) {
+        if (!grad.defined()) return false;
+        grad = at::Tensor();
+        return true;
+      });
+    }
+    return;
+  }
   std::vector<at::Tensor> dsts(bucket.params.size());
   std::vector<at::Tensor> handed(bucket.params.size());  // Note [gradients handed out]
   for (size_t k = 0; k < bucket.params.size(); ++k) {

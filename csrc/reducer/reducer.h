@@ -96,6 +96,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -150,6 +151,9 @@ struct ReducerOptions {
   // torch 2.15's lazy_bucket_allocation: bucket buffers only while a backward
   // reduces (Note [lazy bucket storage] in bucket.h).
   bool lazy_bucket_allocation = false;
+  // Every bucket in this many equal shards (Note [sharded buckets] in
+  // bucket.h); set by shard_buckets().
+  int64_t shards = 1;
 };
 
 class Reducer : public std::enable_shared_from_this<Reducer> {
@@ -216,6 +220,16 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // join(): lets the one bucket rebuild happen on a rank that ran out of data
   // before its first backward, in parameter order (rank 0's plan wins).
   void record_default_ready_order();
+
+  // The sharded optimizer (Note [sharded buckets]): the buckets laid out again,
+  // in the same plan, as `shards` equal shards each, and kept so (no rebuild
+  // from the first step's order). Before a backward, never during one.
+  void shard_buckets(int64_t shards);
+  // Per bucket: its parameter indices, their offsets and sizes in elements,
+  // and the bucket's length (padding included).
+  using SlotLayout = std::tuple<std::vector<size_t>, std::vector<int64_t>, std::vector<int64_t>,
+                                int64_t>;
+  std::vector<SlotLayout> bucket_layout() const;
 
   std::vector<std::vector<size_t>> bucket_plan() const;
   std::vector<int64_t> bucket_bytes() const;
@@ -301,6 +315,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool dynamic_find_unused() const;
   bool track_usage() const;
   void rebuild_buckets();
+  // New buckets of `plan` under the current options, and no rebuild after.
+  void lay_out_again(const std::vector<std::vector<size_t>>& plan);
   std::vector<std::vector<size_t>> broadcast_plan(const std::vector<std::vector<size_t>>& plan);
   void reset_bucket_views();
 

@@ -22,6 +22,11 @@ def install(ddp: DistributedDataParallel, state: object, hook: Any) -> None:
     checks it): the C++ hook that runs it on the reducer, built at world size 1 too; raises
     before anything changes for a hook or state it cannot take."""
     refuse_comm_hook(ddp, f"a comm hook ({getattr(hook, '__qualname__', repr(hook))})")
+    if getattr(ddp, "_sharded", None) is not None:
+        raise NotImplementedError(
+            f"fastddp.DistributedDataParallel: a comm hook "
+            f"({getattr(hook, '__qualname__', repr(hook))}) cannot replace the "
+            "reduce-scatter of a model whose gradients a fastddp.optim.ShardedOptimizer holds")
     if isinstance(hook, AutoHook):
         if state is not None and state is not ddp.process_group:
             raise ValueError(f"{hook!r}: state must be None (the model's process group), "

@@ -137,6 +137,9 @@ def register(ddp: Any, optimizer: torch.optim.Optimizer) -> None:
         raise NotImplementedError(
             f"{_HOW}: not with delay_all_reduce_named_params, whose parameters are averaged "
             "outside the buckets, by a reduction of their own")
+    if getattr(ddp, "_sharded", None) is not None:
+        raise NotImplementedError(
+            f"{_HOW}: not on a model whose gradients a fastddp.optim.ShardedOptimizer holds")
     if ddp._overlap is not None:
         raise RuntimeError(f"{_HOW}: an optimizer is already overlapped with this model's "
                            "backward; only one can be")

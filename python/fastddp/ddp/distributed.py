@@ -164,6 +164,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
 
         self._reducer = None
         self._overlap = None  # overlap_optimizer()'s, once registered
+        self._sharded = None  # fastddp.optim.ShardedOptimizer's buckets, once sharded
         self._comm_hooks: list[tuple[Any, object]] = []
         self._native_hook = None  # the registered C++ hook (None: the default allreduce)
         self._auto = None  # fastddp.hooks.auto()'s tuner, once registered

@@ -1,0 +1,251 @@
+"""``ShardedOptimizer``: the optimizer's state sharded over the ranks on fastddp's buckets
+(ZeRO-1), for scripts that keep their DistributedDataParallel.
+
+Note [sharded optimizer]
+Each bucket is cut into one equal, aligned shard per rank (Note [sharded buckets] in
+csrc/reducer/bucket.h). In backward the bucket's gradients are reduce-scattered as soon as
+it is full, so each rank receives the average of its shard only, overlapping backward as
+the allreduce does. ``step()`` runs torch's own optimizer (its for-loop, foreach or fused
+implementation, as the user asks) on this rank's shard of every bucket: one tensor per run
+of consecutive parameters of one param group, a view of the bucket's flat parameter buffer,
+with the shard of the averaged gradient as its ``.grad``. The optimizer's state exists for
+those views only: 1/world of it per rank. Then the updated shards are all-gathered, bucket
+by bucket, straight into the parameters (each parameter is a view of its bucket's flat
+buffer, fastddp/ddp/_sharding.py).
+
+Why the numbers are torch's: SGD, Adam and AdamW update every element from that element's
+parameter, gradient and state, and per-tensor scalars (the step count) that every run
+shares, so stepping runs of a flat buffer gives the numbers of stepping whole parameters.
+The average itself is torch DDP's copy-in (divided by the world size in the same pass) and
+a sum over ranks; on 2 ranks a sum of two numbers is exact in any order, so the parameters
+match torch DDP's bit for bit; on 3 or more the reduce-scatter may add in another order than
+the allreduce (tests/python/optim/test_sharded.py bounds it). The padding between and after
+slots is zero in the parameters and the gradients, and stays zero under these updates.
+
+What a script sees: after a synchronized backward every parameter's ``.grad`` is None (no
+rank holds a whole gradient); ``clip_grad_norm_`` is this object's method, which gives torch's
+global norm from the shards (``torch.nn.utils.clip_grad_norm_(model.parameters())`` would
+find no gradient). Under ``no_sync()`` the gradients accumulate in ``.grad`` as usual and the
+next synchronized backward reduces the sum. ``param_groups`` are the user's, so learning-rate
+schedulers work; their hyperparameters reach the shards' optimizer at every step.
+
+Not yet, and refused rather than silently different: optimizers other than SGD, Adam and
+AdamW (a whole-tensor optimizer needs shards cut on whole parameters), GradScaler
+(its inf check would see one shard per rank), ``state_dict()`` (a consolidated, torch-format
+state dict), overlapping the all-gather with the next forward, and the hooks' 16- and 8-bit
+wires.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from fastddp.ddp import surface
+
+_WHO = "fastddp.optim.ShardedOptimizer"
+# Elementwise updates: an element's new value depends on that element and on per-tensor
+# scalars only, so a run of a flat buffer steps as the whole parameters would.
+_ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """``optimizer_class`` (torch's SGD, Adam or AdamW) over ``model``'s parameters, its
+    state sharded over the ranks (Note [sharded optimizer])::
+
+        model = fastddp.DistributedDataParallel(module)
+        optimizer = fastddp.optim.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+
+    ``params``: the parameters or param groups, as torch's optimizers take them (default:
+    all of ``model``'s); they must be exactly the parameters the model averages. The other
+    keywords are ``optimizer_class``'s (``foreach=True`` and ``fused=True`` included).
+    """
+
+    def __init__(self, model: Any, optimizer_class: type, params: Iterable | None = None,
+                 **defaults: Any):
+        if optimizer_class not in _ELEMENTWISE:  # a subclass may step otherwise
+            raise NotImplementedError(
+                f"{_WHO}: {getattr(optimizer_class, '__name__', optimizer_class)!s} is not "
+                "supported; the shards of a bucket cut parameters in pieces, which only an "
+                "elementwise update (torch.optim.SGD, Adam, AdamW) steps as whole parameters")
+        if not hasattr(model, "_reducer_params"):
+            raise TypeError(f"{_WHO}: expected a fastddp.DistributedDataParallel, got "
+                            f"{type(model).__name__}")
+        owned = {id(p): i for i, p in enumerate(model._reducer_params)}
+        names = model._reducer_param_names
+        groups = _param_groups(model if params is None else params)
+        seen: dict[int, str] = {}
+        for group in groups:
+            for p in group["params"]:
+                if id(p) not in owned:
+                    raise ValueError(
+                        f"{_WHO}: a parameter of shape {tuple(p.shape)} is not one the model "
+                        "averages (another module's, one DistributedDataParallel ignores, or "
+                        "one that does not require grad); every parameter must be the "
+                        "model's")
+                name = names[owned[id(p)]]
+                if id(p) in seen:
+                    raise ValueError(f"{_WHO}: parameter '{name}' is in more than one param "
+                                     "group")
+                seen[id(p)] = name
+        missing = [n for p, n in zip(model._reducer_params, names) if id(p) not in seen]
+        if missing:
+            raise NotImplementedError(
+                f"{_WHO}: the model averages parameter(s) {', '.join(missing[:5])}"
+                f"{' ...' if len(missing) > 5 else ''} that the optimizer does not hold; "
+                "their gradients would be reduce-scattered into shards nobody steps (a "
+                "second optimizer over part of one model is not supported)")
+
+        self._model = model
+        self._buckets = surface.shard_gradients(model)
+        self._group = model.process_group
+        group_of = {id(p): g for g, group in enumerate(groups) for p in group["params"]}
+        runs = _runs(self._buckets, group_of, len(groups))
+        # torch's optimizer over the runs, a param group per user group (maybe empty here).
+        inner_groups = [{**{k: v for k, v in group.items() if k != "params"},
+                         "params": runs[g]} for g, group in enumerate(groups)]
+        self._inner = optimizer_class(inner_groups, **defaults)
+        super().__init__(groups, self._inner.defaults)
+        self._synced = surface.synchronized_backwards(model)
+
+    # The user's param groups, with every hyperparameter: what LR schedulers change.
+    def _sync_groups(self) -> None:
+        for mine, inner in zip(self.param_groups, self._inner.param_groups):
+            for key, value in mine.items():
+                if key != "params":
+                    inner[key] = value
+
+    def _check_gradients(self) -> None:
+        synced = surface.synchronized_backwards(self._model)
+        if synced == self._synced:
+            raise RuntimeError(
+                f"{_WHO}: step() without a synchronized backward since the last step; the "
+                "shards hold no new gradient (under no_sync(), gradients wait in .grad for "
+                "the next synchronized backward)")
+        self._synced = synced
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    raise RuntimeError(
+                        f"{_WHO}: a parameter of shape {tuple(p.shape)} has a .grad at step(): "
+                        "a backward under no_sync() after the synchronized one; its "
+                        "gradients would not be averaged. Run the synchronized backward last")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None,
+             grad_scaler: Any = None) -> Any:
+        """Steps this rank's shards with the user's hyperparameters, then all-gathers the
+        updated parameters (Note [sharded optimizer])."""
+        if grad_scaler is not None:
+            raise NotImplementedError(
+                f"{_WHO}: not with GradScaler yet: its inf check would see one shard per "
+                "rank, and the ranks could disagree on skipping the step")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_gradients()
+        self._sync_groups()
+        self._inner.step()
+        works = [dist.all_gather_into_tensor(b.flat, b.shard, group=self._group, async_op=True)
+                 for b in self._buckets]
+        for work in works:
+            work.wait()
+        return loss
+
+    # GradScaler calls step(grad_scaler=...) for optimizers that say so: refused above.
+    _step_supports_amp_scaling = True
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over the model's averaged gradients, from the
+        shards: the global norm (one small allreduce), and every shard scaled by torch's
+        factor. Returns the norm, as torch's does."""
+        norm_type = float(norm_type)
+        grads = [run.grad for group in self._inner.param_groups for run in group["params"]]
+        first = self._buckets[0].grad
+        if norm_type == float("inf"):
+            local = (torch.stack(torch._foreach_norm(grads, norm_type)).max() if grads
+                     else first.new_zeros(()))
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._group)
+            total = local
+        else:
+            local = (torch.stack(torch._foreach_norm(grads, norm_type)).pow(norm_type).sum()
+                     if grads else first.new_zeros(()))
+            dist.all_reduce(local, group=self._group)
+            total = local.pow(1.0 / norm_type)
+        if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is "
+                "non-finite, so it cannot be clipped. To disable this error and scale the "
+                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's clip_coef_clamped
+        if grads:
+            torch._foreach_mul_(grads, coef)
+        return total
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError(
+            f"{_WHO}.state_dict(): not yet; each rank holds 1/world of the state, and the "
+            "consolidated, torch-format state dict is still to come")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        raise NotImplementedError(f"{_WHO}.load_state_dict(): not yet (see state_dict())")
+
+    def shard_state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (its shards' only)."""
+        return sum(t.numel() * t.element_size() for state in self._inner.state.values()
+                   for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+
+def _param_groups(params: Any) -> list[dict]:
+    """torch's optimizer argument as a list of groups, each with its own 'params' list."""
+    if hasattr(params, "parameters") and callable(params.parameters):
+        params = params.parameters()
+    params = list(params)
+    if not params:
+        raise ValueError(f"{_WHO}: got an empty parameter list")
+    if not isinstance(params[0], dict):
+        params = [{"params": params}]
+    groups = []
+    for group in params:
+        if not isinstance(group, dict) or "params" not in group:
+            raise TypeError(f"{_WHO}: a param group must be a dict with 'params', got "
+                            f"{type(group).__name__}")
+        members = group["params"]
+        members = [members] if isinstance(members, torch.Tensor) else list(members)
+        groups.append({**group, "params": members})
+    return groups
+
+
+def _runs(buckets: list, group_of: dict[int, int], count: int) -> list[list[torch.Tensor]]:
+    """Per param group, the runs of this rank's shards: views of the flat parameter buffers
+    over consecutive slots of the group (with the zero padding between them), each with its
+    shard of the averaged gradient as ``.grad``."""
+    runs: list[list[torch.Tensor]] = [[] for _ in range(count)]
+    for bucket in buckets:
+        lo, hi = bucket.start, bucket.start + bucket.grad.numel()
+        current: list = []  # [group, start, end] of the run being extended
+        for p, offset, numel in zip(bucket.params, bucket.offsets, bucket.numels):
+            a, c = max(offset, lo), min(offset + numel, hi)
+            if a >= c:
+                continue
+            g = group_of[id(p)]
+            if current and current[0] == g:
+                current[2] = c
+                continue
+            if current:
+                runs[current[0]].append(_run(bucket, *current[1:], lo))
+            current = [g, a, c]
+        if current:
+            runs[current[0]].append(_run(bucket, *current[1:], lo))
+    return runs
+
+
+def _run(bucket: Any, start: int, end: int, lo: int) -> torch.Tensor:
+    run = bucket.flat.narrow(0, start, end - start)
+    run.grad = bucket.grad.narrow(0, start - lo, end - start)
+    return run
