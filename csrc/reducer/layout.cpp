@@ -11,7 +11,7 @@
 
 namespace fastddp {
 
-void Reducer::rebuild_buckets() {
+std::vector<TensorSpec> Reducer::param_specs() const {
   std::vector<TensorSpec> specs;
   specs.reserve(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -23,6 +23,11 @@ void Reducer::rebuild_buckets() {
     spec.element_size = static_cast<int64_t>(c10::elementSize(dtype));
     specs.push_back(spec);
   }
+  return specs;
+}
+
+void Reducer::rebuild_buckets() {
+  const std::vector<TensorSpec> specs = param_specs();
   BucketPlan plan = plan_buckets_from_ready_order(specs, ready_order_.recorded(),
                                                   options_.rebuild_limits);
   lay_out_again(broadcast_plan(plan.buckets));
@@ -51,7 +56,15 @@ void Reducer::shard_buckets(int64_t shards) {
   }
   options_.shards = shards;
   std::vector<std::vector<size_t>> plan;
-  for (const Bucket& bucket : buckets_) plan.push_back(bucket.params);
+  if (ready_order_.rebuilt()) {  // laid out by the gradients' order already: kept
+    for (const Bucket& bucket : buckets_) plan.push_back(bucket.params);
+  } else {
+    // The first step's order is not known yet, and the layout must not change under the
+    // optimizer's shards later: the buckets of the size limits in reverse parameter order
+    // (torch's initial plan, its layout for find_unused_parameters), the same on every
+    // rank, rather than the one bucket of the whole model that the first step reduces.
+    plan = plan_initial_buckets(param_specs(), options_.rebuild_limits).buckets;
+  }
   lay_out_again(plan);
 }
 

@@ -221,9 +221,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // before its first backward, in parameter order (rank 0's plan wins).
   void record_default_ready_order();
 
-  // The sharded optimizer (Note [sharded buckets]): the buckets laid out again,
-  // in the same plan, as `shards` equal shards each, and kept so (no rebuild
-  // from the first step's order). Before a backward, never during one.
+  // The sharded optimizer (Note [sharded buckets]): the buckets laid out again
+  // as `shards` equal shards each, and kept so (no later rebuild): the current
+  // plan once rebuilt from the gradients' order, before that the size limits'
+  // plan in reverse parameter order. Before a backward, never during one.
   void shard_buckets(int64_t shards);
   // Per bucket: its parameter indices, their offsets and sizes in elements,
   // and the bucket's length (padding included).
@@ -315,6 +316,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   bool dynamic_find_unused() const;
   bool track_usage() const;
   void rebuild_buckets();
+  // What the planner knows of each parameter (its full-precision dtype).
+  std::vector<TensorSpec> param_specs() const;
   // New buckets of `plan` under the current options, and no rebuild after.
   void lay_out_again(const std::vector<std::vector<size_t>>& plan);
   std::vector<std::vector<size_t>> broadcast_plan(const std::vector<std::vector<size_t>>& plan);

@@ -1,0 +1,253 @@
+"""The sharded optimizer (fastddp.optim.ShardedOptimizer) against references fastddp did not
+write: torch DDP followed by the same torch optimizer, unsharded, and torch's own
+ZeroRedundancyOptimizer over torch DDP, from one set of weights on the same batches.
+
+Scenarios for a harness world (2 and 3 gloo ranks, and 1)."""
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import fastddp
+from fastddp.optim import ShardedOptimizer
+from tests.python.scenarios import mlp, vector_batch
+
+OPTIMIZERS = {
+    "sgd_momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True,
+                                       "weight_decay": 0.01}),
+    "sgd_fused": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "fused": True}),
+    "adam": (torch.optim.Adam, {"lr": 0.01}),
+    "adam_fused": (torch.optim.Adam, {"lr": 0.01, "amsgrad": True, "fused": True}),
+    "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+    "adamw_foreach": (torch.optim.AdamW, {"lr": 0.01, "foreach": True}),
+    "adamw_fused": (torch.optim.AdamW, {"lr": 0.01, "fused": True}),
+}
+
+# Small buckets: mlp()'s six parameters (1,476 elements) in several buckets, so that shard
+# boundaries cut parameters, on 2 ranks and on 3 (uneven: 3 does not divide the buckets).
+CAP_MB = 0.002
+
+
+# torch's fused SGD kernel on the CPU rounds its vectorized body and its scalar tail apart
+# (measured: 1 ulp after 20 steps on 2 ranks), and a shard's runs start and end elsewhere
+# than the parameters do: the same update, elementwise, but not bit for bit.
+POSITION_DEPENDENT = {"sgd_fused"}
+
+
+def _bound(world: int, clip: bool, optimizer: str) -> float:
+    """The largest |difference| allowed between a parameter and torch's, after 20 steps.
+
+    0 where the numbers are torch's to the bit: on 2 ranks (a sum of two numbers is the same
+    in any order, so the reduce-scatter's average is the allreduce's) without clipping, for
+    every implementation but POSITION_DEPENDENT's. Otherwise roundings differ:
+    - POSITION_DEPENDENT: an ulp of an update per step, as said there;
+    - on 3 ranks gloo's reduce-scatter may add the ranks in another order than its
+      allreduce: each element of the average can differ in its last bit (a relative 2^-23);
+    - clip_grad_norm_ sums the squares of the shards, then over ranks, where torch sums
+      per parameter, then the norms' squares: the clip factor can differ by a few ulps.
+    Adam's update divides the first moment by the root of the second, so a relative 2^-23
+    in a gradient moves the update by about as much relative, i.e. lr * 2^-23 per step;
+    over 20 steps at lr 0.01-0.05 that is under 1e-7 in total. SGD with momentum 0.9 sums
+    at most 10x the gradient's own rounding (the |gradients| here are below 1). 1e-6 is
+    ten times the larger of the two, and 2^-20 of the weights' size (about 0.5): a
+    different sum order passes, a wrong shard, step or scale (differences of 1e-3 and up)
+    does not."""
+    return 0.0 if world <= 2 and not clip and optimizer not in POSITION_DEPENDENT else 1e-6
+
+
+def _make_models(gradient_as_bucket_view: bool = False, **fast_kwargs):
+    torch.manual_seed(0)
+    base = mlp()
+    common = dict(bucket_cap_mb=CAP_MB, gradient_as_bucket_view=gradient_as_bucket_view)
+    fast = fastddp.DistributedDataParallel(copy.deepcopy(base), **common, **fast_kwargs)
+    ref = TorchDDP(copy.deepcopy(base), **common)
+    zero = TorchDDP(copy.deepcopy(base), **common)
+    return base, fast, ref, zero
+
+
+def train(optimizer: str = "adamw", steps: int = 20, clip: bool = False, groups: bool = False,
+          no_sync_every: int = 0, gradient_as_bucket_view: bool = False,
+          schedule: bool = False) -> dict:
+    """fastddp + ShardedOptimizer against torch DDP + the optimizer and against torch DDP +
+    ZeroRedundancyOptimizer. groups: two param groups with their own learning rates and
+    weight decay. clip: clip_grad_norm_(0.5) each step (the shards' method; torch's function
+    on the references). no_sync_every=k: every k-th backward runs under no_sync().
+    schedule: a StepLR on all three."""
+    cls, kwargs = OPTIMIZERS[optimizer]
+    base, fast, ref, zero = _make_models(gradient_as_bucket_view)
+
+    def groups_of(model):
+        params = list(model.parameters())
+        if groups:  # the first layer's weight and bias: another lr, no weight decay
+            return [{"params": params[:2], "lr": kwargs["lr"] / 3, "weight_decay": 0.0},
+                    {"params": params[2:]}]
+        return params
+
+    fast_opt = ShardedOptimizer(fast, cls, groups_of(fast), **kwargs)
+    ref_opt = cls(groups_of(ref), **kwargs)
+    zero_opt = ZeroRedundancyOptimizer(groups_of(zero), optimizer_class=cls, **kwargs)
+    opts = ((fast, fast_opt), (ref, ref_opt), (zero, zero_opt))
+    schedulers = ([torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.8)
+                   for _, o in opts] if schedule else [])
+    norms = []
+    grads_none = True
+    for step in range(steps):
+        inputs, target = vector_batch(step)
+        accumulate = no_sync_every and step % no_sync_every == no_sync_every - 1
+        for model, opt in opts:
+            with model.no_sync() if accumulate else _null():
+                F.mse_loss(model(inputs), target).backward()
+        if accumulate:
+            continue
+        grads_none &= all(p.grad is None for p in fast.parameters())
+        if clip:
+            norms.append((fast_opt.clip_grad_norm_(0.5).item(),
+                          torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item()))
+            torch.nn.utils.clip_grad_norm_(zero.parameters(), 0.5)
+        for model, opt in opts:
+            opt.step()
+            opt.zero_grad()
+        for scheduler in schedulers:
+            scheduler.step()
+    bound = _bound(dist.get_world_size(), clip, optimizer)
+    fast_p = [p.detach() for p in fast.module.parameters()]
+    diff_ref = max((a - b).abs().max().item() for a, b in zip(fast_p, ref.module.parameters()))
+    diff_zero = max((a - b).abs().max().item() for a, b in zip(fast_p, zero.module.parameters()))
+    mine = torch.cat([p.reshape(-1) for p in fast_p])
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    moved = (mine - torch.cat([p.detach().reshape(-1) for p in base.parameters()])).abs().max()
+    return {"within_bound_of_torch": diff_ref <= bound, "diff_ref": diff_ref,
+            "within_bound_of_zero": diff_zero <= bound, "diff_zero": diff_zero,
+            "replicas_agree": all(torch.equal(g, mine) for g in gathered),
+            "moved": moved.item() > 1e-3, "grads_none": grads_none,
+            "buckets": len(fast._sharded), "exact": bound == 0.0,
+            # the global norm: the shards' against torch's over whole gradients (float32
+            # sums in two orders: a few ulps of the norm)
+            "norms_agree": all(abs(a - b) <= 1e-6 * max(1.0, b) for a, b in norms)}
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def state_bytes(optimizer: str = "adamw") -> dict:
+    """The optimizer state this rank holds, against the unsharded optimizer's after one
+    step: the shards' together are the whole state, and each rank's is its share."""
+    cls, kwargs = OPTIMIZERS[optimizer]
+    _, fast, ref, _ = _make_models()
+    fast_opt = ShardedOptimizer(fast, cls, **kwargs)
+    ref_opt = cls(ref.parameters(), **kwargs)
+    inputs, target = vector_batch(0)
+    for model, opt in ((fast, fast_opt), (ref, ref_opt)):
+        F.mse_loss(model(inputs), target).backward()
+        opt.step()
+    whole = sum(t.numel() * t.element_size() for s in ref_opt.state.values()
+                for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+    mine = torch.tensor([fast_opt.shard_state_bytes()])
+    total = mine.clone()
+    dist.all_reduce(total)
+    return {"mine": mine.item(), "whole": whole, "total": total.item(),
+            "buckets": len(fast._sharded), "elements": sum(b.flat.numel() for b in fast._sharded)}
+
+
+def refusals() -> dict:
+    """What the sharded optimizer refuses, each with the exception it raises and its text."""
+    out = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            out[name] = None
+        except Exception as e:  # noqa: BLE001: the type and text are the result
+            out[name] = (type(e).__name__, str(e))
+
+    cls, kwargs = OPTIMIZERS["adamw"]
+
+    def model(**kw):
+        torch.manual_seed(0)
+        return fastddp.DistributedDataParallel(mlp(), bucket_cap_mb=CAP_MB, **kw)
+
+    def powersgd():
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+        m = model()
+        m.register_comm_hook(ps.PowerSGDState(None, matrix_approximation_rank=1),
+                             ps.powerSGD_hook)
+        ShardedOptimizer(m, cls, **kwargs)
+
+    def acpsgd():
+        m = model()
+        m.register_comm_hook(None, fastddp.hooks.acpsgd(matrix_approximation_rank=1))
+        ShardedOptimizer(m, cls, **kwargs)
+
+    def hook_after():
+        m = model()
+        ShardedOptimizer(m, cls, **kwargs)
+        m.register_comm_hook(None, fastddp.hooks.bf16())
+
+    def stranger():
+        m = model()
+        ShardedOptimizer(m, cls, list(m.parameters()) + [nn.Parameter(torch.zeros(3))],
+                         **kwargs)
+
+    def missing():
+        m = model()
+        ShardedOptimizer(m, cls, list(m.parameters())[1:], **kwargs)
+
+    def twice():
+        m = model()
+        p = list(m.parameters())
+        ShardedOptimizer(m, cls, [{"params": p}, {"params": p[:1]}], **kwargs)
+
+    def whole_tensor():
+        ShardedOptimizer(model(), torch.optim.Adagrad, lr=0.1)
+
+    def lbfgs():
+        ShardedOptimizer(model(), torch.optim.LBFGS, lr=0.1)
+
+    def unused():
+        ShardedOptimizer(model(find_unused_parameters=True), cls, **kwargs)
+
+    def two_optimizers():
+        m = model()
+        ShardedOptimizer(m, cls, **kwargs)
+        ShardedOptimizer(m, cls, **kwargs)
+
+    def overlap():
+        m = model()
+        ShardedOptimizer(m, cls, **kwargs)
+        m.overlap_optimizer(torch.optim.SGD(m.parameters(), lr=0.1))
+
+    def step_without_backward():
+        m = model()
+        ShardedOptimizer(m, cls, **kwargs).step()
+
+    def grad_scaler():
+        m = model()
+        opt = ShardedOptimizer(m, cls, **kwargs)
+        scaler = torch.amp.GradScaler("cpu")
+        inputs, target = vector_batch(0)
+        scaler.scale(F.mse_loss(m(inputs), target)).backward()
+        scaler.step(opt)
+
+    def checkpoint():
+        ShardedOptimizer(model(), cls, **kwargs).state_dict()
+
+    for name, fn in [("powersgd", powersgd), ("acpsgd", acpsgd), ("hook_after", hook_after),
+                     ("stranger", stranger), ("missing", missing), ("twice", twice),
+                     ("whole_tensor", whole_tensor), ("lbfgs", lbfgs), ("unused", unused),
+                     ("two_optimizers", two_optimizers), ("overlap", overlap),
+                     ("step_without_backward", step_without_backward),
+                     ("grad_scaler", grad_scaler), ("checkpoint", checkpoint)]:
+        attempt(name, fn)
+    dist.barrier()  # every rank refused alike: no collective is left half issued
+    return out

@@ -1,0 +1,77 @@
+"""The sharded optimizer (sharded_scenarios.py) on 2 and 3 gloo ranks and at world size 1:
+the numbers of torch DDP + the unsharded optimizer and of torch's ZeroRedundancyOptimizer,
+1/world of the state per rank, and its refusals."""
+
+import pytest
+
+from tests.python.optim import sharded_scenarios as s
+
+
+def _check(results, world_size, clip=False):
+    for r in results:
+        assert r["within_bound_of_torch"] and r["within_bound_of_zero"], r
+        assert r["replicas_agree"] and r["moved"] and r["grads_none"], r
+        assert r["norms_agree"], r
+        assert r["buckets"] > 1, r  # shard boundaries inside parameters, several buckets
+        if r["exact"]:  # Note [sharded optimizer]: torch's, to the bit (2 ranks, no clip)
+            assert r["diff_ref"] == 0.0 and r["diff_zero"] == 0.0, r
+
+
+# SGD with momentum, Adam and AdamW in torch's for-loop, foreach and fused implementations.
+@pytest.mark.parametrize("optimizer", sorted(s.OPTIMIZERS))
+def test_equals_torch_ddp_and_zero_redundancy_optimizer(world, optimizer):
+    _check(world.check(s.train, optimizer=optimizer), world.size)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adamw"])
+def test_clip_grad_norm_over_the_shards_is_torchs(world, optimizer):
+    _check(world.check(s.train, optimizer=optimizer, clip=True), world.size, clip=True)
+
+
+def test_param_groups_and_a_learning_rate_schedule(world):
+    _check(world.check(s.train, optimizer="adamw", groups=True, schedule=True), world.size)
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["copy", "bucket_view"])
+def test_no_sync_accumulates_for_the_next_synchronized_backward(world, view):
+    _check(world.check(s.train, optimizer="adamw", no_sync_every=3,
+                       gradient_as_bucket_view=view), world.size)
+
+
+def test_world_size_one(world1):
+    r = world1.check(s.train, optimizer="adamw", steps=5)[0]
+    assert r["diff_ref"] == 0.0 and r["moved"] and r["grads_none"], r
+
+
+def test_each_rank_holds_its_share_of_the_state(world):
+    for r in world.check(s.state_bytes, optimizer="adamw"):
+        # The shards together are the whole state: no element twice, none missing.
+        assert r["total"] == r["whole"], r
+        # One shard per bucket: 1/world of it, give or take the padding of each bucket to
+        # world equal shards (at most world - 1 elements of 8 bytes of Adam state each).
+        share = r["whole"] / world.size
+        assert abs(r["mine"] - share) <= 8 * (world.size - 1) * r["buckets"], r
+
+
+def test_refusals_name_the_culprit(world):
+    for r in world.check(s.refusals):
+        expected = {
+            "powersgd": ("NotImplementedError", "powerSGD_hook"),
+            "acpsgd": ("NotImplementedError", "acpsgd"),
+            "hook_after": ("NotImplementedError", "ShardedOptimizer"),
+            "stranger": ("ValueError", "shape (3,)"),
+            "missing": ("NotImplementedError", "0.weight"),
+            "twice": ("ValueError", "'0.weight' is in more than one param group"),
+            "whole_tensor": ("NotImplementedError", "Adagrad"),
+            "lbfgs": ("NotImplementedError", "LBFGS"),
+            "unused": ("NotImplementedError", "find_unused_parameters"),
+            "two_optimizers": ("RuntimeError", "sharded already"),
+            "overlap": ("NotImplementedError", "ShardedOptimizer"),
+            "step_without_backward": ("RuntimeError", "without a synchronized backward"),
+            "grad_scaler": ("NotImplementedError", "GradScaler"),
+            "checkpoint": ("NotImplementedError", "state_dict"),
+        }
+        assert set(r) == set(expected), r
+        for name, (error, text) in expected.items():
+            assert r[name] is not None and r[name][0] == error and text in r[name][1], \
+                (name, r[name])
