@@ -10,10 +10,11 @@ from fastddp.ddp import DistributedDataParallel  # noqa: E402
 from fastddp.diloco import DiLoCo  # noqa: E402
 from fastddp.launch.patch import patch  # noqa: E402
 from fastddp.link import EmulatedLinkGroup, Link  # noqa: E402
+from fastddp import optim  # noqa: E402
 from fastddp.tuning.auto import AutoTuner  # noqa: E402
 
 hooks.auto_hook.set_tuner(AutoTuner)  # the core starts the tuner it is given (auto_hook.py)
 
 __all__ = ["DiLoCo", "DistributedDataParallel", "EmulatedLinkGroup", "Link", "build_info", "hooks",
-           "patch"]
+           "optim", "patch"]
 __version__ = "0.1.0"

@@ -55,6 +55,7 @@ class ReduceScatterHook final : public PipelinedHook {
   AllreduceHook copy_;  // its copy-in and divisor
   std::vector<at::Tensor> shards_;
   int world_size_;
+  bool gloo_;  // the list form of reduce_scatter (see start())
   std::optional<bool> work_has_future_;  // learnt from the first reduce-scatter
 };
 

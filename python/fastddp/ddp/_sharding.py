@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from fastddp import _C
+from fastddp.ddp.distributed import DistributedDataParallel
 
 _WHO = "fastddp.optim.ShardedOptimizer"
 
@@ -135,6 +136,15 @@ def shard_gradients(ddp: Any) -> list[BucketShard]:
     ddp._native_hook = hook
     ddp._sharded = buckets
     return buckets
+
+
+def averaged_parameters(ddp: Any) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters ``ddp`` averages (its reducer's, in its order), with their names;
+    TypeError for anything but a fastddp.DistributedDataParallel."""
+    if not isinstance(ddp, DistributedDataParallel):
+        raise TypeError(f"{_WHO}: expected a fastddp.DistributedDataParallel, got "
+                        f"{type(ddp).__name__}")
+    return list(zip(ddp._reducer_param_names, ddp._reducer_params))
 
 
 def synchronized_backwards(ddp: Any) -> int:

@@ -11,8 +11,8 @@ every other module of fastddp.ddp is private to the core, and a test
   Python hook's own object): what torchft's recovery sends a rejoining replica.
 - ``TunerHandle``: the model as the tuner and ``--advise``'s sampler see it (its group,
   bucket cap, parameters, step figures), not the whole DistributedDataParallel.
-- ``shard_gradients(ddp)``, ``BucketShard``, ``synchronized_backwards(ddp)``: the model's
-  buckets cut into one shard per rank, reduce-scattered in backward, with the parameters in
+- ``shard_gradients(ddp)``, ``BucketShard``, ``synchronized_backwards(ddp)``,
+  ``averaged_parameters(ddp)``: the model's buckets cut into one shard per rank, reduce-scattered in backward, with the parameters in
   flat buffers of the buckets' layout, for fastddp.optim's sharded optimizer (_sharding.py).
 - ``eager``, ``nonrecursive_disable``, ``skip_this_frame_from_now_on``: how the launcher's
   patched ``forward`` stays out of torch.compile's graphs as the core's own forward does
@@ -23,9 +23,10 @@ from fastddp.ddp._compile import eager, nonrecursive_disable, skip_this_frame_fr
 from fastddp.ddp._hook_install import install as install_comm_hook
 from fastddp.ddp._hook_state import has_state as comm_hook_keeps_state
 from fastddp.ddp._hook_state import hook_name as comm_hook_name
-from fastddp.ddp._sharding import BucketShard, shard_gradients, synchronized_backwards
+from fastddp.ddp._sharding import (BucketShard, averaged_parameters, shard_gradients,
+                                   synchronized_backwards)
 from fastddp.ddp._tuner_handle import TunerHandle
 
-__all__ = ["BucketShard", "TunerHandle", "comm_hook_keeps_state", "comm_hook_name", "eager",
+__all__ = ["BucketShard", "TunerHandle", "averaged_parameters", "comm_hook_keeps_state", "comm_hook_name", "eager",
            "install_comm_hook", "nonrecursive_disable", "shard_gradients",
            "skip_this_frame_from_now_on", "synchronized_backwards"]

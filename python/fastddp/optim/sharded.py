@@ -63,18 +63,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
     keywords are ``optimizer_class``'s (``foreach=True`` and ``fused=True`` included).
     """
 
-    def __init__(self, model: Any, optimizer_class: type, params: Iterable | None = None,
-                 **defaults: Any):
+    def __init__(self, model: Any, optimizer_class: type, params: Iterable | None = None, *,
+                 overlap_all_gather: bool = False, **defaults: Any):
         if optimizer_class not in _ELEMENTWISE:  # a subclass may step otherwise
             raise NotImplementedError(
                 f"{_WHO}: {getattr(optimizer_class, '__name__', optimizer_class)!s} is not "
                 "supported; the shards of a bucket cut parameters in pieces, which only an "
                 "elementwise update (torch.optim.SGD, Adam, AdamW) steps as whole parameters")
-        if not hasattr(model, "_reducer_params"):
-            raise TypeError(f"{_WHO}: expected a fastddp.DistributedDataParallel, got "
-                            f"{type(model).__name__}")
-        owned = {id(p): i for i, p in enumerate(model._reducer_params)}
-        names = model._reducer_param_names
+        averaged = surface.averaged_parameters(model)  # raises for another model
+        owned = {id(p): name for name, p in averaged}
         groups = _param_groups(model if params is None else params)
         seen: dict[int, str] = {}
         for group in groups:
@@ -85,12 +82,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         "averages (another module's, one DistributedDataParallel ignores, or "
                         "one that does not require grad); every parameter must be the "
                         "model's")
-                name = names[owned[id(p)]]
+                name = owned[id(p)]
                 if id(p) in seen:
                     raise ValueError(f"{_WHO}: parameter '{name}' is in more than one param "
                                      "group")
                 seen[id(p)] = name
-        missing = [n for p, n in zip(model._reducer_params, names) if id(p) not in seen]
+        missing = [name for name, p in averaged if id(p) not in seen]
         if missing:
             raise NotImplementedError(
                 f"{_WHO}: the model averages parameter(s) {', '.join(missing[:5])}"
@@ -102,20 +99,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._buckets = surface.shard_gradients(model)
         self._group = model.process_group
         group_of = {id(p): g for g, group in enumerate(groups) for p in group["params"]}
-        runs = _runs(self._buckets, group_of, len(groups))
-        # torch's optimizer over the runs, a param group per user group (maybe empty here).
-        inner_groups = [{**{k: v for k, v in group.items() if k != "params"},
-                         "params": runs[g]} for g, group in enumerate(groups)]
-        self._inner = optimizer_class(inner_groups, **defaults)
-        super().__init__(groups, self._inner.defaults)
+        # torch's optimizer per bucket over its runs, a param group per user group (maybe
+        # empty here): a bucket steps, and its all-gather starts, while the next one steps.
+        self._inners = [
+            optimizer_class([{**{k: v for k, v in group.items() if k != "params"},
+                              "params": runs[g]} for g, group in enumerate(groups)],
+                            **defaults)
+            for runs in (_runs(bucket, group_of, len(groups)) for bucket in self._buckets)]
+        super().__init__(groups, self._inners[0].defaults)
         self._synced = surface.synchronized_backwards(model)
+        self._gathers: list = [None] * len(self._buckets)  # pending all-gathers, by bucket
+        self._overlap = overlap_all_gather
+        self._hooks = (_wait_before_use(model.module, self._buckets, self._gathers)
+                       if overlap_all_gather else [])
 
     # The user's param groups, with every hyperparameter: what LR schedulers change.
-    def _sync_groups(self) -> None:
-        for mine, inner in zip(self.param_groups, self._inner.param_groups):
+    def _sync_groups(self, inner: torch.optim.Optimizer) -> None:
+        for mine, theirs in zip(self.param_groups, inner.param_groups):
             for key, value in mine.items():
                 if key != "params":
-                    inner[key] = value
+                    theirs[key] = value
 
     def _check_gradients(self) -> None:
         synced = surface.synchronized_backwards(self._model)
@@ -146,14 +149,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.wait()  # the last step's all-gathers (overlap_all_gather): done by now
         self._check_gradients()
-        self._sync_groups()
-        self._inner.step()
-        works = [dist.all_gather_into_tensor(b.flat, b.shard, group=self._group, async_op=True)
-                 for b in self._buckets]
-        for work in works:
-            work.wait()
+        for b, (bucket, inner) in enumerate(zip(self._buckets, self._inners)):
+            self._sync_groups(inner)
+            inner.step()
+            self._gathers[b] = dist.all_gather_into_tensor(
+                bucket.flat, bucket.shard, group=self._group, async_op=True)
+        if not self._overlap:
+            self.wait()
         return loss
+
+    def wait(self) -> None:
+        """Waits for the all-gathers of the last step: the parameters are whole again. With
+        ``overlap_all_gather=True`` a module's forward waits for its own buckets; call this
+        before reading the parameters outside a forward (an EMA copy, a checkpoint)."""
+        for b, work in enumerate(self._gathers):
+            if work is not None:
+                work.wait()
+                self._gathers[b] = None
 
     # GradScaler calls step(grad_scaler=...) for optimizers that say so: refused above.
     _step_supports_amp_scaling = True
@@ -165,7 +179,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         shards: the global norm (one small allreduce), and every shard scaled by torch's
         factor. Returns the norm, as torch's does."""
         norm_type = float(norm_type)
-        grads = [run.grad for group in self._inner.param_groups for run in group["params"]]
+        grads = [run.grad for inner in self._inners for group in inner.param_groups
+                 for run in group["params"]]
         first = self._buckets[0].grad
         if norm_type == float("inf"):
             local = (torch.stack(torch._foreach_norm(grads, norm_type)).max() if grads
@@ -197,7 +212,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def shard_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (its shards' only)."""
-        return sum(t.numel() * t.element_size() for state in self._inner.state.values()
+        return sum(t.numel() * t.element_size() for inner in self._inners
+                   for state in inner.state.values()
                    for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
 
 
@@ -221,28 +237,49 @@ def _param_groups(params: Any) -> list[dict]:
     return groups
 
 
-def _runs(buckets: list, group_of: dict[int, int], count: int) -> list[list[torch.Tensor]]:
-    """Per param group, the runs of this rank's shards: views of the flat parameter buffers
-    over consecutive slots of the group (with the zero padding between them), each with its
-    shard of the averaged gradient as ``.grad``."""
+def _runs(bucket: Any, group_of: dict[int, int], count: int) -> list[list[torch.Tensor]]:
+    """Per param group, the runs of this rank's shard of ``bucket``: views of its flat
+    parameter buffer over consecutive slots of the group (with the zero padding between
+    them), each with its shard of the averaged gradient as ``.grad``."""
     runs: list[list[torch.Tensor]] = [[] for _ in range(count)]
-    for bucket in buckets:
-        lo, hi = bucket.start, bucket.start + bucket.grad.numel()
-        current: list = []  # [group, start, end] of the run being extended
-        for p, offset, numel in zip(bucket.params, bucket.offsets, bucket.numels):
-            a, c = max(offset, lo), min(offset + numel, hi)
-            if a >= c:
-                continue
-            g = group_of[id(p)]
-            if current and current[0] == g:
-                current[2] = c
-                continue
-            if current:
-                runs[current[0]].append(_run(bucket, *current[1:], lo))
-            current = [g, a, c]
+    lo, hi = bucket.start, bucket.start + bucket.grad.numel()
+    current: list = []  # [group, start, end] of the run being extended
+    for p, offset, numel in zip(bucket.params, bucket.offsets, bucket.numels):
+        a, c = max(offset, lo), min(offset + numel, hi)
+        if a >= c:
+            continue
+        g = group_of[id(p)]
+        if current and current[0] == g:
+            current[2] = c
+            continue
         if current:
             runs[current[0]].append(_run(bucket, *current[1:], lo))
+        current = [g, a, c]
+    if current:
+        runs[current[0]].append(_run(bucket, *current[1:], lo))
     return runs
+
+
+def _wait_before_use(module: torch.nn.Module, buckets: list, gathers: list) -> list:
+    """overlap_all_gather: a forward pre-hook on every module that holds parameters, waiting
+    for the all-gathers of its parameters' buckets only (the first module to run waits for
+    its buckets; later ones find theirs done or wait for them then). Returns the handles."""
+    bucket_of = {id(p): b for b, bucket in enumerate(buckets) for p in bucket.params}
+    handles = []
+    for sub in module.modules():
+        mine = sorted({bucket_of[id(p)] for p in sub.parameters(recurse=False)
+                       if id(p) in bucket_of})
+        if not mine:
+            continue
+
+        def wait(_module, _inputs, mine=mine):
+            for b in mine:
+                work = gathers[b]
+                if work is not None:
+                    work.wait()
+                    gathers[b] = None
+        handles.append(sub.register_forward_pre_hook(wait))
+    return handles
 
 
 def _run(bucket: Any, start: int, end: int, lo: int) -> torch.Tensor:

@@ -72,12 +72,13 @@ def _make_models(gradient_as_bucket_view: bool = False, **fast_kwargs):
 
 def train(optimizer: str = "adamw", steps: int = 20, clip: bool = False, groups: bool = False,
           no_sync_every: int = 0, gradient_as_bucket_view: bool = False,
-          schedule: bool = False) -> dict:
+          schedule: bool = False, overlap_all_gather: bool = False) -> dict:
     """fastddp + ShardedOptimizer against torch DDP + the optimizer and against torch DDP +
     ZeroRedundancyOptimizer. groups: two param groups with their own learning rates and
     weight decay. clip: clip_grad_norm_(0.5) each step (the shards' method; torch's function
     on the references). no_sync_every=k: every k-th backward runs under no_sync().
-    schedule: a StepLR on all three."""
+    schedule: a StepLR on all three. overlap_all_gather: each module's forward waits for
+    its buckets' all-gathers (the parameters are read once more, at the end, after wait())."""
     cls, kwargs = OPTIMIZERS[optimizer]
     base, fast, ref, zero = _make_models(gradient_as_bucket_view)
 
@@ -88,7 +89,8 @@ def train(optimizer: str = "adamw", steps: int = 20, clip: bool = False, groups:
                     {"params": params[2:]}]
         return params
 
-    fast_opt = ShardedOptimizer(fast, cls, groups_of(fast), **kwargs)
+    fast_opt = ShardedOptimizer(fast, cls, groups_of(fast), overlap_all_gather=overlap_all_gather,
+                                **kwargs)
     ref_opt = cls(groups_of(ref), **kwargs)
     zero_opt = ZeroRedundancyOptimizer(groups_of(zero), optimizer_class=cls, **kwargs)
     opts = ((fast, fast_opt), (ref, ref_opt), (zero, zero_opt))
@@ -96,12 +98,16 @@ def train(optimizer: str = "adamw", steps: int = 20, clip: bool = False, groups:
                    for _, o in opts] if schedule else [])
     norms = []
     grads_none = True
+    # overlap_all_gather: pending after each step, all waited for by the next forward
+    gathers_overlap = True
     for step in range(steps):
         inputs, target = vector_batch(step)
         accumulate = no_sync_every and step % no_sync_every == no_sync_every - 1
         for model, opt in opts:
             with model.no_sync() if accumulate else _null():
                 F.mse_loss(model(inputs), target).backward()
+            if model is fast and overlap_all_gather:
+                gathers_overlap &= all(g is None for g in fast_opt._gathers)
         if accumulate:
             continue
         grads_none &= all(p.grad is None for p in fast.parameters())
@@ -112,8 +118,11 @@ def train(optimizer: str = "adamw", steps: int = 20, clip: bool = False, groups:
         for model, opt in opts:
             opt.step()
             opt.zero_grad()
+        if overlap_all_gather:
+            gathers_overlap &= all(g is not None for g in fast_opt._gathers)
         for scheduler in schedulers:
             scheduler.step()
+    fast_opt.wait()  # the last step's all-gathers, under overlap_all_gather
     bound = _bound(dist.get_world_size(), clip, optimizer)
     fast_p = [p.detach() for p in fast.module.parameters()]
     diff_ref = max((a - b).abs().max().item() for a, b in zip(fast_p, ref.module.parameters()))
@@ -127,6 +136,7 @@ def train(optimizer: str = "adamw", steps: int = 20, clip: bool = False, groups:
             "replicas_agree": all(torch.equal(g, mine) for g in gathered),
             "moved": moved.item() > 1e-3, "grads_none": grads_none,
             "buckets": len(fast._sharded), "exact": bound == 0.0,
+            "gathers_overlap": gathers_overlap,
             # the global norm: the shards' against torch's over whole gradients (float32
             # sums in two orders: a few ulps of the norm)
             "norms_agree": all(abs(a - b) <= 1e-6 * max(1.0, b) for a, b in norms)}

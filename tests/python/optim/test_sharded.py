@@ -38,6 +38,15 @@ def test_no_sync_accumulates_for_the_next_synchronized_backward(world, view):
                        gradient_as_bucket_view=view), world.size)
 
 
+# The all-gather of each bucket overlapping the next forward: each module waits for its own.
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adamw_fused"])
+def test_all_gather_overlapped_with_the_next_forward(world, optimizer):
+    results = world.check(s.train, optimizer=optimizer, overlap_all_gather=True)
+    _check(results, world.size)
+    # Left pending by step(), waited for by the forward's module hooks, every step.
+    assert all(r["gathers_overlap"] for r in results), results
+
+
 def test_world_size_one(world1):
     r = world1.check(s.train, optimizer="adamw", steps=5)[0]
     assert r["diff_ref"] == 0.0 and r["moved"] and r["grads_none"], r
