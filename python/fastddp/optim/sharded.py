@@ -31,9 +31,9 @@ schedulers work; their hyperparameters reach the shards' optimizer at every step
 
 Not yet, and refused rather than silently different: optimizers other than SGD, Adam and
 AdamW (a whole-tensor optimizer needs shards cut on whole parameters), GradScaler
-(its inf check would see one shard per rank), ``state_dict()`` (a consolidated, torch-format
-state dict), overlapping the all-gather with the next forward, and the hooks' 16- and 8-bit
-wires.
+(its inf check would see one shard per rank), torch.distributed.checkpoint's sharded
+save, and the hooks' 16- and 8-bit wires. ``state_dict()`` is torch's format, gathered onto
+one rank (sharded_state.py).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from fastddp.ddp import surface
+from fastddp.optim import sharded_state
 
 _WHO = "fastddp.optim.ShardedOptimizer"
 # Elementwise updates: an element's new value depends on that element and on per-tensor
@@ -202,13 +203,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
             torch._foreach_mul_(grads, coef)
         return total
 
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gathers the shards' state onto rank ``to`` of the model's group, in torch's format
+        (Note [sharded optimizer state]); every rank must call it. Then ``state_dict()`` on
+        that rank returns it, as torch's ZeroRedundancyOptimizer does."""
+        self.wait()
+        self._consolidated = sharded_state.consolidate(self, to)
+
     def state_dict(self) -> dict:
-        raise NotImplementedError(
-            f"{_WHO}.state_dict(): not yet; each rank holds 1/world of the state, and the "
-            "consolidated, torch-format state dict is still to come")
+        """The state consolidated by ``consolidate_state_dict()``: what torch's optimizer over
+        the same parameters and param groups would return, loadable into one."""
+        if getattr(self, "_consolidated", None) is None:
+            raise RuntimeError(
+                f"{_WHO}.state_dict(): each rank holds 1/world of the state; call "
+                "consolidate_state_dict(to=rank) on every rank first, then state_dict() on "
+                "that rank (as with torch's ZeroRedundancyOptimizer)")
+        state, self._consolidated = self._consolidated, None
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        raise NotImplementedError(f"{_WHO}.load_state_dict(): not yet (see state_dict())")
+        """Loads a whole state dict in torch's format (a consolidated one, or a plain torch
+        optimizer's over the same parameters and groups) on every rank: each keeps its
+        shards' part."""
+        sharded_state.load(self, state_dict)
 
     def shard_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (its shards' only)."""

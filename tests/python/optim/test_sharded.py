@@ -78,9 +78,23 @@ def test_refusals_name_the_culprit(world):
             "overlap": ("NotImplementedError", "ShardedOptimizer"),
             "step_without_backward": ("RuntimeError", "without a synchronized backward"),
             "grad_scaler": ("NotImplementedError", "GradScaler"),
-            "checkpoint": ("NotImplementedError", "state_dict"),
+            "checkpoint": ("RuntimeError", "consolidate_state_dict"),
+            "wrong_groups": ("ValueError", "do not match"),
         }
         assert set(r) == set(expected), r
         for name, (error, text) in expected.items():
             assert r[name] is not None and r[name][0] == error and text in r[name][1], \
                 (name, r[name])
+
+
+# The state dict in torch's format: consolidated on rank 0 equal to torch's optimizer's (bit
+# for bit on 2 ranks, Note [sharded optimizer]), loadable into a plain torch optimizer; and
+# a torch optimizer's state dict loaded into the shards resumes with torch's numbers.
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adamw", "adam_fused"])
+def test_state_dict_round_trip_with_a_plain_torch_optimizer(world, optimizer):
+    results = world.check(s.checkpoint, optimizer=optimizer)
+    root = results[0]
+    assert root["same_keys"] and root["groups_equal"] and root["plain_loads"], root
+    assert root["state_within_bound"], {k: v for k, v in root["state_diff"].items() if v != 0.0 and (not isinstance(v, tuple) or v[0] != v[1])}
+    for r in results:
+        assert r["state_on_other_ranks_refused"] and r["resumed_within_bound"], r
