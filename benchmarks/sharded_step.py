@@ -20,8 +20,8 @@ reduce-scatter), the shards' optimizer step and the all-gather.
 ``--memory``: per world size, after two steps, what rank 0 holds: optimizer state bytes
 (every tensor of the optimizer's state) and gradient bytes (the reducer's bucket buffers,
 the shards of the averaged gradient, and the .grad tensors), for torch DDP + the unsharded
-optimizer, torch's ZeroRedundancyOptimizer and the sharded optimizer; counted from the
-tensors, not from the process's memory. This is a benchmark, not a test.
+optimizer, torch's ZeroRedundancyOptimizer and the sharded optimizer (zero_stage 1 and 2);
+counted from the tensors, not from the process's memory. This is a benchmark, not a test.
 """
 
 import argparse
@@ -59,9 +59,9 @@ def _variant(name: str, body: nn.Module, optim: str, x: torch.Tensor, phases: di
     wrapper = (step_timing.TorchDDP if name in ("torch", "zero")
                else fastddp.DistributedDataParallel)
     model = wrapper(body)
-    if name in ("sharded", "overlap"):
+    if name in ("sharded", "overlap", "zero2"):
         opt = fastddp.optim.ShardedOptimizer(model, cls, overlap_all_gather=name == "overlap",
-                                             **kwargs)
+                                             zero_stage=2 if name == "zero2" else 1, **kwargs)
     elif name == "zero":
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, **kwargs)
     else:
@@ -109,7 +109,7 @@ def _grad_bytes(name: str, model, opt) -> int:
 
     for p in model.parameters():
         add(p.grad)
-    if name == "sharded":
+    if name in ("sharded", "zero2"):
         for b in model._sharded:  # benchmark's reading: the shards and the bucket buffers
             add(b.grad)
         total += model._reducer.held_bucket_bytes()
@@ -130,7 +130,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue, m
     for optim in args.optims.split(","):
         if memory:
             row = {"optim": optim, "world": world}
-            for name in ("torch", "zero", "sharded"):
+            for name in ("torch", "zero", "sharded", "zero2"):
                 torch.manual_seed(0)
                 model, opt, step = _variant(name, _mlp(args.width, args.depth), optim, x, None)
                 for _ in range(2):
@@ -194,16 +194,17 @@ def main() -> None:
                      f"{r['phases']['backward']:.1f}, {r['phases']['step']:.1f} |")
     if args.memory:
         lines += ["", "| optimizer | ranks | state MiB per rank: torch / ZeRO / sharded | "
-                  "sharded state / (torch / ranks) | gradient MiB per rank: torch / ZeRO / "
-                  "sharded |", "|---|---|---|---|---|"]
+                  "sharded state / (torch / ranks) | gradient MiB per rank between steps: "
+                  "torch / ZeRO / sharded / sharded zero_stage=2 |", "|---|---|---|---|---|"]
         for world in map(int, args.memory.split(",")):
             for r in _spawn(args, world, True):
-                mib = {k: tuple(v / 2**20 for v in r[k]) for k in ("torch", "zero", "sharded")}
+                mib = {k: tuple(v / 2**20 for v in r[k])
+                       for k in ("torch", "zero", "sharded", "zero2")}
                 share = r["sharded"][0] / (r["torch"][0] / world)
                 lines.append(f"| {r['optim']} | {world} | {mib['torch'][0]:.1f} / "
                              f"{mib['zero'][0]:.1f} / {mib['sharded'][0]:.1f} | {share:.4f} | "
                              f"{mib['torch'][1]:.1f} / {mib['zero'][1]:.1f} / "
-                             f"{mib['sharded'][1]:.1f} |")
+                             f"{mib['sharded'][1]:.1f} / {mib['zero2'][1]:.1f} |")
     bench.publish(bench.header(")"), "\n".join(lines), args.out)
 
 

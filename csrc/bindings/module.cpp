@@ -242,7 +242,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("freeze_buckets", &Reducer::freeze_buckets, nogil())
       .def("shadow_backward", &Reducer::shadow_backward, nogil())
       .def("record_default_ready_order", &Reducer::record_default_ready_order, nogil())
-      .def("shard_buckets", &Reducer::shard_buckets, py::arg("shards"), nogil())
+      .def("shard_buckets", &Reducer::shard_buckets, py::arg("shards"),
+           py::arg("release") = false, nogil())
       .def("bucket_layout", &Reducer::bucket_layout, nogil())
       .def("bucket_plan", &Reducer::bucket_plan, nogil())
       .def("bucket_bytes", &Reducer::bucket_bytes, nogil())

@@ -173,10 +173,9 @@ namespace {
 
 // A buffer of `numel` elements for one (device, dtype), its start aligned to
 // `align_bytes`; zeros where there is padding (Note [aligned flat buffer]).
-at::Tensor new_buffer(int64_t numel, const at::TensorOptions& options, int64_t align_bytes,
-                      bool padded) {
+at::Tensor new_buffer(int64_t numel, const at::TensorOptions& options, int64_t align_bytes) {
   const int64_t esize = static_cast<int64_t>(c10::elementSize(options.dtype().toScalarType()));
-  if (align_bytes <= esize) return padded ? at::zeros({numel}, options) : at::empty({numel}, options);
+  if (align_bytes <= esize) return at::empty({numel}, options);
   // Zeros: the padding is reduced with the slots, so it must be finite.
   // Allocators align to 64 (CPU) or 512 (CUDA) bytes: room to align the start to more.
   const int64_t spare = align_bytes / esize;
@@ -185,6 +184,16 @@ at::Tensor new_buffer(int64_t numel, const at::TensorOptions& options, int64_t a
   const int64_t shift =
       static_cast<int64_t>((align_bytes - address % align_bytes) % align_bytes) / esize;
   return buffer.narrow(0, shift, numel);
+}
+
+// Zeros where no slot is: between the slots and after the last one.
+void zero_gaps(Bucket& bucket) {
+  int64_t next = 0;
+  for (size_t k = 0; k <= bucket.numels.size(); ++k) {
+    const int64_t start = k < bucket.numels.size() ? bucket.offsets[k] : bucket.flat.numel();
+    if (start > next) bucket.flat.narrow(0, next, start - next).zero_();
+    if (k < bucket.numels.size()) next = bucket.offsets[k] + bucket.numels[k];
+  }
 }
 
 // Points the dense buckets' flat and views at one new buffer per (device,
@@ -198,20 +207,21 @@ void rebind(std::vector<Bucket>& buckets, int64_t align_bytes, bool meta) {
   }
   for (const auto& [key, members] : groups) {
     int64_t total = 0;
-    bool padded = false;  // sharded buckets are padded at the end also when packed
-    for (size_t b : members) {
-      total += buckets[b].flat.numel();
-      padded = padded || buckets[b].padded();
-    }
+    for (size_t b : members) total += buckets[b].flat.numel();
     const Bucket& first = buckets[members.front()];
     const auto options = first.flat.options().device(meta ? c10::Device(at::kMeta) : first.device);
     const at::Tensor buffer = meta ? at::empty({total}, options)
-                                   : new_buffer(total, options, align_bytes, padded);
+                                   : new_buffer(total, options, align_bytes);
+    // Packed slots (align_bytes 0) but padded buckets (Note [sharded buckets]): new_buffer
+    // zeroed nothing, so the padding is zeroed here, and only the padding.
+    const bool zero_padding = !meta && buffer.numel() && align_bytes <=
+        static_cast<int64_t>(c10::elementSize(first.flat.scalar_type()));
     int64_t start = 0;
     for (size_t b : members) {
       Bucket& bucket = buckets[b];
       bucket.flat = buffer.narrow(0, start, bucket.flat.numel());
       start += bucket.flat.numel();
+      if (zero_padding && bucket.padded()) zero_gaps(bucket);
       for (size_t k = 0; k < bucket.views.size(); ++k) {
         at::Tensor& view = bucket.views[k];
         view = bucket.flat.as_strided(view.sizes(), view.strides(),

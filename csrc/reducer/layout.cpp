@@ -45,7 +45,7 @@ void Reducer::lay_out_again(const std::vector<std::vector<size_t>>& plan) {
   ready_order_.note_rebuilt();
 }
 
-void Reducer::shard_buckets(int64_t shards) {
+void Reducer::shard_buckets(int64_t shards, bool release) {
   std::lock_guard<std::mutex> lock(mutex_);
   FASTDDP_CHECK(shards >= 1, "fastddp: a bucket needs at least one shard, got ", shards);
   FASTDDP_CHECK(!reducing(), "fastddp: the buckets cannot be sharded while a backward is "
@@ -55,6 +55,10 @@ void Reducer::shard_buckets(int64_t shards) {
                   "' gets sparse gradients, which sharded buckets do not hold");
   }
   options_.shards = shards;
+  if (release) {  // ZeRO-2: Note [lazy bucket storage] from now on
+    options_.lazy_bucket_allocation = true;
+    views_ = BucketViews(options_.gradient_as_bucket_view, true, options_.align_bytes);
+  }
   std::vector<std::vector<size_t>> plan;
   if (ready_order_.rebuilt()) {  // laid out by the gradients' order already: kept
     for (const Bucket& bucket : buckets_) plan.push_back(bucket.params);

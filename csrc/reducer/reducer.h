@@ -225,7 +225,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // as `shards` equal shards each, and kept so (no later rebuild): the current
   // plan once rebuilt from the gradients' order, before that the size limits'
   // plan in reverse parameter order. Before a backward, never during one.
-  void shard_buckets(int64_t shards);
+  // `release`: the buffers only while a backward reduces (ZeRO-2: Note [lazy
+  // bucket storage]), the shards being where the averaged gradients stay.
+  void shard_buckets(int64_t shards, bool release = false);
   // Per bucket: its parameter indices, their offsets and sizes in elements,
   // and the bucket's length (padding included).
   using SlotLayout = std::tuple<std::vector<size_t>, std::vector<int64_t>, std::vector<int64_t>,

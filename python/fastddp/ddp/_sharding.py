@@ -98,10 +98,11 @@ def _refuse(ddp: Any) -> None:
         no("sparse gradients", "a sparse gradient has no contiguous shard")
 
 
-def shard_gradients(ddp: Any) -> list[BucketShard]:
+def shard_gradients(ddp: Any, release_buckets: bool = False) -> list[BucketShard]:
     """Cuts ``ddp``'s buckets into one shard per rank, reduce-scatters their gradients from
     the next backward on (``.grad`` stays None; the shards hold the average), and makes each
-    bucket's parameters views of one flat buffer. Raises NotImplementedError, before
+    bucket's parameters views of one flat buffer. ``release_buckets`` (ZeRO-2): the
+    buckets' buffers exist only while a backward reduces. Raises NotImplementedError, before
     anything changes, for what it cannot shard."""
     _refuse(ddp)
     if not ddp._reducer_params:
@@ -110,7 +111,7 @@ def shard_gradients(ddp: Any) -> list[BucketShard]:
         ddp._build_reducer()
     group = ddp.process_group
     world, rank = group.size(), group.rank()
-    ddp._reducer.shard_buckets(world)
+    ddp._reducer.shard_buckets(world, release_buckets)
     names = ddp._reducer_param_names
     buckets = []
     with torch.no_grad():

@@ -60,12 +60,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         optimizer = fastddp.optim.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
 
     ``params``: the parameters or param groups, as torch's optimizers take them (default:
-    all of ``model``'s); they must be exactly the parameters the model averages. The other
-    keywords are ``optimizer_class``'s (``foreach=True`` and ``fused=True`` included).
+    all of ``model``'s); they must be exactly the parameters the model averages.
+    ``overlap_all_gather``: step() returns before the parameters are whole; each module's
+    next forward waits for its own buckets (call ``wait()`` before reading them elsewhere).
+    ``zero_stage=2``: the full gradient buffers exist only while a backward reduces; between
+    steps a rank holds its shard of the averaged gradient alone. The other keywords are
+    ``optimizer_class``'s (``foreach=True`` and ``fused=True`` included).
     """
 
     def __init__(self, model: Any, optimizer_class: type, params: Iterable | None = None, *,
-                 overlap_all_gather: bool = False, **defaults: Any):
+                 overlap_all_gather: bool = False, zero_stage: int = 1, **defaults: Any):
         if optimizer_class not in _ELEMENTWISE:  # a subclass may step otherwise
             raise NotImplementedError(
                 f"{_WHO}: {getattr(optimizer_class, '__name__', optimizer_class)!s} is not "
@@ -96,8 +100,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "their gradients would be reduce-scattered into shards nobody steps (a "
                 "second optimizer over part of one model is not supported)")
 
+        if zero_stage not in (1, 2):
+            raise NotImplementedError(f"{_WHO}: zero_stage={zero_stage!r}: 1 (the optimizer's "
+                                      "state sharded) or 2 (and the gradient buffers freed "
+                                      "between backwards); 3 shards the parameters: FSDP")
         self._model = model
-        self._buckets = surface.shard_gradients(model)
+        self._buckets = surface.shard_gradients(model, release_buckets=zero_stage == 2)
         self._group = model.process_group
         group_of = {id(p): g for g, group in enumerate(groups) for p in group["params"]}
         # torch's optimizer per bucket over its runs, a param group per user group (maybe

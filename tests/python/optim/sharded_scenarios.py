@@ -73,13 +73,15 @@ def _make_models(gradient_as_bucket_view: bool = False, **fast_kwargs):
 
 def train(optimizer: str = "adamw", steps: int = 20, clip: bool = False, groups: bool = False,
           no_sync_every: int = 0, gradient_as_bucket_view: bool = False,
-          schedule: bool = False, overlap_all_gather: bool = False) -> dict:
+          schedule: bool = False, overlap_all_gather: bool = False,
+          zero_stage: int = 1) -> dict:
     """fastddp + ShardedOptimizer against torch DDP + the optimizer and against torch DDP +
     ZeroRedundancyOptimizer. groups: two param groups with their own learning rates and
     weight decay. clip: clip_grad_norm_(0.5) each step (the shards' method; torch's function
     on the references). no_sync_every=k: every k-th backward runs under no_sync().
     schedule: a StepLR on all three. overlap_all_gather: each module's forward waits for
-    its buckets' all-gathers (the parameters are read once more, at the end, after wait())."""
+    its buckets' all-gathers (the parameters are read once more, at the end, after wait()).
+    zero_stage=2: the bucket buffers released after each backward (held bytes recorded)."""
     cls, kwargs = OPTIMIZERS[optimizer]
     base, fast, ref, zero = _make_models(gradient_as_bucket_view)
 
@@ -91,7 +93,7 @@ def train(optimizer: str = "adamw", steps: int = 20, clip: bool = False, groups:
         return params
 
     fast_opt = ShardedOptimizer(fast, cls, groups_of(fast), overlap_all_gather=overlap_all_gather,
-                                **kwargs)
+                                zero_stage=zero_stage, **kwargs)
     ref_opt = cls(groups_of(ref), **kwargs)
     zero_opt = ZeroRedundancyOptimizer(groups_of(zero), optimizer_class=cls, **kwargs)
     opts = ((fast, fast_opt), (ref, ref_opt), (zero, zero_opt))
@@ -101,6 +103,7 @@ def train(optimizer: str = "adamw", steps: int = 20, clip: bool = False, groups:
     grads_none = True
     # overlap_all_gather: pending after each step, all waited for by the next forward
     gathers_overlap = True
+    held = []  # the reducer's bucket bytes after each synchronized backward
     for step in range(steps):
         inputs, target = vector_batch(step)
         accumulate = no_sync_every and step % no_sync_every == no_sync_every - 1
@@ -112,6 +115,7 @@ def train(optimizer: str = "adamw", steps: int = 20, clip: bool = False, groups:
         if accumulate:
             continue
         grads_none &= all(p.grad is None for p in fast.parameters())
+        held.append(fast._reducer.held_bucket_bytes())
         if clip:
             norms.append((fast_opt.clip_grad_norm_(0.5).item(),
                           torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item()))
@@ -137,7 +141,7 @@ def train(optimizer: str = "adamw", steps: int = 20, clip: bool = False, groups:
             "replicas_agree": all(torch.equal(g, mine) for g in gathered),
             "moved": moved.item() > 1e-3, "grads_none": grads_none,
             "buckets": len(fast._sharded), "exact": bound == 0.0,
-            "gathers_overlap": gathers_overlap,
+            "gathers_overlap": gathers_overlap, "held_bucket_bytes": max(held),
             # the global norm: the shards' against torch's over whole gradients (float32
             # sums in two orders: a few ulps of the norm)
             "norms_agree": all(abs(a - b) <= 1e-6 * max(1.0, b) for a, b in norms)}

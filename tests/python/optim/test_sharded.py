@@ -20,7 +20,9 @@ def _check(results, world_size, clip=False):
 # SGD with momentum, Adam and AdamW in torch's for-loop, foreach and fused implementations.
 @pytest.mark.parametrize("optimizer", sorted(s.OPTIMIZERS))
 def test_equals_torch_ddp_and_zero_redundancy_optimizer(world, optimizer):
-    _check(world.check(s.train, optimizer=optimizer), world.size)
+    results = world.check(s.train, optimizer=optimizer)
+    _check(results, world.size)
+    assert all(r["held_bucket_bytes"] > 0 for r in results), results  # ZeRO-1 keeps them
 
 
 @pytest.mark.parametrize("optimizer", ["sgd_momentum", "adamw"])
@@ -45,6 +47,15 @@ def test_all_gather_overlapped_with_the_next_forward(world, optimizer):
     _check(results, world.size)
     # Left pending by step(), waited for by the forward's module hooks, every step.
     assert all(r["gathers_overlap"] for r in results), results
+
+
+# ZeRO-2: the same numbers, with no bucket buffer held once a backward has reduced (the
+# shards hold the averaged gradients); no_sync() still accumulates in .grad.
+@pytest.mark.parametrize("no_sync_every", [0, 3])
+def test_zero_stage_2_frees_the_buckets_between_backwards(world, no_sync_every):
+    results = world.check(s.train, optimizer="adamw", zero_stage=2, no_sync_every=no_sync_every)
+    _check(results, world.size)
+    assert all(r["held_bucket_bytes"] == 0 for r in results), results
 
 
 def test_world_size_one(world1):
