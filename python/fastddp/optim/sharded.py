@@ -30,8 +30,10 @@ next synchronized backward reduces the sum. ``param_groups`` are the user's, so 
 schedulers work; their hyperparameters reach the shards' optimizer at every step.
 
 Not yet, and refused rather than silently different: optimizers other than SGD, Adam and
-AdamW (a whole-tensor optimizer needs shards cut on whole parameters), GradScaler
-(its inf check would see one shard per rank), torch.distributed.checkpoint's sharded
+AdamW (a whole-tensor optimizer needs shards cut on whole parameters),
+``scaler.unscale_(optimizer)`` before ``scaler.step`` (GradScaler unscales ``.grad``, which
+the shards are not; ``scaler.step(optimizer)`` itself unscales the shards and skips the step
+on every rank when any rank finds an inf), torch.distributed.checkpoint's sharded
 save, and the hooks' 16- and 8-bit wires. ``state_dict()`` is torch's format, gathered onto
 one rank (sharded_state.py).
 """
@@ -42,6 +44,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from torch.amp.grad_scaler import OptState
 
 from fastddp.ddp import surface
 from fastddp.optim import sharded_state
@@ -150,16 +153,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
              grad_scaler: Any = None) -> Any:
         """Steps this rank's shards with the user's hyperparameters, then all-gathers the
         updated parameters (Note [sharded optimizer])."""
-        if grad_scaler is not None:
-            raise NotImplementedError(
-                f"{_WHO}: not with GradScaler yet: its inf check would see one shard per "
-                "rank, and the ranks could disagree on skipping the step")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self.wait()  # the last step's all-gathers (overlap_all_gather): done by now
         self._check_gradients()
+        if grad_scaler is not None and self._unscale(grad_scaler):
+            return loss  # an overflow on some rank: no rank steps, as GradScaler skips
         for b, (bucket, inner) in enumerate(zip(self._buckets, self._inners)):
             self._sync_groups(inner)
             inner.step()
@@ -168,6 +169,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not self._overlap:
             self.wait()
         return loss
+
+    def _unscale(self, scaler: Any) -> bool:
+        """GradScaler's unscale and inf check on the shards, the inf found on any rank: every
+        rank then skips the step alike (a rank's shards hold one part of each gradient, so a
+        rank's own check is not the model's). Records the check where ``scaler.update()``
+        reads it. Returns whether the step is skipped (one host read of the flag, as
+        GradScaler's own step makes)."""
+        state = scaler._per_optimizer_states[id(self)]
+        if state["stage"] is OptState.UNSCALED:
+            raise NotImplementedError(
+                f"{_WHO}: scaler.unscale_(optimizer) before scaler.step(optimizer) is not "
+                "supported yet: GradScaler unscales the .grad of param_groups, which the "
+                "shards are not; let scaler.step() unscale (clip_grad_norm_ then sees scaled "
+                "gradients: scale max_norm by scaler.get_scale())")
+        grads = [b.grad for b in self._buckets]
+        found_inf = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
+        inv_scale = scaler._scale.double().reciprocal().float().to(grads[0].device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self._group)
+        state["found_inf_per_device"] = {found_inf.device: found_inf}
+        state["stage"] = OptState.UNSCALED
+        return bool(found_inf.item())
 
     def wait(self) -> None:
         """Waits for the all-gathers of the last step: the parameters are whole again. With
@@ -178,7 +201,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 work.wait()
                 self._gathers[b] = None
 
-    # GradScaler calls step(grad_scaler=...) for optimizers that say so: refused above.
+    # GradScaler calls step(grad_scaler=...) for optimizers that say so: _unscale().
     _step_supports_amp_scaling = True
 
     @torch.no_grad()

@@ -246,12 +246,13 @@ def refusals() -> dict:
         m = model()
         ShardedOptimizer(m, cls, **kwargs).step()
 
-    def grad_scaler():
+    def unscale_first():  # scaler.unscale_(opt) would reach .grad, not the shards
         m = model()
         opt = ShardedOptimizer(m, cls, **kwargs)
         scaler = torch.amp.GradScaler("cpu")
         inputs, target = vector_batch(0)
         scaler.scale(F.mse_loss(m(inputs), target)).backward()
+        scaler.unscale_(opt)
         scaler.step(opt)
 
     def checkpoint():  # state_dict() before consolidate_state_dict()
@@ -267,7 +268,7 @@ def refusals() -> dict:
                      ("whole_tensor", whole_tensor), ("lbfgs", lbfgs), ("unused", unused),
                      ("two_optimizers", two_optimizers), ("overlap", overlap),
                      ("step_without_backward", step_without_backward),
-                     ("grad_scaler", grad_scaler), ("checkpoint", checkpoint),
+                     ("unscale_first", unscale_first), ("checkpoint", checkpoint),
                      ("wrong_groups", wrong_groups)]:
         attempt(name, fn)
     dist.barrier()  # every rank refused alike: no collective is left half issued
@@ -346,3 +347,51 @@ def checkpoint(optimizer: str = "adamw", groups: bool = True) -> dict:
                                             ref.module.parameters()) <= bound
     out["exact"] = bound == 0.0
     return out
+
+
+def step_cost(zero_stage: int = 1) -> dict:
+    """The last of four steps' counted cost (Note [counted cost], csrc/util/step_cost.h)."""
+    torch.manual_seed(0)
+    model = fastddp.DistributedDataParallel(mlp(), bucket_cap_mb=CAP_MB)
+    opt = ShardedOptimizer(model, torch.optim.AdamW, lr=0.01, zero_stage=zero_stage)
+    for step in range(4):
+        inputs, target = vector_batch(step)
+        opt.zero_grad()
+        F.mse_loss(model(inputs), target).backward()
+        opt.step()
+    return {"cost": model.comm_stats()["step_cost"],
+            "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+
+
+def grad_scaler(optimizer: str = "adamw", steps: int = 12, overflow_at: int = 5) -> dict:
+    """bf16 autocast with GradScaler on both: fastddp + ShardedOptimizer against torch DDP +
+    the optimizer unsharded, through ``scaler.step(opt)`` and ``scaler.update()``. At step
+    ``overflow_at`` the last rank's input holds an inf: its gradients, so the average, are
+    not finite, every rank must skip that step and halve the scale, and later steps go on."""
+    import warnings
+    cls, kwargs = OPTIMIZERS[optimizer]
+    _, fast, ref, _ = _make_models()
+    fast_opt = ShardedOptimizer(fast, cls, **kwargs)
+    ref_opt = cls(ref.parameters(), **kwargs)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
+    scales = []
+    for step in range(steps):
+        inputs, target = vector_batch(step)
+        if step == overflow_at and dist.get_rank() == dist.get_world_size() - 1:
+            inputs[0, 0] = float("inf")
+        for (model, opt), scaler in zip(((fast, fast_opt), (ref, ref_opt)), scalers):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.mse_loss(model(inputs), target)
+            scaler.scale(loss.float()).backward()
+            with warnings.catch_warnings():  # GradScaler's notice that grad_scaler= goes
+                warnings.simplefilter("ignore", FutureWarning)
+                scaler.step(opt)
+            scaler.update()
+        scales.append(tuple(sc.get_scale() for sc in scalers))
+    bound = _bound(dist.get_world_size(), False, optimizer)
+    diff = _max_diff(fast.module.parameters(), ref.module.parameters())
+    return {"within_bound": diff <= bound, "diff": diff, "exact": bound == 0.0,
+            "scales_equal": all(a == b for a, b in scales),
+            "skipped": scales[overflow_at][0] < scales[overflow_at - 1][0],
+            "finite": all(torch.isfinite(p).all() for p in fast.module.parameters())}

@@ -88,7 +88,7 @@ def test_refusals_name_the_culprit(world):
             "two_optimizers": ("RuntimeError", "sharded already"),
             "overlap": ("NotImplementedError", "ShardedOptimizer"),
             "step_without_backward": ("RuntimeError", "without a synchronized backward"),
-            "grad_scaler": ("NotImplementedError", "GradScaler"),
+            "unscale_first": ("NotImplementedError", "unscale_"),
             "checkpoint": ("RuntimeError", "consolidate_state_dict"),
             "wrong_groups": ("ValueError", "do not match"),
         }
@@ -109,3 +109,26 @@ def test_state_dict_round_trip_with_a_plain_torch_optimizer(world, optimizer):
     assert root["state_within_bound"], {k: v for k, v in root["state_diff"].items() if v != 0.0 and (not isinstance(v, tuple) or v[0] != v[1])}
     for r in results:
         assert r["state_on_other_ranks_refused"] and r["resumed_within_bound"], r
+
+
+# Cost is behaviour (tests/python/ddp/test_step_cost.py): the reduce-scatter's step moves the
+# gradients once into the buckets (torch's copy-in, 2G: read the grad, write the bucket) and
+# nothing back (.grad stays None; the optimizer reads the shards where the collective wrote
+# them), checks nothing and never waits for the device.
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_a_step_copies_the_gradients_in_once_and_nothing_back(world, zero_stage):
+    for out in world.check(s.step_cost, zero_stage=zero_stage):
+        g = out["grad_bytes"]
+        assert out["cost"] == {"copy_in_bytes": 2 * g, "write_back_bytes": 0, "hook_bytes": 0,
+                               "check_bytes": 0, "state_copy_bytes": 0, "host_syncs": 0,
+                               "kept_grad_copy_bytes": 0}, out
+
+
+# GradScaler on bf16 autocast: the shards unscaled and checked, an inf on one rank skips the
+# step on all (the scale halves alike), and the numbers stay torch DDP + the optimizer's.
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd_momentum"])
+def test_grad_scaler_skips_an_overflow_step_on_every_rank(world, optimizer):
+    for r in world.check(s.grad_scaler, optimizer=optimizer):
+        assert r["within_bound"] and r["scales_equal"] and r["skipped"] and r["finite"], r
+        if r["exact"]:
+            assert r["diff"] == 0.0, r
