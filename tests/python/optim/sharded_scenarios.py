@@ -395,3 +395,27 @@ def grad_scaler(optimizer: str = "adamw", steps: int = 12, overflow_at: int = 5)
             "scales_equal": all(a == b for a, b in scales),
             "skipped": scales[overflow_at][0] < scales[overflow_at - 1][0],
             "finite": all(torch.isfinite(p).all() for p in fast.module.parameters())}
+
+
+def first_user_waits() -> dict:
+    """overlap_all_gather: when the first layer's forward starts after a step, the
+    all-gathers of its own buckets have been waited for and the others' not yet (each
+    bucket's is waited for by the first module that uses it, Note [sharded optimizer])."""
+    _, fast, _, _ = _make_models()
+    opt = ShardedOptimizer(fast, torch.optim.AdamW, lr=0.01, overlap_all_gather=True)
+    first = fast.module[0]
+    mine = sorted({b for b, bucket in enumerate(fast._sharded)
+                   for p in bucket.params if any(p is q for q in first.parameters())})
+    seen = []
+    first.register_forward_pre_hook(  # after the optimizer's own hook on this module
+        lambda module, args: seen.append([g is None for g in opt._gathers]))
+    for step in range(2):
+        inputs, target = vector_batch(step)
+        opt.zero_grad()
+        F.mse_loss(fast(inputs), target).backward()
+        opt.step()
+    opt.wait()
+    done = seen[-1]  # the second forward, after the first step
+    return {"own_waited": all(done[b] for b in mine),
+            "others_pending": [b for b, d in enumerate(done) if not d and b not in mine],
+            "buckets": len(done)}

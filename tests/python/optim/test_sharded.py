@@ -132,3 +132,8 @@ def test_grad_scaler_skips_an_overflow_step_on_every_rank(world, optimizer):
         assert r["within_bound"] and r["scales_equal"] and r["skipped"] and r["finite"], r
         if r["exact"]:
             assert r["diff"] == 0.0, r
+
+
+def test_a_bucket_is_waited_for_by_its_first_user_only(world):
+    for r in world.check(s.first_user_waits):
+        assert r["own_waited"] and r["others_pending"], r
