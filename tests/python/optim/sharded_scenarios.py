@@ -419,3 +419,28 @@ def first_user_waits() -> dict:
     return {"own_waited": all(done[b] for b in mine),
             "others_pending": [b for b, d in enumerate(done) if not d and b not in mine],
             "buckets": len(done)}
+
+
+def zero_redundancy_over_fastddp(optimizer: str = "adamw", steps: int = 10) -> dict:
+    """torch's ZeroRedundancyOptimizer over fastddp's model works as over torch DDP's: the
+    same weights after ten steps (both allreduce the whole gradient; ZeRO steps its own
+    parameters and broadcasts them)."""
+    cls, kwargs = OPTIMIZERS[optimizer]
+    _, fast, _, zero = _make_models()
+    fast_opt = ZeroRedundancyOptimizer(fast.parameters(), optimizer_class=cls, **kwargs)
+    zero_opt = ZeroRedundancyOptimizer(zero.parameters(), optimizer_class=cls, **kwargs)
+    for step in range(steps):
+        inputs, target = vector_batch(step)
+        for model, opt in ((fast, fast_opt), (zero, zero_opt)):
+            opt.zero_grad()
+            F.mse_loss(model(inputs), target).backward()
+            opt.step()
+    fast_opt.consolidate_state_dict(to=0)
+    zero_opt.consolidate_state_dict(to=0)
+    states_equal = True
+    if dist.get_rank() == 0:
+        a, b = fast_opt.state_dict()["state"], zero_opt.state_dict()["state"]
+        states_equal = sorted(a) == sorted(b) and all(
+            torch.equal(a[i][k], b[i][k]) for i in b for k in b[i])
+    return {"diff": _max_diff(fast.module.parameters(), zero.module.parameters()),
+            "states_equal": states_equal}

@@ -137,3 +137,10 @@ def test_grad_scaler_skips_an_overflow_step_on_every_rank(world, optimizer):
 def test_a_bucket_is_waited_for_by_its_first_user_only(world):
     for r in world.check(s.first_user_waits):
         assert r["own_waited"] and r["others_pending"], r
+
+
+# torch's own ZeroRedundancyOptimizer still works over a fastddp model (issue 56, item 6):
+# the same weights and state as over torch DDP, bit for bit (the same averaged gradients).
+def test_torch_zero_redundancy_optimizer_over_fastddp(world):
+    for r in world.check(s.zero_redundancy_over_fastddp):
+        assert r["diff"] == 0.0 and r["states_equal"], r
