@@ -138,3 +138,68 @@ def load(opt: Any, state_dict: dict) -> None:
     for mine, theirs in zip(opt.param_groups, groups):
         mine.update({k: v for k, v in theirs.items() if k != "params"})
 
+
+
+# Note [sharded checkpoint]
+# torch.distributed.checkpoint (DCP) writes each key once: a plain tensor under the same key on
+# every rank is taken as replicated. So each rank's state goes under keys of its own,
+# "rank<r>.b<b>.g<g>.r<i>.<state key>" (bucket, param group, run), and the layout (the world
+# size and every bucket's length) under "layout", the same on every rank. The state dict's
+# tensors are the optimizer's own: DCP's load writes into them in place. A fresh optimizer has
+# no state yet; it is made first (torch's own initialization, by a step with a learning rate
+# of 0 whose parameters and gradients are put back), so that the state dict names every
+# tensor the checkpoint holds. Loading needs the same world size and layout; at another,
+# consolidate_state_dict() / load_state_dict() move the state instead.
+
+def _materialize(opt: Any) -> None:
+    """Makes the state of every run that has none, as its first step would, changing no
+    parameter, gradient or hyperparameter."""
+    for b, inner in enumerate(opt._inners):
+        runs = _runs(opt, b)
+        if not runs or all(run in inner.state for run in runs):
+            continue
+        bucket = opt._buckets[b]
+        kept = (bucket.flat.clone(), bucket.grad.clone())
+        lrs = [group["lr"] for group in inner.param_groups]
+        bucket.grad.zero_()  # a finite gradient: lr 0 times it is 0
+        try:
+            for group in inner.param_groups:
+                group["lr"] = 0.0 if not torch.is_tensor(group["lr"]) else group["lr"] * 0
+            inner.step()
+        finally:
+            for group, lr in zip(inner.param_groups, lrs):
+                group["lr"] = lr
+            bucket.flat.copy_(kept[0])
+            bucket.grad.copy_(kept[1])
+        for run in runs:  # a step count of 0, as before any step
+            for key, value in inner.state.get(run, {}).items():
+                if torch.is_tensor(value) and value.dim() == 0:
+                    value.zero_()
+
+
+def layout(opt: Any) -> torch.Tensor:
+    return torch.tensor([opt._group.size()] + [b.flat.numel() for b in opt._buckets])
+
+
+def sharded(opt: Any) -> dict:
+    """This rank's state for DCP (Note [sharded checkpoint])."""
+    _materialize(opt)
+    rank = opt._group.rank()
+    out: dict[str, Any] = {"layout": layout(opt)}
+    for b, inner in enumerate(opt._inners):
+        for g, group in enumerate(inner.param_groups):
+            for i, run in enumerate(group["params"]):
+                for key, value in inner.state.get(run, {}).items():
+                    out[f"rank{rank}.b{b}.g{g}.r{i}.{key}"] = value
+    return out
+
+
+def check_layout(opt: Any, saved: torch.Tensor) -> None:
+    mine = layout(opt)
+    if not torch.equal(saved.cpu(), mine):
+        raise ValueError(
+            "fastddp.optim.ShardedOptimizer: this sharded checkpoint was saved by "
+            f"{int(saved[0])} ranks with buckets of {saved[1:].tolist()} elements; this run "
+            f"has {int(mine[0])} ranks and buckets of {mine[1:].tolist()}. Resume at another "
+            "world size or layout through a consolidated state dict "
+            "(consolidate_state_dict() / load_state_dict())")

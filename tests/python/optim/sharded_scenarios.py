@@ -444,3 +444,44 @@ def zero_redundancy_over_fastddp(optimizer: str = "adamw", steps: int = 10) -> d
             torch.equal(a[i][k], b[i][k]) for i in b for k in b[i])
     return {"diff": _max_diff(fast.module.parameters(), zero.module.parameters()),
             "states_equal": states_equal}
+
+
+def dcp_resume(path: str, optimizer: str = "adamw", steps: int = 5) -> dict:
+    """torch.distributed.checkpoint, sharded: after five steps each rank saves its shards
+    (save_sharded); a new model with the same weights and a new ShardedOptimizer load them,
+    and five more steps of both runs agree bit for bit. A model laid out in other buckets
+    refuses the checkpoint with a ValueError naming both layouts."""
+    cls, kwargs = OPTIMIZERS[optimizer]
+    _, fast, _, _ = _make_models()
+    opt = ShardedOptimizer(fast, cls, [{"params": list(fast.parameters())[:2], "lr": 0.003},
+                                       {"params": list(fast.parameters())[2:]}], **kwargs)
+
+    def train(model, o, first):
+        for step in range(first, first + steps):
+            inputs, target = vector_batch(step)
+            o.zero_grad()
+            F.mse_loss(model(inputs), target).backward()
+            o.step()
+
+    train(fast, opt, 0)
+    opt.save_sharded(path)
+    weights = copy.deepcopy(fast.module.state_dict())
+    torch.manual_seed(0)
+    again = fastddp.DistributedDataParallel(mlp(), bucket_cap_mb=CAP_MB)
+    again.module.load_state_dict(weights)
+    again_opt = ShardedOptimizer(again, cls, [{"params": list(again.parameters())[:2],
+                                               "lr": 0.5}, {"params": list(again.parameters())[2:]}],
+                                 **kwargs)
+    again_opt.load_sharded(path)
+    lr_restored = again_opt.param_groups[0]["lr"] == 0.003
+    train(fast, opt, steps)
+    train(again, again_opt, steps)
+    out = {"diff": _max_diff(fast.module.parameters(), again.module.parameters()),
+           "lr_restored": lr_restored}
+    other = fastddp.DistributedDataParallel(mlp(), bucket_cap_mb=CAP_MB / 2)
+    try:
+        ShardedOptimizer(other, cls, **kwargs).load_sharded(path)
+        out["other_layout"] = None
+    except ValueError as e:
+        out["other_layout"] = str(e)
+    return out

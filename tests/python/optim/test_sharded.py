@@ -144,3 +144,11 @@ def test_a_bucket_is_waited_for_by_its_first_user_only(world):
 def test_torch_zero_redundancy_optimizer_over_fastddp(world):
     for r in world.check(s.zero_redundancy_over_fastddp):
         assert r["diff"] == 0.0 and r["states_equal"], r
+
+
+# torch.distributed.checkpoint, sharded (Note [sharded checkpoint]): each rank saves its own
+# shards; a resume at the same world size continues bit for bit, another layout is refused.
+def test_dcp_sharded_checkpoint_resumes_bit_for_bit(world, tmp_path):
+    for r in world.check(s.dcp_resume, path=str(tmp_path / "ckpt")):
+        assert r["diff"] == 0.0 and r["lr_restored"], r
+        assert r["other_layout"] and "saved by" in r["other_layout"], r
