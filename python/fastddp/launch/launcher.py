@@ -1,6 +1,7 @@
 """``python -m fastddp``: run an unmodified DDP training script with fastddp.
 
     torchrun --nproc_per_node=N -m fastddp [--hook NAME] [--bucket-cap-mb X] [--report]
+             [--shard-optimizer]
              [--emulate-link BANDWIDTH[,LATENCY]] [--advise [--advise-out DIR]]
              [--] train.py [script args ...]
     python -m fastddp --check      (the install's self-check, fastddp.selfcheck)
@@ -80,6 +81,7 @@ examples:
   python -m fastddp --report -- train.py --lr 0.1
   torchrun --nproc_per_node=4 -m fastddp --advise --advise-out runs/ train.py
   torchrun --nproc_per_node=8 -m fastddp --hook auto:bf16 train.py
+  torchrun --nproc_per_node=8 -m fastddp --shard-optimizer train.py
   torchrun --nproc_per_node=8 -m fastddp --sync diloco:H=100,wire=int8 train.py
   torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
       -m fastddp --hook hier:bf16 train.py   (on each node)"""
@@ -115,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--emulate-link", metavar="BANDWIDTH[,LATENCY]", type=_link_spec,
                         help="delay every model's collectives to the time they take on a link "
                              "of this bus bandwidth and latency, e.g. 3GB/s or 100Gb/s,5us")
+    parser.add_argument("--shard-optimizer", action="store_true",
+                        help="torch.optim.SGD/Adam/AdamW built over a wrapped model's parameters "
+                             "become fastddp.optim.ShardedOptimizer: the optimizer's state "
+                             "sharded over the ranks (ZeRO-1, docs/sharded.md)")
     parser.add_argument("--report", action="store_true",
                         help="print a table of model.comm_stats() on rank 0 at exit")
     parser.add_argument("--advise", action="store_true",
@@ -175,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                        report=options.report, _option="--hook",
                        emulate_link=options.emulate_link,
                        check_for_nan_in_grad=options.check_for_nan_in_grad,
-                       advise=options.advise)
+                       advise=options.advise, shard_optimizer=options.shard_optimizer)
     except (HookUnavailableError, ValueError, NotImplementedError) as e:
         print(f"python -m fastddp: error: {e}", file=sys.stderr)
         return 2
@@ -211,7 +217,8 @@ def _run_synced(parser: argparse.ArgumentParser, options: argparse.Namespace, sc
         ("--hook", options.hook), ("--bucket-cap-mb", options.bucket_cap_mb),
         ("--emulate-link", options.emulate_link), ("--advise", options.advise),
         ("--report", options.report),
-        ("--check-for-nan-in-grad", options.check_for_nan_in_grad)) if given]
+        ("--check-for-nan-in-grad", options.check_for_nan_in_grad),
+        ("--shard-optimizer", options.shard_optimizer)) if given]
     if per_step:
         parser.error(f"--sync excludes {', '.join(per_step)} (no per-step gradient collective)")
     try:

@@ -31,6 +31,7 @@ from fastddp.launch.hook_spec import (FP8_FORMATS, HOOK_NAMES, HookSpec,  # noqa
                                       HookUnavailableError, fastddp_hook, fastddp_hook_maker,
                                       parse_hook_spec, torch_hook)
 from fastddp.launch.report import format_comm_stats
+from fastddp.launch.shard_patch import OptimizerSharding
 from fastddp.link.model import Link
 from fastddp.tuning.advise import Advisor
 
@@ -57,7 +58,8 @@ class Patch:
 
     def __init__(self, hook: HookSpec | None, bucket_cap_mb: float | None, report: bool,
                  disabled: bool, option: str = "--hook", emulate_link: Link | str | None = None,
-                 check_for_nan_in_grad: bool = False, advise: bool = False):
+                 check_for_nan_in_grad: bool = False, advise: bool = False,
+                 shard_optimizer: bool = False):
         self.hook = hook
         self.advisor = Advisor() if advise else None
         self.emulation = None if emulate_link is None else LinkEmulation(emulate_link)
@@ -70,6 +72,7 @@ class Patch:
         self._hook_factory = _hook_factory(hook, disabled, option)
         self._last_model: Any = None
         self._notes: set[str] = set()
+        self.sharding = OptimizerSharding(disabled, self.note_once) if shard_optimizer else None
         # (module, attribute) pairs outside torch that held torch's class; see imported_bindings.
         self._rebound: list[tuple[ModuleType, str]] = []
         if advise and hook is not None and hook.name == "auto":
@@ -85,7 +88,7 @@ class Patch:
                 "check_for_nan_in_grad is fastddp's: stock torch DDP (FASTDDP_DISABLE=1) has "
                 "no such check")
         self.cls = None if (disabled and hook is None and bucket_cap_mb is None
-                            and emulate_link is None) else (
+                            and emulate_link is None and not shard_optimizer) else (
             _patched_class(self._original if disabled else FastDDP, self))
 
     @property
@@ -116,6 +119,10 @@ class Patch:
             settings.append("comm report at exit")
         if self.advisor is not None:
             settings.append("hook advice at exit (observes only)")
+        if self.sharding is not None:
+            settings.append("torch.optim.SGD/Adam/AdamW over a wrapped model sharded ("
+                            + ("torch's ZeroRedundancyOptimizer" if self.disabled else
+                               "fastddp.optim.ShardedOptimizer") + ")")
         rest = "; other arguments as the script passes them"
         if self._rebound:
             rest += ("; also replaced where already-imported modules bound it: "
@@ -207,6 +214,8 @@ class Patch:
                 if getattr(module, attr, None) is self.cls:
                     setattr(module, attr, self._original)
             self._rebound = []
+            if self.sharding is not None:
+                self.sharding.uninstall()
             _active = None
 
     def __enter__(self) -> "Patch":
@@ -219,7 +228,7 @@ class Patch:
 def patch(hook: str | HookSpec | None = None, bucket_cap_mb: float | None = None,
           report: bool = False, disable: bool | None = None, _option: str = "hook=",
           emulate_link: Link | str | None = None, check_for_nan_in_grad: bool = False,
-          advise: bool = False) -> Patch:
+          advise: bool = False, shard_optimizer: bool = False) -> Patch:
     """Replace torch's DistributedDataParallel (both import paths) with fastddp's.
 
     ``hook`` (``"bf16"``, ``"bf16-fp32acc"``, ``"powersgd:4"``, ...) is registered on every
@@ -231,7 +240,9 @@ def patch(hook: str | HookSpec | None = None, bucket_cap_mb: float | None = None
     gradient check on for every wrapped model. ``advise=True`` observes the wrapped models'
     comm_stats() on rank 0, changing nothing, for ``Patch.advice_text()``
     (fastddp/tuning/advise.py). ``report=True`` keeps the last model alive for
-    ``Patch.report_text()``. ``disable=None`` reads ``FASTDDP_DISABLE``. Returns a Patch
+    ``Patch.report_text()``. ``shard_optimizer=True``: torch's SGD, Adam and AdamW over a
+    wrapped model's parameters become fastddp.optim.ShardedOptimizer (shard_patch.py).
+    ``disable=None`` reads ``FASTDDP_DISABLE``. Returns a Patch
     (a context manager); models constructed before the patch are not affected.
     """
     global _active
@@ -243,12 +254,14 @@ def patch(hook: str | HookSpec | None = None, bucket_cap_mb: float | None = None
         raise ValueError(f"bucket_cap_mb={bucket_cap_mb}: must be positive")
     disabled = fastddp_disabled() if disable is None else disable
     result = Patch(spec, bucket_cap_mb, report, disabled, _option, emulate_link,
-                   check_for_nan_in_grad, advise)
+                   check_for_nan_in_grad, advise, shard_optimizer)
     if result.cls is not None:
         result._rebound = imported_bindings(result._original)
         _set_ddp_names(result.cls)
         for module, attr in result._rebound:
             setattr(module, attr, result.cls)
+        if result.sharding is not None:
+            result.sharding.install()
         _active = result
     return result
 
@@ -326,6 +339,8 @@ def _patched_class(base: type, owner: Patch) -> type:
                 state, hook = owner._hook_factory()
                 base.register_comm_hook(self, owner.emulated_state(state, hook), hook)
             owner.models_wrapped += 1
+            if owner.sharding is not None:
+                owner.sharding.add_model(self)
             # With a report the model must outlive the script's own references to it.
             owner._last_model = self if owner.report else weakref.ref(self)
 
