@@ -384,6 +384,13 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs: Any) -> _JoinHook:
+        if self._sharded is not None:
+            # A rank out of data would shadow the reduce-scatters but never step its shards,
+            # and the others' all-gather after their step would wait for it.
+            raise NotImplementedError(
+                "fastddp.DistributedDataParallel.join(): not with a "
+                "fastddp.optim.ShardedOptimizer: a rank out of data steps no shard, and the "
+                "other ranks' all-gather of the parameters would wait for it")
         return _JoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     def _set_static_graph(self) -> None:

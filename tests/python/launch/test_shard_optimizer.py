@@ -45,3 +45,14 @@ def test_shard_optimizer_flag_with_stock_torch_runs_zero_redundancy(tmp_path: Pa
     zero, _ = _run(tmp_path, "zero", ["--shard-optimizer"], disable=True)
     assert zero["optimizer"].endswith("ZeroRedundancyOptimizer"), zero
     assert _diff(zero, stock) == 0.0  # torch's own: whole gradients, the same updates
+
+
+def test_what_the_patch_shards_and_what_it_leaves(world) -> None:
+    from tests.python.launch import shard_optimizer_scenarios as s
+    for r in world.check(s.patched):
+        assert r["sharded"] == "ShardedOptimizer" and r["restored"], r
+        assert r["kept"] == "Adam" and r["part"] == "SGD", r  # not theirs to shard
+        assert r["whole_norm"] > 0 and "part of them" in (r["part_clip"] or ""), r
+        # why each stayed torch's, said once (printed on rank 0)
+        assert any("before its model was wrapped" in n for n in r["notes"]), r
+        assert any("part of a wrapped model" in n for n in r["notes"]), r

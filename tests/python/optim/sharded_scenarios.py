@@ -258,6 +258,12 @@ def refusals() -> dict:
     def checkpoint():  # state_dict() before consolidate_state_dict()
         ShardedOptimizer(model(), cls, **kwargs).state_dict()
 
+    def join():
+        m = model()
+        ShardedOptimizer(m, cls, **kwargs)
+        with m.join():
+            pass
+
     def wrong_groups():
         m = model()
         opt = ShardedOptimizer(m, cls, **kwargs)
@@ -269,7 +275,7 @@ def refusals() -> dict:
                      ("two_optimizers", two_optimizers), ("overlap", overlap),
                      ("step_without_backward", step_without_backward),
                      ("unscale_first", unscale_first), ("checkpoint", checkpoint),
-                     ("wrong_groups", wrong_groups)]:
+                     ("wrong_groups", wrong_groups), ("join", join)]:
         attempt(name, fn)
     dist.barrier()  # every rank refused alike: no collective is left half issued
     return out

@@ -91,6 +91,7 @@ def test_refusals_name_the_culprit(world):
             "unscale_first": ("NotImplementedError", "unscale_"),
             "checkpoint": ("RuntimeError", "consolidate_state_dict"),
             "wrong_groups": ("ValueError", "do not match"),
+            "join": ("NotImplementedError", "join()"),
         }
         assert set(r) == set(expected), r
         for name, (error, text) in expected.items():
