@@ -55,7 +55,9 @@ std::shared_ptr<PipelinedHook::Stage> ReduceScatterHook::start(
     // 18 ms for 12 MB on 2 ranks, torch 2.14.1); its list form runs gloo's own
     // reduce-scatter (12.5 ms). The chunks are views of the bucket: no copy here.
     std::vector<at::Tensor> out{shards_[index]};
-    std::vector<std::vector<at::Tensor>> in{bucket.flat.chunk(world_size_)};
+    std::vector<std::vector<at::Tensor>> in(1);
+    const int64_t size = shards_[index].numel();  // also 0: chunk() would give fewer
+    for (int r = 0; r < world_size_; ++r) in[0].push_back(bucket.flat.narrow(0, r * size, size));
     work = group_->reduce_scatter(out, in);
   } else {
     work = reduce_scatter_into(*group_, shards_[index], bucket.flat);
