@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
+from fastddp._group_ops import all_gather_single
 from fastddp.ddp import surface
 from fastddp.optim import sharded_state
 
@@ -164,8 +165,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for b, (bucket, inner) in enumerate(zip(self._buckets, self._inners)):
             self._sync_groups(inner)
             inner.step()
-            self._gathers[b] = dist.all_gather_into_tensor(
-                bucket.flat, bucket.shard, group=self._group, async_op=True)
+            self._gathers[b] = all_gather_single(self._group, bucket.flat, bucket.shard)
         if not self._overlap:
             self.wait()
         return loss
