@@ -28,6 +28,10 @@ def state_of(ddp: Any) -> dict:
         raise _not_yet("pickling a model with an overlapped optimizer (overlap_optimizer, "
                        "_register_fused_optim)", "the optimizer is not part of the model: a "
                        "copy would train without stepping; pickle it before overlapping")
+    if getattr(ddp, "_sharded", None) is not None:
+        raise _not_yet("pickling a model whose gradients a fastddp.optim.ShardedOptimizer "
+                       "holds", "the optimizer is not part of the model: a copy would "
+                       "reduce-scatter into shards nobody steps; pickle it before sharding")
     attrs = copy.copy(ddp.__dict__)
     for native in _NATIVE:
         attrs.pop(native, None)

@@ -264,6 +264,12 @@ def refusals() -> dict:
         with m.join():
             pass
 
+    def pickled():
+        m = model()
+        ShardedOptimizer(m, cls, **kwargs)
+        import pickle
+        pickle.dumps(m)
+
     def wrong_groups():
         m = model()
         opt = ShardedOptimizer(m, cls, **kwargs)
@@ -275,7 +281,7 @@ def refusals() -> dict:
                      ("two_optimizers", two_optimizers), ("overlap", overlap),
                      ("step_without_backward", step_without_backward),
                      ("unscale_first", unscale_first), ("checkpoint", checkpoint),
-                     ("wrong_groups", wrong_groups), ("join", join)]:
+                     ("wrong_groups", wrong_groups), ("join", join), ("pickled", pickled)]:
         attempt(name, fn)
     dist.barrier()  # every rank refused alike: no collective is left half issued
     return out
