@@ -41,7 +41,6 @@ _WHO = "fastddp.optim.ShardedOptimizer"
 class BucketShard:
     """One bucket as the sharded optimizer sees it (Note [sharded buckets, Python side])."""
     params: list[torch.Tensor]   # the bucket's parameters, in buffer order
-    names: list[str]
     offsets: list[int]           # each parameter's first element in the buffers
     numels: list[int]
     flat: torch.Tensor           # the parameters' flat buffer, the bucket's whole length
@@ -112,7 +111,6 @@ def shard_gradients(ddp: Any, release_buckets: bool = False) -> list[BucketShard
     group = ddp.process_group
     world, rank = group.size(), group.rank()
     ddp._reducer.shard_buckets(world, release_buckets)
-    names = ddp._reducer_param_names
     buckets = []
     with torch.no_grad():
         for indices, offsets, numels, length in ddp._reducer.bucket_layout():
@@ -128,7 +126,7 @@ def shard_gradients(ddp: Any, release_buckets: bool = False) -> list[BucketShard
                 p.data = view
             shard = length // world
             buckets.append(BucketShard(
-                params=params, names=[names[i] for i in indices], offsets=list(offsets),
+                params=params, offsets=list(offsets),
                 numels=list(numels), flat=flat, grad=torch.zeros(shard, dtype=like.dtype,
                                                                   device=like.device),
                 start=rank * shard))
