@@ -76,7 +76,12 @@ std::vector<Reducer::SlotLayout> Reducer::bucket_layout() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<SlotLayout> layout;
   for (const Bucket& bucket : buckets_) {
-    layout.emplace_back(bucket.params, bucket.offsets, bucket.numels, bucket.flat.numel());
+    std::vector<std::vector<int64_t>> strides;
+    strides.reserve(bucket.views.size());
+    // views are meta tensors while a released bucket waits: their strides are the same
+    for (const at::Tensor& view : bucket.views) strides.push_back(view.strides().vec());
+    layout.emplace_back(bucket.params, bucket.offsets, bucket.numels, std::move(strides),
+                        bucket.flat.numel());
   }
   return layout;
 }

@@ -228,10 +228,12 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // `release`: the buffers only while a backward reduces (ZeRO-2: Note [lazy
   // bucket storage]), the shards being where the averaged gradients stay.
   void shard_buckets(int64_t shards, bool release = false);
-  // Per bucket: its parameter indices, their offsets and sizes in elements,
-  // and the bucket's length (padding included).
+  // Per bucket: its parameter indices, their offsets and sizes in elements, each slot
+  // view's strides (the parameter's own where it is dense, else contiguous: make_buckets
+  // decides, and a caller that lays out a buffer like the bucket's uses these rather than
+  // deciding again), and the bucket's length (padding included).
   using SlotLayout = std::tuple<std::vector<size_t>, std::vector<int64_t>, std::vector<int64_t>,
-                                int64_t>;
+                                std::vector<std::vector<int64_t>>, int64_t>;
   std::vector<SlotLayout> bucket_layout() const;
 
   std::vector<std::vector<size_t>> bucket_plan() const;

@@ -13,8 +13,8 @@ reduce-scatter's output, ``_C.create_reduce_scatter_comm_hook``), and ``params``
 parameter buffer that every parameter of the bucket is now a view of (``p.data`` swapped
 for the view, as torch's own mixed precision swaps it; the Parameter objects, their hooks
 and the reducer's grad accumulators stay). Element e of a slot is the same element of the
-parameter in both buffers: views are laid out with the parameter's strides, as the
-bucket's views are.
+parameter in both buffers: views are laid out with the strides of the bucket's views,
+which ``bucket_layout`` hands back.
 
 What the model refuses once sharded, and why: another comm hook (the shard would not be
 reduce-scattered), find_unused_parameters and static_graph (a parameter unused on every
@@ -51,17 +51,6 @@ class BucketShard:
     def shard(self) -> torch.Tensor:
         """This rank's shard of the parameters: a view of ``flat``."""
         return self.flat.narrow(0, self.start, self.grad.numel())
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """ATen's is_non_overlapping_and_dense: the strides are a permutation of some order's
-    contiguous strides (make_buckets lays such a parameter's slot out with its strides)."""
-    expected = 1
-    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _refuse(ddp: Any) -> None:
@@ -113,15 +102,12 @@ def shard_gradients(ddp: Any, release_buckets: bool = False) -> list[BucketShard
     ddp._reducer.shard_buckets(world, release_buckets)
     buckets = []
     with torch.no_grad():
-        for indices, offsets, numels, length in ddp._reducer.bucket_layout():
+        for indices, offsets, numels, strides, length in ddp._reducer.bucket_layout():
             params = [ddp._reducer_params[i] for i in indices]
             like = params[0]
             flat = torch.zeros(length, dtype=like.dtype, device=like.device)
-            for p, offset, numel in zip(params, offsets, numels):
-                if _dense(p):  # the bucket view's layout (bucket.cpp)
-                    view = flat.as_strided(p.shape, p.stride(), offset)
-                else:
-                    view = flat.narrow(0, offset, numel).view(p.shape)
+            for p, offset, stride in zip(params, offsets, strides):
+                view = flat.as_strided(p.shape, stride, offset)  # the bucket view's layout
                 view.copy_(p)
                 p.data = view
             shard = length // world
