@@ -9,12 +9,17 @@
 // the reducer leaves .grad None (CommHook::writes_grads) and the optimizer
 // steps on the shards. Sparse buckets are refused (Reducer::shard_buckets).
 //
-// gloo's reduce-scatter hands out no future (its Work raises "getFuture not
-// implemented", torch 2.14); there the hook is pipelined (Note [pipelined
-// hooks]): bucket i's reduce-scatter is waited for when bucket i + 1 is run,
-// or at the last, and its future completed then. Where the Work has a future
-// (NCCL) that future is the bucket's, and nothing waits before the end of
-// backward.
+// On the CPU (gloo) the reduce-scatter is an alltoall of the bucket and a sum
+// of the world_size received rows in rank order, as the hierarchical hook's:
+// gloo's reduce_scatter, list form included, costs more than its alltoall of
+// the same bytes and the sum together (16.8 MB on 2 ranks: 35 ms against
+// 23 ms, benchmarks/results/sharded_step.md). That sum is local work after the
+// collective, so the hook is pipelined (Note [pipelined hooks]): bucket i's
+// alltoall is waited for and summed when bucket i + 1 is run, or at the last.
+// The alltoall receives into one of two scratch buffers of the largest bucket,
+// alternating (at most two buckets are in flight). On a device (NCCL) one
+// reduce_scatter_single, whose future is the bucket's: nothing waits before
+// the end of backward.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -51,12 +56,15 @@ class ReduceScatterHook final : public PipelinedHook {
                                c10::intrusive_ptr<c10::ivalue::Future>& done) override;
   void finish(Stage& stage) override;
 
+  // A receive buffer for bucket `index`'s alltoall, of its dtype and length (the CPU path).
+  at::Tensor scratch_for(const Bucket& bucket, size_t index);
+
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   AllreduceHook copy_;  // its copy-in and divisor
   std::vector<at::Tensor> shards_;
   int world_size_;
-  bool gloo_;  // the list form of reduce_scatter (see start())
-  std::optional<bool> work_has_future_;  // learnt from the first reduce-scatter
+  at::Tensor scratch_[2];  // the CPU path's receive buffers, by bucket index parity
+  std::optional<bool> work_has_future_;  // a device's reduce-scatter: learnt from the first
 };
 
 }  // namespace fastddp

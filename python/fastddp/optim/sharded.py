@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
-from fastddp._group_ops import all_gather_single
+from fastddp._group_ops import all_gather_in_place
 from fastddp.ddp import surface
 from fastddp.optim import sharded_state
 
@@ -165,7 +165,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for b, (bucket, inner) in enumerate(zip(self._buckets, self._inners)):
             self._sync_groups(inner)
             inner.step()
-            self._gathers[b] = all_gather_single(self._group, bucket.flat, bucket.shard)
+            self._gathers[b] = all_gather_in_place(self._group, bucket.flat)
         if not self._overlap:
             self.wait()
         return loss

@@ -406,7 +406,8 @@ def step_cost(zero_stage: int = 1) -> dict:
         F.mse_loss(model(inputs), target).backward()
         opt.step()
     return {"cost": model.comm_stats()["step_cost"],
-            "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+            "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "bucket_bytes": sum(b.flat.numel() * b.flat.element_size() for b in opt._buckets)}
 
 
 def grad_scaler(optimizer: str = "adamw", steps: int = 12, overflow_at: int = 5) -> dict:
