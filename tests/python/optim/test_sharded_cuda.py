@@ -34,3 +34,12 @@ def test_sharded_optimizer_on_cuda_equals_torch(nccl1, optimizer, overlap_all_ga
 def test_zero_stage_2_on_cuda_holds_no_bucket_between_backwards(nccl1):
     (r,) = nccl1.check(s.against_torch, optimizer="adamw_fused", zero_stage=2)
     assert r["diff"] <= 1e-6 and r["held_bucket_bytes"] == 0, r
+
+
+# The design rule on CUDA (tests/python/ddp/test_gpu_paths.py has it for the allreduce): the
+# reduce-scatters, queued behind a 20 ms delayed collective on NCCL's stream, end after
+# backward's last op; the compute stream never waited for one. 0 is the bound: any wait
+# puts the mark after the delayed collective's end, a negative gap.
+def test_backward_never_waits_for_a_reduce_scatter(nccl1):
+    (gaps,) = nccl1.check(s.backward_does_not_wait_for_the_reduce_scatter)
+    assert all(gap > 0 for gap in gaps), gaps
