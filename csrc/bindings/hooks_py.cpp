@@ -129,13 +129,19 @@ void bind_hooks(py::module& m) {
       "factor_counts_nodes: the model's reducer runs on inter_group (torchft).");
   m.def(
       "create_reduce_scatter_comm_hook",
-      [](c10::intrusive_ptr<c10d::ProcessGroup> group,
-         std::vector<at::Tensor> shards) -> std::shared_ptr<CommHook> {
-        return std::make_shared<ReduceScatterHook>(std::move(group), std::move(shards));
+      [](c10::intrusive_ptr<c10d::ProcessGroup> group, std::vector<at::Tensor> shards,
+         const std::string& wire, bool release_scratch) -> std::shared_ptr<CommHook> {
+        std::optional<HalfKind> kind;
+        if (wire != "fp32") kind = kind_from_name(wire);
+        return std::make_shared<ReduceScatterHook>(std::move(group), std::move(shards), kind,
+                                                   release_scratch);
       },
-      py::arg("process_group"), py::arg("shards"),
+      py::arg("process_group"), py::arg("shards"), py::arg("wire") = "fp32",
+      py::arg("release_scratch") = false,
       "The sharded optimizer's reduction (Note [sharded buckets]): torch DDP's copy-in, then a "
-      "reduce-scatter of bucket b into shards[b]; .grad is left None.");
+      "reduce-scatter of bucket b into shards[b]; .grad is left None. wire: 'fp32' (the "
+      "bucket's dtype), 'bf16' or 'fp16' (float32 buckets, summed in float32). release_scratch: the CPU path's receive buffers "
+      "freed after each backward (ZeRO-2).");
   m.def("half_compress", &half_compress, py::arg("src"), py::arg("scale"), py::arg("dtype"),
         py::arg("residual") = py::none(), py::arg("out") = py::none(),
         "half(src * scale [+ residual]) as a 1-D bf16/fp16 tensor; residual updated in place.");

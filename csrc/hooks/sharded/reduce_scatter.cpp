@@ -6,6 +6,8 @@
 #include "../../util/message.h"
 #include "../../util/step_cost.h"
 #include "../common/collectives.h"
+#include "../common/side_stream.h"
+#include "../half/half_ops.h"
 
 namespace fastddp {
 
@@ -15,15 +17,26 @@ constexpr const char* kWhat = "reduce-scatter of the bucket";
 
 struct ReduceScatterHook::ScatterStage : Stage {
   c10::intrusive_ptr<c10d::Work> work;
-  at::Tensor rows;  // world_size rows: every rank's copy of this rank's shard
+  Scratch scratch;  // views this bucket's collective and sum use (undefined on a device's fp32)
   at::Tensor shard;
+  bool last = false;  // the backward's last bucket
   void wait_first() override { wait_collective(*work, kWhat); }
 };
 
 ReduceScatterHook::ReduceScatterHook(c10::intrusive_ptr<c10d::ProcessGroup> group,
-                                     std::vector<at::Tensor> shards)
-    : group_(group), copy_(group), shards_(std::move(shards)) {
+                                     std::vector<at::Tensor> shards,
+                                     std::optional<HalfKind> wire, bool release_scratch)
+    : group_(group),
+      copy_(group),
+      shards_(std::move(shards)),
+      wire_(wire),
+      release_scratch_(release_scratch) {
   world_size_ = group_->getSize();
+}
+
+std::string ReduceScatterHook::name() const {
+  if (!wire_) return "reduce_scatter";
+  return *wire_ == HalfKind::kBFloat16 ? "reduce_scatter_bf16" : "reduce_scatter_fp16";
 }
 
 void ReduceScatterHook::on_new_buckets(const std::vector<Bucket>& buckets) {
@@ -39,6 +52,9 @@ void ReduceScatterHook::on_new_buckets(const std::vector<Bucket>& buckets) {
                   "fastddp: bucket ", b, " (", flat.numel(), " elements of ", flat.scalar_type(),
                   ") does not split into ", world_size_, " shards of the sharded optimizer's ",
                   shard.numel(), " elements of ", shard.scalar_type(), " on ", shard.device());
+    FASTDDP_CHECK_NOT_IMPLEMENTED(!wire_ || flat.scalar_type() == at::kFloat, "fastddp: the ",
+                                  name(), " wire carries float32 gradients; bucket ", b,
+                                  " holds ", flat.scalar_type());
   }
 }
 
@@ -47,31 +63,58 @@ void ReduceScatterHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& g
   copy_.copy_in(bucket, slot, grad);
 }
 
-at::Tensor ReduceScatterHook::scratch_for(const Bucket& bucket, size_t index) {
+ReduceScatterHook::Scratch ReduceScatterHook::scratch_for(const Bucket& bucket,
+                                                           size_t index) {
   const int64_t numel = bucket.flat.numel();
-  at::Tensor& scratch = scratch_[index % 2];
-  if (!scratch.defined() || scratch.scalar_type() != bucket.flat.scalar_type() ||
-      scratch.numel() < numel) {
-    // Once per run and buffer where the buckets share a dtype: the largest bucket's length.
+  const auto dtype = wire_ ? scalar_type_of(*wire_) : bucket.flat.scalar_type();
+  const auto options = bucket.flat.options().dtype(dtype).device(bucket.device);
+  if (!bucket.device.is_cpu()) {
+    // Fresh from the caching allocator: on a device bucket i's sum (side stream) may still
+    // read its buffers when bucket i + 2's cast and alltoall (compute and NCCL streams)
+    // would write a reused set; record_current_stream keeps these until their work is done.
+    return {at::empty({numel}, options), at::empty({numel}, options),
+            at::empty({numel / world_size_}, options)};
+  }
+  // On the CPU every op has ended when finish() returns, before the next start() but one.
+  Scratch& set = scratch_[index % 2];
+  if (!set.recv.defined() || set.recv.scalar_type() != dtype || set.recv.numel() < numel) {
+    // Once per run and set where the buckets share a dtype: the largest bucket's length.
     int64_t largest = numel;
     for (const at::Tensor& shard : shards_) {
       if (shard.scalar_type() == bucket.flat.scalar_type()) {
         largest = std::max(largest, shard.numel() * world_size_);
       }
     }
-    scratch = at::empty({largest}, bucket.flat.options().device(bucket.device));
+    set.recv = at::empty({largest}, options);
+    if (wire_) {
+      set.send = at::empty({largest}, options);
+      set.reduced = at::empty({largest / world_size_}, options);
+    }
   }
-  return scratch.narrow(0, 0, numel);
+  Scratch views{at::Tensor(), set.recv.narrow(0, 0, numel), at::Tensor()};
+  if (wire_) {
+    views.send = set.send.narrow(0, 0, numel);
+    views.reduced = set.reduced.narrow(0, 0, numel / world_size_);
+  }
+  return views;
 }
 
 std::shared_ptr<PipelinedHook::Stage> ReduceScatterHook::start(
-    Bucket& bucket, size_t index, bool, c10::intrusive_ptr<c10::ivalue::Future>& done) {
+    Bucket& bucket, size_t index, bool is_last, c10::intrusive_ptr<c10::ivalue::Future>& done) {
   note_launch(index, kWhat);
   auto stage = std::make_shared<ScatterStage>();
   stage->shard = shards_[index];
-  if (bucket.device.is_cpu()) {
-    stage->rows = scratch_for(bucket, index);
-    stage->work = all_to_all_even(*group_, stage->rows, bucket.flat);
+  stage->last = is_last;
+  if (wire_) {
+    // On the compute stream, after the copy-ins: one pass, float32 to the wire.
+    stage->scratch = scratch_for(bucket, index);
+    half_compress_into(*wire_, bucket.flat, 1.0, nullptr, nullptr, stage->scratch.send);
+    cost::add(cost::kHook,
+              static_cast<int64_t>(bucket.flat.nbytes() + stage->scratch.send.nbytes()));
+    stage->work = all_to_all_even(*group_, stage->scratch.recv, stage->scratch.send);
+  } else if (bucket.device.is_cpu()) {
+    stage->scratch = scratch_for(bucket, index);
+    stage->work = all_to_all_even(*group_, stage->scratch.recv, bucket.flat);
   } else {
     stage->work = reduce_scatter_into(*group_, stage->shard, bucket.flat);
     if (work_has_future_.value_or(true)) {
@@ -90,28 +133,44 @@ std::shared_ptr<PipelinedHook::Stage> ReduceScatterHook::start(
 
 void ReduceScatterHook::finish(Stage& stage) {
   auto& scatter = static_cast<ScatterStage&>(stage);
+  const Scratch& s = scatter.scratch;
+  at::Tensor& shard = scatter.shard;
+  // Off the compute stream (Note [hook streams]): the wait is a stream wait on a device.
+  const SideStreamScope side(shard.device());
   scatter.wait_first();
-  if (!scatter.rows.defined()) {  // a device's reduce-scatter, without a future
-    scatter.result->markCompleted(c10::IValue(scatter.shard));
-    return;
+  if (wire_) {
+    // Rows in rank order summed in float32, rounded once to the wire, widened: the shard.
+    half_sum_shards_into(*wire_, s.recv, world_size_, s.reduced);
+    half_decompress_many(*wire_, {s.reduced}, {shard});
+    cost::add(cost::kHook, static_cast<int64_t>(s.recv.nbytes() + 2 * s.reduced.nbytes() +
+                                                shard.nbytes()));
+  } else if (s.recv.defined()) {
+    // Row r: rank r's copy of this rank's shard, already divided (copy_in); summed in rank
+    // order, the same order on every rank.
+    const at::Tensor rows = s.recv.view({world_size_, shard.numel()});
+    if (world_size_ == 1) {
+      shard.copy_(rows[0]);
+    } else {
+      at::add_out(shard, rows[0], rows[1]);
+      for (int r = 2; r < world_size_; ++r) shard.add_(rows[r]);
+    }
+    // Note [counted cost]: the sum reads the rows and writes the shard (on a device the
+    // reduce-scatter sums inside the collective).
+    cost::add(cost::kHook, static_cast<int64_t>(s.recv.nbytes() + shard.nbytes()));
   }
-  // Row r: rank r's copy of this rank's shard, already divided (copy_in); summed in rank
-  // order, the same order on every rank.
-  const at::Tensor rows = scatter.rows.view({world_size_, scatter.shard.numel()});
-  if (world_size_ == 1) {
-    scatter.shard.copy_(rows[0]);
-  } else {
-    at::add_out(scatter.shard, rows[0], rows[1]);
-    for (int r = 2; r < world_size_; ++r) scatter.shard.add_(rows[r]);
+  record_current_stream({s.send, s.recv, s.reduced, shard});
+  if (release_scratch_ && scatter.last) {
+    // ZeRO-2: nothing gradient-sized held between backwards (the stage's views keep
+    // what this bucket still uses).
+    scratch_[0] = {};
+    scratch_[1] = {};
   }
-  // Note [counted cost]: the sum reads the rows and writes the shard (on a device the
-  // reduce-scatter sums inside the collective).
-  cost::add(cost::kHook, static_cast<int64_t>(rows.nbytes() + scatter.shard.nbytes()));
-  scatter.result->markCompleted(c10::IValue(scatter.shard));
+  scatter.result->markCompleted(c10::IValue(shard));
 }
 
 int64_t ReduceScatterHook::wire_bytes(const Bucket& bucket) const {
-  return bucket.bytes() / world_size_ * (world_size_ - 1);
+  const int64_t bytes = wire_ ? bucket.flat.numel() * 2 : bucket.bytes();
+  return bytes / world_size_ * (world_size_ - 1);
 }
 
 }  // namespace fastddp

@@ -16,10 +16,24 @@
 // 23 ms, benchmarks/results/sharded_step.md). That sum is local work after the
 // collective, so the hook is pipelined (Note [pipelined hooks]): bucket i's
 // alltoall is waited for and summed when bucket i + 1 is run, or at the last.
-// The alltoall receives into one of two scratch buffers of the largest bucket,
-// alternating (at most two buckets are in flight). On a device (NCCL) one
-// reduce_scatter_single, whose future is the bucket's: nothing waits before
-// the end of backward.
+// On a device (NCCL) one reduce_scatter_single, whose future is the bucket's:
+// nothing waits before the end of backward.
+//
+// A 16-bit wire (`wire`: bf16 or fp16, float32 buckets only) halves the bytes,
+// on every device: after torch's copy-in (divided in float32) the bucket is
+// cast to the wire once, alltoall'ed, and the rows summed in float32 in rank
+// order and rounded once (the shard-sum hooks' sum, Note [shard-sum hooks]),
+// then widened into the float32 shard. On 2 ranks that is the average torch's
+// bf16_compress_hook / fp16_compress_hook give (one rounding of each rank's
+// half, a sum of two rounded once), bit for bit; on more ranks a sum of n
+// rounded once rather than n - 1 times.
+//
+// The alltoall receives (and a 16-bit wire sends) in scratch buffers: on the
+// CPU two sets of the largest bucket's length, alternating (at most two
+// buckets are in flight, and a finish() has ended its work when it returns),
+// kept between backwards unless release_scratch (ZeRO-2) frees them; on
+// a device fresh ones per bucket from the caching allocator. A 16-bit wire's
+// sum runs on the side stream (Note [hook streams]).
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -29,6 +43,7 @@
 #include <optional>
 #include <vector>
 
+#include "../../core/half_rounding.h"
 #include "../common/allreduce.h"
 #include "../common/pipelined_hook.h"
 
@@ -37,9 +52,12 @@ namespace fastddp {
 class ReduceScatterHook final : public PipelinedHook {
  public:
   // shards[b]: bucket b's shard, 1/world of its length, of its dtype and device.
-  ReduceScatterHook(c10::intrusive_ptr<c10d::ProcessGroup> group, std::vector<at::Tensor> shards);
+  // wire: a 16-bit format for the float32 buckets, or none (the bucket's dtype).
+  // release_scratch (ZeRO-2): the CPU's scratch freed at the end of each backward.
+  ReduceScatterHook(c10::intrusive_ptr<c10d::ProcessGroup> group, std::vector<at::Tensor> shards,
+                    std::optional<HalfKind> wire = std::nullopt, bool release_scratch = false);
 
-  std::string name() const override { return "reduce_scatter"; }
+  std::string name() const override;
   // Raises unless every bucket is `shards`' bucket, in the same order and size.
   void on_new_buckets(const std::vector<Bucket>& buckets) override;
   // torch DDP's copy-in, the default hook's (the same numbers in the bucket).
@@ -47,7 +65,8 @@ class ReduceScatterHook final : public PipelinedHook {
   void set_divisors(StepDivisors divisors) override { copy_.set_divisors(divisors); }
   bool writes_grads() const override { return false; }
   bool supports_sparse() const override { return false; }
-  // What a ring reduce-scatter sends per rank: (n - 1) / n of the bucket, half an allreduce.
+  // What a ring reduce-scatter sends per rank: (n - 1) / n of the bucket (of the wire's
+  // width), half an allreduce.
   int64_t wire_bytes(const Bucket& bucket) const override;
 
  private:
@@ -56,14 +75,21 @@ class ReduceScatterHook final : public PipelinedHook {
                                c10::intrusive_ptr<c10::ivalue::Future>& done) override;
   void finish(Stage& stage) override;
 
-  // A receive buffer for bucket `index`'s alltoall, of its dtype and length (the CPU path).
-  at::Tensor scratch_for(const Bucket& bucket, size_t index);
+  // An alltoall's buffers: `recv` the bucket's length, and for a 16-bit wire `send`
+  // (the same) and `reduced` (a shard).
+  struct Scratch {
+    at::Tensor send, recv, reduced;
+  };
+  // Bucket `index`'s scratch, views of the set of its parity.
+  Scratch scratch_for(const Bucket& bucket, size_t index);
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   AllreduceHook copy_;  // its copy-in and divisor
   std::vector<at::Tensor> shards_;
   int world_size_;
-  at::Tensor scratch_[2];  // the CPU path's receive buffers, by bucket index parity
+  std::optional<HalfKind> wire_;
+  Scratch scratch_[2];  // the CPU's, by bucket index parity
+  bool release_scratch_;
   std::optional<bool> work_has_future_;  // a device's reduce-scatter: learnt from the first
 };
 

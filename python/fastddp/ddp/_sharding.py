@@ -86,15 +86,22 @@ def _refuse(ddp: Any) -> None:
         no("sparse gradients", "a sparse gradient has no contiguous shard")
 
 
-def shard_gradients(ddp: Any, release_buckets: bool = False) -> list[BucketShard]:
+def shard_gradients(ddp: Any, release_buckets: bool = False,
+                    wire: str = "fp32") -> list[BucketShard]:
     """Cuts ``ddp``'s buckets into one shard per rank, reduce-scatters their gradients from
     the next backward on (``.grad`` stays None; the shards hold the average), and makes each
     bucket's parameters views of one flat buffer. ``release_buckets`` (ZeRO-2): the
-    buckets' buffers exist only while a backward reduces. Raises NotImplementedError, before
+    buckets' buffers exist only while a backward reduces. ``wire``: the reduce-scatter's
+    ("fp32", or "bf16" / "fp16" for float32 gradients). Raises NotImplementedError, before
     anything changes, for what it cannot shard."""
     _refuse(ddp)
     if not ddp._reducer_params:
         raise ValueError(f"{_WHO}: the model has no parameter that requires grad")
+    if wire != "fp32":
+        other = sorted({str(p.dtype) for p in ddp._reducer_params} - {"torch.float32"})
+        if other:
+            raise NotImplementedError(f"{_WHO}: gradient_wire={wire!r} carries float32 "
+                                      f"gradients; the model has {', '.join(other)} ones")
     if ddp._reducer is None:  # world size 1: the reducer is what reduce-scatters
         ddp._build_reducer()
     group = ddp.process_group
@@ -116,7 +123,8 @@ def shard_gradients(ddp: Any, release_buckets: bool = False) -> list[BucketShard
                 numels=list(numels), flat=flat, grad=torch.zeros(shard, dtype=like.dtype,
                                                                   device=like.device),
                 start=rank * shard))
-    hook = _C.create_reduce_scatter_comm_hook(group, [b.grad for b in buckets])
+    hook = _C.create_reduce_scatter_comm_hook(group, [b.grad for b in buckets], wire,
+                                              release_buckets)
     ddp._reducer.set_comm_hook(hook)
     ddp._native_hook = hook
     ddp._sharded = buckets

@@ -33,7 +33,8 @@ Not yet, and refused rather than silently different: optimizers other than SGD, 
 AdamW (a whole-tensor optimizer needs shards cut on whole parameters),
 ``scaler.unscale_(optimizer)`` before ``scaler.step`` (GradScaler unscales ``.grad``, which
 the shards are not; ``scaler.step(optimizer)`` itself unscales the shards and skips the step
-on every rank when any rank finds an inf), and the hooks' 16- and 8-bit wires.
+on every rank when any rank finds an inf), and the 8-bit wires (``gradient_wire`` takes
+fp32, bf16 and fp16).
 ``state_dict()`` is torch's format, gathered onto one rank; ``sharded_state_dict()`` is each
 rank's share for torch.distributed.checkpoint (sharded_state.py).
 """
@@ -54,6 +55,8 @@ _WHO = "fastddp.optim.ShardedOptimizer"
 # Elementwise updates: an element's new value depends on that element and on per-tensor
 # scalars only, so a run of a flat buffer steps as the whole parameters would.
 _ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+# The reduce-scatter's wires (csrc/hooks/sharded/reduce_scatter.h).
+_WIRES = ("fp32", "bf16", "fp16")
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -68,12 +71,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``overlap_all_gather``: step() returns before the parameters are whole; each module's
     next forward waits for its own buckets (call ``wait()`` before reading them elsewhere).
     ``zero_stage=2``: the full gradient buffers exist only while a backward reduces; between
-    steps a rank holds its shard of the averaged gradient alone. The other keywords are
-    ``optimizer_class``'s (``foreach=True`` and ``fused=True`` included).
+    steps a rank holds its shard of the averaged gradient alone.
+    ``gradient_wire``: what the reduce-scatter sends: ``"fp32"`` (the gradients' dtype) or
+    ``"bf16"`` / ``"fp16"`` (float32 gradients at half the bytes, each rank's divided
+    gradient rounded once, the sum over ranks in float32 rounded once; the shard stays
+    float32). The other keywords are ``optimizer_class``'s (``foreach=True`` and
+    ``fused=True`` included).
     """
 
     def __init__(self, model: Any, optimizer_class: type, params: Iterable | None = None, *,
-                 overlap_all_gather: bool = False, zero_stage: int = 1, **defaults: Any):
+                 overlap_all_gather: bool = False, zero_stage: int = 1,
+                 gradient_wire: str = "fp32", **defaults: Any):
+        if gradient_wire not in _WIRES:
+            raise NotImplementedError(
+                f"{_WHO}: gradient_wire={gradient_wire!r}: one of {', '.join(_WIRES)} (the 8-bit "
+                "wires' block scales are not summed shard-wise yet)")
         if optimizer_class not in _ELEMENTWISE:  # a subclass may step otherwise
             raise NotImplementedError(
                 f"{_WHO}: {getattr(optimizer_class, '__name__', optimizer_class)!s} is not "
@@ -109,7 +121,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                       "state sharded) or 2 (and the gradient buffers freed "
                                       "between backwards); 3 shards the parameters: FSDP")
         self._model = model
-        self._buckets = surface.shard_gradients(model, release_buckets=zero_stage == 2)
+        self._buckets = surface.shard_gradients(model, release_buckets=zero_stage == 2,
+                                                wire=gradient_wire)
         self._group = model.process_group
         group_of = {id(p): g for g, group in enumerate(groups) for p in group["params"]}
         # torch's optimizer per bucket over its runs, a param group per user group (maybe

@@ -22,17 +22,22 @@ def _batch(step: int):
 
 
 def against_torch(optimizer: str = "adamw_fused", overlap_all_gather: bool = False,
-                  zero_stage: int = 1, steps: int = 10) -> dict:
+                  zero_stage: int = 1, steps: int = 10, wire: str = "fp32") -> dict:
     """Ten steps on cuda:0; the largest |difference| of the weights from torch's, whether
-    every parameter ended on the GPU and .grad None, and the reducer's held bucket bytes."""
+    every parameter ended on the GPU and .grad None, and the reducer's held bucket bytes.
+    wire="bf16": torch DDP runs torch's bf16_compress_hook (at world size 1 the average is
+    the gradient rounded to bfloat16 once, in both)."""
     cls, kwargs = OPTIMIZERS[optimizer]
     torch.manual_seed(0)
     base = mlp().cuda()
     fast = fastddp.DistributedDataParallel(copy.deepcopy(base), device_ids=[0],
                                            bucket_cap_mb=CAP_MB)
     ref = TorchDDP(copy.deepcopy(base), device_ids=[0], bucket_cap_mb=CAP_MB)
+    if wire == "bf16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        ref.register_comm_hook(None, default_hooks.bf16_compress_hook)
     fast_opt = ShardedOptimizer(fast, cls, overlap_all_gather=overlap_all_gather,
-                                zero_stage=zero_stage, **kwargs)
+                                zero_stage=zero_stage, gradient_wire=wire, **kwargs)
     ref_opt = cls(ref.parameters(), **kwargs)
     for step in range(steps):
         inputs, target = _batch(step)

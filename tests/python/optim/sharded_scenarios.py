@@ -40,7 +40,7 @@ CAP_MB = 0.002
 POSITION_DEPENDENT = {"sgd_fused", "adam_fused", "adamw_fused"}
 
 
-def _bound(world: int, clip: bool, optimizer: str) -> float:
+def _bound(world: int, clip: bool, optimizer: str, wire: str = "fp32") -> float:
     """The largest |difference| allowed between a parameter and torch's, after 20 steps.
 
     0 where the numbers are torch's to the bit: on 2 ranks (a sum of two numbers is the same
@@ -57,8 +57,39 @@ def _bound(world: int, clip: bool, optimizer: str) -> float:
     at most 10x the gradient's own rounding (the |gradients| here are below 1). 1e-6 is
     ten times the larger of the two, and 2^-20 of the weights' size (about 0.5): a
     different sum order passes, a wrong shard, step or scale (differences of 1e-3 and up)
-    does not."""
-    return 0.0 if world <= 2 and not clip and optimizer not in POSITION_DEPENDENT else 1e-6
+    does not. A 16-bit wire's reference (_wire_hook) sums in the wire's own order: exact on
+    any number of ranks."""
+    same_sum = world <= 2 or wire != "fp32"
+    return 0.0 if same_sum and not clip and optimizer not in POSITION_DEPENDENT else 1e-6
+
+
+def _wire_hook(wire: str):
+    """torch DDP's comm hook for the reference of ``gradient_wire=wire``. bf16 on 2 ranks:
+    torch's own bf16_compress_hook, whose average is the wire's bit for bit there (it rounds
+    the gradient, then halves it exactly; the wire halves, then rounds: the same number; a
+    sum of two is rounded once either way). Otherwise the wire's arithmetic in torch ops:
+    each rank's gradient times 1/world in float32 (torch's copy-in), rounded to the wire,
+    gathered, summed in float32 in rank order, rounded once (torch's hook sums n - 1 times
+    in 16 bits on more ranks, and fp16's rounding then halving differs from halving then
+    rounding for subnormal halves)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    world = dist.get_world_size()
+    if wire == "bf16" and world == 2:
+        return default_hooks.bf16_compress_hook
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[wire]
+
+    def written_out(state, bucket):
+        mine = bucket.buffer().mul(1.0 / world).to(dtype)
+        rows = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(rows, mine)
+        total = rows[0].float()
+        for row in rows[1:]:
+            total = total + row.float()
+        bucket.buffer().copy_(total.to(dtype))
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+    return written_out
 
 
 class Strided(nn.Module):
@@ -99,7 +130,7 @@ def _make_models(gradient_as_bucket_view: bool = False, model: str = "mlp", **fa
 def train(optimizer: str = "adamw", steps: int = 20, clip: bool = False, groups: bool = False,
           no_sync_every: int = 0, gradient_as_bucket_view: bool = False,
           schedule: bool = False, overlap_all_gather: bool = False,
-          zero_stage: int = 1, model: str = "mlp") -> dict:
+          zero_stage: int = 1, model: str = "mlp", wire: str = "fp32") -> dict:
     """fastddp + ShardedOptimizer against torch DDP + the optimizer and against torch DDP +
     ZeroRedundancyOptimizer. groups: two param groups with their own learning rates and
     weight decay. clip: clip_grad_norm_(0.5) each step (the shards' method; torch's function
@@ -107,7 +138,8 @@ def train(optimizer: str = "adamw", steps: int = 20, clip: bool = False, groups:
     schedule: a StepLR on all three. overlap_all_gather: each module's forward waits for
     its buckets' all-gathers (the parameters are read once more, at the end, after wait()).
     zero_stage=2: the bucket buffers released after each backward (held bytes recorded).
-    model="strided": Strided on image batches instead of mlp() on vectors."""
+    model="strided": Strided on image batches instead of mlp() on vectors. wire: the
+    sharded optimizer's gradient_wire; the references then run _wire_hook."""
     cls, kwargs = OPTIMIZERS[optimizer]
     base, fast, ref, zero = _make_models(gradient_as_bucket_view, model)
     batch = image_batch if model == "strided" else vector_batch
@@ -119,8 +151,11 @@ def train(optimizer: str = "adamw", steps: int = 20, clip: bool = False, groups:
                     {"params": params[2:]}]
         return params
 
+    if wire != "fp32":
+        for reference in (ref, zero):
+            reference.register_comm_hook(None, _wire_hook(wire))
     fast_opt = ShardedOptimizer(fast, cls, groups_of(fast), overlap_all_gather=overlap_all_gather,
-                                zero_stage=zero_stage, **kwargs)
+                                zero_stage=zero_stage, gradient_wire=wire, **kwargs)
     ref_opt = cls(groups_of(ref), **kwargs)
     zero_opt = ZeroRedundancyOptimizer(groups_of(zero), optimizer_class=cls, **kwargs)
     # torch's ZeroRedundancyOptimizer is no reference for Strided: it broadcasts each
@@ -161,7 +196,7 @@ def train(optimizer: str = "adamw", steps: int = 20, clip: bool = False, groups:
         for scheduler in schedulers:
             scheduler.step()
     fast_opt.wait()  # the last step's all-gathers, under overlap_all_gather
-    bound = _bound(dist.get_world_size(), clip, optimizer)
+    bound = _bound(dist.get_world_size(), clip, optimizer, wire)
     fast_p = [p.detach() for p in fast.module.parameters()]
     diff_ref = max((a - b).abs().max().item() for a, b in zip(fast_p, ref.module.parameters()))
     diff_zero = (max((a - b).abs().max().item() for a, b in zip(fast_p, zero.module.parameters()))
@@ -263,6 +298,17 @@ def refusals() -> dict:
     def lbfgs():
         ShardedOptimizer(model(), torch.optim.LBFGS, lr=0.1)
 
+    def int8_wire():
+        ShardedOptimizer(model(), cls, gradient_wire="int8", **kwargs)
+
+    def bf16_wire_of_float64():  # the wire casts float32 gradients only; refused, unchanged
+        torch.manual_seed(0)
+        m = fastddp.DistributedDataParallel(mlp().double(), bucket_cap_mb=CAP_MB)
+        try:
+            ShardedOptimizer(m, cls, gradient_wire="bf16", **kwargs)
+        finally:
+            assert getattr(m, "_sharded", None) is None and m._native_hook is None
+
     def unused():
         ShardedOptimizer(model(find_unused_parameters=True), cls, **kwargs)
 
@@ -315,7 +361,8 @@ def refusals() -> dict:
                      ("two_optimizers", two_optimizers), ("overlap", overlap),
                      ("step_without_backward", step_without_backward),
                      ("unscale_first", unscale_first), ("checkpoint", checkpoint),
-                     ("wrong_groups", wrong_groups), ("join", join), ("pickled", pickled)]:
+                     ("wrong_groups", wrong_groups), ("join", join), ("pickled", pickled),
+                     ("int8_wire", int8_wire), ("bf16_wire_of_float64", bf16_wire_of_float64)]:
         attempt(name, fn)
     dist.barrier()  # every rank refused alike: no collective is left half issued
     return out
@@ -395,11 +442,12 @@ def checkpoint(optimizer: str = "adamw", groups: bool = True) -> dict:
     return out
 
 
-def step_cost(zero_stage: int = 1) -> dict:
+def step_cost(zero_stage: int = 1, wire: str = "fp32") -> dict:
     """The last of four steps' counted cost (Note [counted cost], csrc/util/step_cost.h)."""
     torch.manual_seed(0)
     model = fastddp.DistributedDataParallel(mlp(), bucket_cap_mb=CAP_MB)
-    opt = ShardedOptimizer(model, torch.optim.AdamW, lr=0.01, zero_stage=zero_stage)
+    opt = ShardedOptimizer(model, torch.optim.AdamW, lr=0.01, zero_stage=zero_stage,
+                           gradient_wire=wire)
     for step in range(4):
         inputs, target = vector_batch(step)
         opt.zero_grad()

@@ -50,6 +50,17 @@ def test_parameters_with_strides_of_their_own(world, zero_stage):
            world.size)
 
 
+# The 16-bit wires: half the bytes, the same average as torch DDP with torch's
+# bf16_compress_hook (2 ranks) or the wire's arithmetic written out in torch ops, bit for bit
+# (_wire_hook says why). ZeRO-2 too: the CPU's receive buffers freed after each backward.
+@pytest.mark.parametrize("wire", ["bf16", "fp16"])
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_a_16_bit_wire_averages_as_torchs_compress_hook(world, wire, zero_stage):
+    results = world.check(s.train, optimizer="adamw", wire=wire, zero_stage=zero_stage)
+    _check(results, world.size)
+    assert all(r["exact"] for r in results), results
+
+
 # The all-gather of each bucket overlapping the next forward: each module waits for its own.
 @pytest.mark.parametrize("optimizer", ["sgd_momentum", "adamw_fused"])
 def test_all_gather_overlapped_with_the_next_forward(world, optimizer):
@@ -103,6 +114,8 @@ def test_refusals_name_the_culprit(world):
             "wrong_groups": ("ValueError", "do not match"),
             "join": ("NotImplementedError", "join()"),
             "pickled": ("NotImplementedError", "ShardedOptimizer"),
+            "int8_wire": ("NotImplementedError", "gradient_wire='int8'"),
+            "bf16_wire_of_float64": ("NotImplementedError", "torch.float64"),
         }
         assert set(r) == set(expected), r
         for name, (error, text) in expected.items():
@@ -135,6 +148,18 @@ def test_a_step_copies_the_gradients_in_once_and_nothing_back(world, zero_stage)
         g, b = out["grad_bytes"], out["bucket_bytes"]
         assert out["cost"] == {"copy_in_bytes": 2 * g, "write_back_bytes": 0,
                                "hook_bytes": b + b // world.size,
+                               "check_bytes": 0, "state_copy_bytes": 0, "host_syncs": 0,
+                               "kept_grad_copy_bytes": 0}, out
+
+
+# A 16-bit wire of float32 buckets (B bytes): the cast to the wire (read B, write B/2), and
+# after the alltoall the sum of the rows (read B/2, write the 16-bit shard B/2d), widened into
+# the float32 shard (read B/2d, write B/d): 2B + 2B/d, nothing else.
+def test_a_16_bit_wire_costs_one_cast_and_one_sum(world):
+    for out in world.check(s.step_cost, wire="bf16"):
+        g, b = out["grad_bytes"], out["bucket_bytes"]
+        assert out["cost"] == {"copy_in_bytes": 2 * g, "write_back_bytes": 0,
+                               "hook_bytes": 2 * b + 2 * b // world.size,
                                "check_bytes": 0, "state_copy_bytes": 0, "host_syncs": 0,
                                "kept_grad_copy_bytes": 0}, out
 

@@ -31,6 +31,16 @@ def test_sharded_optimizer_on_cuda_equals_torch(nccl1, optimizer, overlap_all_ga
     assert r["step_cost"]["host_syncs"] == 0 and r["step_cost"]["write_back_bytes"] == 0, r
 
 
+# The bf16 wire on NCCL: cast on the compute stream, alltoall, the sum on the side stream
+# (csrc/hooks/sharded/reduce_scatter.h); the same bound as above, for the same reason.
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_bf16_wire_on_cuda_equals_torchs_bf16_compress_hook(nccl1, zero_stage):
+    (r,) = nccl1.check(s.against_torch, optimizer="adamw_fused", zero_stage=zero_stage,
+                       wire="bf16")
+    assert r["diff"] <= 1e-6 and r["grads_none"], r
+    assert r["step_cost"]["host_syncs"] == 0, r
+
+
 def test_zero_stage_2_on_cuda_holds_no_bucket_between_backwards(nccl1):
     (r,) = nccl1.check(s.against_torch, optimizer="adamw_fused", zero_stage=2)
     assert r["diff"] <= 1e-6 and r["held_bucket_bytes"] == 0, r
