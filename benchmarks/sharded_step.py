@@ -4,7 +4,7 @@ and the bytes each rank holds.
     python benchmarks/sharded_step.py [--nproc 2] [--rounds 10] [--block 2] [--warmup 2]
                                       [--width 2048] [--depth 5] [--batch 32]
                                       [--optims adamw,adamw_foreach,adamw_fused]
-                                      [--memory 2,3,4] [--out FILE]
+                                      [--memory 2,3,4] [--wire] [--out FILE]
 
 Spawns gloo ranks on 127.0.0.1 (one intra-op thread each, step_time.py's allocator
 thresholds). The model is an MLP of ``--depth`` square ``--width`` layers (5 x 2048: 21M
@@ -15,7 +15,10 @@ order, common/step_timing.timed_blocks): ``torch`` (torch DDP + the optimizer), 
 ``zero`` (torch DDP + torch's ZeroRedundancyOptimizer). Reported: median ms per step (block
 means, rank 0's clock), the ratios of the medians to torch's with the per-round spread, and
 for ``sharded`` the median split of its step into forward + backward (with the
-reduce-scatter), the shards' optimizer step and the all-gather.
+reduce-scatter), the shards' optimizer step and the all-gather. ``--wire``: two more,
+``torch_bf16`` (torch DDP with torch's bf16_compress_hook + the optimizer) and
+``sharded_bf16`` (the sharded optimizer with ``gradient_wire="bf16"``), and the ratio of
+the second to the first.
 
 ``--memory``: per world size, after two steps, what rank 0 holds: optimizer state bytes
 (every tensor of the optimizer's state) and gradient bytes (the reducer's bucket buffers,
@@ -33,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import fastddp
@@ -56,12 +60,16 @@ def _mlp(width: int, depth: int) -> nn.Module:
 
 def _variant(name: str, body: nn.Module, optim: str, x: torch.Tensor, phases: dict | None):
     cls, kwargs = OPTIMIZERS[optim]
-    wrapper = (step_timing.TorchDDP if name in ("torch", "zero")
+    wrapper = (step_timing.TorchDDP if name in ("torch", "zero", "torch_bf16")
                else fastddp.DistributedDataParallel)
     model = wrapper(body)
-    if name in ("sharded", "overlap", "zero2"):
+    if name == "torch_bf16":
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    if name in ("sharded", "overlap", "zero2", "sharded_bf16"):
         opt = fastddp.optim.ShardedOptimizer(model, cls, overlap_all_gather=name == "overlap",
-                                             zero_stage=2 if name == "zero2" else 1, **kwargs)
+                                             zero_stage=2 if name == "zero2" else 1,
+                                             gradient_wire="bf16" if name == "sharded_bf16"
+                                             else "fp32", **kwargs)
     elif name == "zero":
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, **kwargs)
     else:
@@ -142,13 +150,16 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue, m
             continue
         phases = {"backward": [], "step": []}
         variants = {}
-        for name in VARIANTS:
+        names = VARIANTS + (("torch_bf16", "sharded_bf16") if args.wire else ())
+        for name in names:
             torch.manual_seed(0)
             variants[name] = _variant(name, _mlp(args.width, args.depth), optim, x, phases)[2]
         dist.barrier()
         ms = step_timing.timed_blocks(variants, args.rounds, args.block, args.warmup)
         out.append({"optim": optim, **{v: step_timing.summary(ms, v, "torch")
                                         for v in VARIANTS if v != "torch"},
+                    **({"sharded_bf16": step_timing.summary(ms, "sharded_bf16", "torch_bf16")}
+                       if args.wire else {}),
                     "phases": {k: statistics.median(v) for k, v in phases.items()}})
     if rank == 0:
         queue.put(out)
@@ -174,6 +185,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--optims", default="adamw,adamw_foreach,adamw_fused")
     parser.add_argument("--memory", default="", help="world sizes for the memory table")
+    parser.add_argument("--wire", action="store_true",
+                        help="also gradient_wire='bf16' against torch DDP + bf16_compress_hook")
     parser.add_argument("--out")
     args = parser.parse_args()
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 * 1024 * 1024))
@@ -185,13 +198,16 @@ def main() -> None:
              "steps", "",
              "| optimizer | torch DDP + opt, ms | fastddp + opt / torch | **sharded / torch** "
              "(per-round median [IQR]) | overlapped all-gather / torch | ZeroRedundancyOptimizer "
-             "/ torch | sharded: fwd+bwd ms, step + all-gather ms |", "|---|---|---|---|---|---|---|"]
+             "/ torch | sharded: fwd+bwd ms, step + all-gather ms |"
+             + (" sharded bf16 wire / torch DDP + bf16_compress_hook |" if args.wire else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if args.wire else "")]
     for r in _spawn(args, args.nproc, False):
         f, s, o, z = r["fastddp"], r["sharded"], r["overlap"], r["zero"]
         lines.append(f"| {r['optim']} | {s['b_ms']:.1f} | {f['ratio']:.3f} | **{s['ratio']:.3f}** "
                      f"({s['paired']:.3f} [{s['q1']:.3f}, {s['q3']:.3f}]) | {o['ratio']:.3f} | "
                      f"{z['ratio']:.3f} | "
-                     f"{r['phases']['backward']:.1f}, {r['phases']['step']:.1f} |")
+                     f"{r['phases']['backward']:.1f}, {r['phases']['step']:.1f} |"
+                     + (f" {r['sharded_bf16']['ratio']:.3f} |" if args.wire else ""))
     if args.memory:
         lines += ["", "| optimizer | ranks | state MiB per rank: torch / ZeRO / sharded | "
                   "sharded state / (torch / ranks) | gradient MiB per rank between steps: "
