@@ -112,8 +112,8 @@ def all_gather_in_place(group: dist.ProcessGroup, flat: torch.Tensor) -> dist.Wo
     in place, launched. On the CPU (gloo), one broadcast per rank, each rooted at the shard's
     owner: a broadcast sends and receives in the tensor's own memory, where gloo's all-gather
     copies its input into a buffer of its own and its output out of one, and gloo runs two
-    of the broadcasts at once on its two worker threads (16.8 MB on 2 ranks: 12.6 ms against
-    31.7 ms for the all-gather, median of 8, benchmarks/results/sharded_step.md). On a device
+    of the broadcasts at once on its two worker threads (16.8 MB on 2 ranks: 11.6 ms against
+    23.1 ms for the all-gather, median of 20, benchmarks/results/sharded_step.md). On a device
     (NCCL) one all-gather, in place (the shard is where the all-gather writes it)."""
     world = group.size()
     shard = flat.numel() // world
