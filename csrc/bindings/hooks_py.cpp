@@ -140,8 +140,8 @@ void bind_hooks(py::module& m) {
       py::arg("release_scratch") = false,
       "The sharded optimizer's reduction (Note [sharded buckets]): torch DDP's copy-in, then a "
       "reduce-scatter of bucket b into shards[b]; .grad is left None. wire: 'fp32' (the "
-      "bucket's dtype), 'bf16' or 'fp16' (float32 buckets, summed in float32). release_scratch: the CPU path's receive buffers "
-      "freed after each backward (ZeRO-2).");
+      "bucket's dtype), 'bf16' or 'fp16' (float32 buckets, summed in float32). "
+      "release_scratch: the CPU path's receive buffers freed after each backward (ZeRO-2).");
   m.def("half_compress", &half_compress, py::arg("src"), py::arg("scale"), py::arg("dtype"),
         py::arg("residual") = py::none(), py::arg("out") = py::none(),
         "half(src * scale [+ residual]) as a 1-D bf16/fp16 tensor; residual updated in place.");

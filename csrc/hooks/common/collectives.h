@@ -9,6 +9,7 @@
 // branch not taken is never instantiated, so neither warns nor fails.
 #pragma once
 
+#include <ATen/ops/add.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <type_traits>
@@ -55,6 +56,20 @@ c10::intrusive_ptr<c10d::Work> reduce_scatter_into(G& group, at::Tensor& out, at
   } else {
     return group._reduce_scatter_base(out, in);
   }
+}
+
+// The local half of a reduce-scatter built on all_to_all_even (the CPU's, where gloo's own
+// reduce_scatter costs more than its alltoall and this sum together): `received` holds
+// `count` rows of out's length, row r rank r's copy of this rank's shard; out = their sum
+// in rank order, the same order on every rank.
+inline void sum_rows_in_rank_order(at::Tensor& out, const at::Tensor& received, int64_t count) {
+  const at::Tensor rows = received.view({count, out.numel()});
+  if (count == 1) {
+    out.copy_(rows[0]);
+    return;
+  }
+  at::add_out(out, rows[0], rows[1]);
+  for (int64_t r = 2; r < count; ++r) out.add_(rows[r]);
 }
 
 }  // namespace fastddp

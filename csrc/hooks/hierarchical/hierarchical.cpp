@@ -196,14 +196,8 @@ void HierarchicalHook::start_inner(Stage& stage, bool is_last) {
     wait_collective(*stage.reduce_scatter, "reduce_scatter of the bucket inside the node");
     stage.reduce_scatter.reset();
     if (s.shards.defined()) {
-      // Row r: this rank's shard of local rank r's bucket. Summed in rank order.
-      const at::Tensor rows = s.shards.view({local_size_, s.shard.numel()});
-      if (local_size_ == 1) {
-        s.shard.copy_(rows[0]);
-      } else {
-        at::add_out(s.shard, rows[0], rows[1]);
-        for (int r = 2; r < local_size_; ++r) s.shard.add_(rows[r]);
-      }
+      // Row r: this rank's shard of local rank r's bucket.
+      sum_rows_in_rank_order(s.shard, s.shards, local_size_);
     }
     record_current_stream({s.shard, stage.padded});
     s.shard_bucket.params[0] = stage.index;

@@ -145,15 +145,8 @@ void ReduceScatterHook::finish(Stage& stage) {
     cost::add(cost::kHook, static_cast<int64_t>(s.recv.nbytes() + 2 * s.reduced.nbytes() +
                                                 shard.nbytes()));
   } else if (s.recv.defined()) {
-    // Row r: rank r's copy of this rank's shard, already divided (copy_in); summed in rank
-    // order, the same order on every rank.
-    const at::Tensor rows = s.recv.view({world_size_, shard.numel()});
-    if (world_size_ == 1) {
-      shard.copy_(rows[0]);
-    } else {
-      at::add_out(shard, rows[0], rows[1]);
-      for (int r = 2; r < world_size_; ++r) shard.add_(rows[r]);
-    }
+    // Each rank's row is already divided (copy_in).
+    sum_rows_in_rank_order(shard, s.recv, world_size_);
     // Note [counted cost]: the sum reads the rows and writes the shard (on a device the
     // reduce-scatter sums inside the collective).
     cost::add(cost::kHook, static_cast<int64_t>(s.recv.nbytes() + shard.nbytes()));
