@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "../core/numpy_random.h"
 #include "../kernels/quant4.h"
@@ -18,6 +19,7 @@
 #include "../hooks/sharded/reduce_scatter.h"
 #include "../diloco/quant4_ops.h"
 #include "../hooks/quant8/quant8_ops.h"
+#include "../hooks/common/collectives.h"
 #include "../hooks/common/registry.h"
 #include "../hooks/common/side_stream.h"
 #include "../hooks/common/spare_state.h"
@@ -104,6 +106,13 @@ at::Tensor dequantize8(const at::Tensor& codes, const at::Tensor& scales,
   return out;
 }
 
+struct PendingAllGather {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  void wait() {
+    for (auto& work : works) work->wait();
+  }
+};
+
 }  // namespace
 
 void bind_hooks(py::module& m) {
@@ -142,6 +151,34 @@ void bind_hooks(py::module& m) {
       "reduce-scatter of bucket b into shards[b]; .grad is left None. wire: 'fp32' (the "
       "bucket's dtype), 'bf16' or 'fp16' (float32 buckets, summed in float32). "
       "release_scratch: the CPU path's receive buffers freed after each backward (ZeRO-2).");
+  // The launched all-gather, waited for from Python as a Work is (wait() with the
+  // backend's own timeout, the GIL released); its Works are only ever dropped here or on
+  // the thread that holds the GIL.
+  py::class_<PendingAllGather>(m, "PendingAllGather")
+      .def("wait", &PendingAllGather::wait, py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "all_gather_in_place",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& group, at::Tensor flat) {
+        return PendingAllGather{all_gather_in_place(*group, flat)};
+      },
+      py::arg("process_group"), py::arg("flat"), py::call_guard<py::gil_scoped_release>(),
+      "Rank r's r-th of world equal parts of `flat` to every rank, in place, launched "
+      "(collectives.h): the sharded optimizer's all-gather of its updated shards.");
+  m.def(
+      "all_reduce_in_place",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& group, const at::Tensor& tensor,
+         const c10d::ReduceOp& op) {
+        FASTDDP_CHECK(tensor.is_contiguous(), "fastddp: all_reduce_in_place takes a "
+                      "contiguous tensor");
+        std::vector<at::Tensor> one{storage_alias(tensor, 0, tensor.numel())};
+        c10d::AllreduceOptions opts;
+        opts.reduceOp = op;
+        group->allreduce(one, opts)->wait();
+      },
+      py::arg("process_group"), py::arg("tensor"), py::arg("op"),
+      py::call_guard<py::gil_scoped_release>(),
+      "dist.all_reduce of a contiguous tensor, in place, waited for; the Work holds an alias "
+      "made in C++ (Note [no Python tensor in a Work], collectives.h).");
   m.def("half_compress", &half_compress, py::arg("src"), py::arg("scale"), py::arg("dtype"),
         py::arg("residual") = py::none(), py::arg("out") = py::none(),
         "half(src * scale [+ residual]) as a 1-D bf16/fp16 tensor; residual updated in place.");

@@ -23,6 +23,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions, AllToAllOptions,
                                         BroadcastOptions)
 
+from fastddp import _C
+
 # c10d's kNoTimeout (Work::wait's default in C++): wait as long as the backend's timeout.
 NO_TIMEOUT = timedelta(0)
 # torch DDP broadcasts module state in chunks of this size.
@@ -38,7 +40,14 @@ def all_reduce(group: dist.ProcessGroup, tensor: torch.Tensor,
                op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                async_op: bool = False) -> dist.Work | None:
     """``dist.all_reduce`` of one tensor, on ``group`` directly (options always passed: a
-    Python group may take them as a required argument, as torch's tests' groups do)."""
+    Python group may take them as a required argument, as torch's tests' groups do).
+    Waited for here, a contiguous tensor goes to the backend as an alias made in C++, so
+    that no backend thread can hold this Python tensor past the call (Note [no Python
+    tensor in a Work], csrc/hooks/common/collectives.h: a process exiting right after
+    would abort)."""
+    if not async_op and tensor.is_contiguous():
+        _C.all_reduce_in_place(group, tensor, op)
+        return None
     opts = AllreduceOptions()
     opts.reduceOp = op
     work = group.allreduce([tensor], opts)
@@ -92,40 +101,6 @@ def all_gather_single(group: dist.ProcessGroup, output: torch.Tensor,
     # torch 2.14 added the method under this name; the old one is c10d's _allgather_base.
     launch = getattr(group, "all_gather_single", None) or group._allgather_base
     return launch(output, tensor, AllgatherOptions())
-
-
-class Works:
-    """Collectives launched together, waited for as one Work."""
-    __slots__ = ("works",)
-
-    def __init__(self, works: list[dist.Work]):
-        self.works = works
-
-    def wait(self, timeout: timedelta = NO_TIMEOUT) -> bool:
-        for work in self.works:
-            work.wait(timeout)
-        return True
-
-
-def all_gather_in_place(group: dist.ProcessGroup, flat: torch.Tensor) -> dist.Work | Works:
-    """Rank r's shard of ``flat`` (its r-th of ``group.size()`` equal parts) to every rank,
-    in place, launched. On the CPU (gloo), one broadcast per rank, each rooted at the shard's
-    owner: a broadcast sends and receives in the tensor's own memory, where gloo's all-gather
-    copies its input into a buffer of its own and its output out of one, and gloo runs two
-    of the broadcasts at once on its two worker threads (16.8 MB on 2 ranks: 11.6 ms against
-    23.1 ms for the all-gather, median of 20, benchmarks/results/sharded_step.md). On a device
-    (NCCL) one all-gather, in place (the shard is where the all-gather writes it)."""
-    world = group.size()
-    shard = flat.numel() // world
-    if flat.device.type != "cpu":
-        return all_gather_single(group, flat, flat.narrow(0, group.rank() * shard, shard))
-    works = []
-    for root in range(world):
-        opts = BroadcastOptions()
-        opts.rootRank = root
-        opts.rootTensor = 0
-        works.append(group.broadcast([flat.narrow(0, root * shard, shard)], opts))
-    return Works(works)
 
 
 def broadcast_tensors(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor], src: int) -> None:

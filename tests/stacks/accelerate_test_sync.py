@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import runpy
+import sys
 from pathlib import Path
 
 import accelerate.accelerator
@@ -46,6 +47,18 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(
         {"rank": rank, "prepared": RecordingAccelerator.prepared, "script": test_sync.__file__}))
+    # The rank is done: its script asserted on its own and the result is written. test_sync
+    # destroys the process group itself, with its models (fastddp's or torch's wrappers, in
+    # reference cycles) still holding it, so gloo's threads live into the interpreter's
+    # finalization; one still releasing a finished collective's Python-owned tensor then
+    # needs the GIL, Python 3.11 ends it with pthread_exit, and the unwind through gloo's
+    # worker loop aborts the process ("terminate called without an active exception"; CI at
+    # afd46e0, after the script passed). The teardown the other stack scripts run
+    # (stack_result.shutdown: gc, barrier, then destroy) cannot run after test_sync's own
+    # destroy, so the rank leaves without the interpreter's finalization.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -28,10 +28,18 @@ ReduceScatterHook::ReduceScatterHook(c10::intrusive_ptr<c10d::ProcessGroup> grou
                                      std::optional<HalfKind> wire, bool release_scratch)
     : group_(group),
       copy_(group),
-      shards_(std::move(shards)),
       wire_(wire),
       release_scratch_(release_scratch) {
   world_size_ = group_->getSize();
+  // The optimizer's shards, held as aliases of their memory: a device's reduce-scatter
+  // writes into them, and its Work must not hold a tensor Python has seen (Note [no
+  // Python tensor in a Work], collectives.h).
+  shards_.reserve(shards.size());
+  for (const at::Tensor& shard : shards) {
+    FASTDDP_CHECK(shard.is_contiguous(), "fastddp: the sharded optimizer's gradient shards "
+                  "must be contiguous");
+    shards_.push_back(storage_alias(shard, 0, shard.numel()));
+  }
 }
 
 std::string ReduceScatterHook::name() const {

@@ -52,6 +52,12 @@ class BucketShard:
         """This rank's shard of the parameters: a view of ``flat``."""
         return self.flat.narrow(0, self.start, self.grad.numel())
 
+    def all_gather(self, group: Any) -> Any:
+        """Every rank's updated shard of ``flat`` into ``flat``, in place, launched: a Work
+        to ``wait()`` on. C++ makes the shard views (collectives.h says why they never reach
+        Python: a gloo worker may release them, and must not need the GIL to)."""
+        return _C.all_gather_in_place(group, self.flat)
+
 
 def _refuse(ddp: Any) -> None:
     def no(what: str, why: str) -> None:

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
-from fastddp._group_ops import all_gather_in_place
+from fastddp import _group_ops
 from fastddp.ddp import surface
 from fastddp.optim import sharded_state
 
@@ -178,7 +178,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for b, (bucket, inner) in enumerate(zip(self._buckets, self._inners)):
             self._sync_groups(inner)
             inner.step()
-            self._gathers[b] = all_gather_in_place(self._group, bucket.flat)
+            self._gathers[b] = bucket.all_gather(self._group)
         if not self._overlap:
             self.wait()
         return loss
@@ -200,7 +200,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         found_inf = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
         inv_scale = scaler._scale.double().reciprocal().float().to(grads[0].device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self._group)
+        _group_ops.all_reduce(self._group, found_inf, dist.ReduceOp.MAX)
         state["found_inf_per_device"] = {found_inf.device: found_inf}
         state["stage"] = OptState.UNSCALED
         return bool(found_inf.item())
@@ -230,12 +230,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if norm_type == float("inf"):
             local = (torch.stack(torch._foreach_norm(grads, norm_type)).max() if grads
                      else first.new_zeros(()))
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._group)
+            _group_ops.all_reduce(self._group, local, dist.ReduceOp.MAX)
             total = local
         else:
             local = (torch.stack(torch._foreach_norm(grads, norm_type)).pow(norm_type).sum()
                      if grads else first.new_zeros(()))
-            dist.all_reduce(local, group=self._group)
+            _group_ops.all_reduce(self._group, local)
             total = local.pow(1.0 / norm_type)
         if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
             raise RuntimeError(

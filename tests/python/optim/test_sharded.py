@@ -192,3 +192,4 @@ def test_dcp_sharded_checkpoint_resumes_bit_for_bit(world, tmp_path):
     for r in world.check(s.dcp_resume, path=str(tmp_path / "ckpt")):
         assert r["diff"] == 0.0 and r["lr_restored"], r
         assert r["other_layout"] and "saved by" in r["other_layout"], r
+
