@@ -33,6 +33,11 @@ def main() -> None:
     parser.add_argument("--comm-wrapper", help="DistributedDataParallelKwargs.comm_wrapper")
     parser.add_argument("--comm-state", help="comm_state_option, as JSON")
     parser.add_argument("--fastddp-hook", help="FastDDPKwargs(hook=...), a --hook spelling")
+    parser.add_argument("--shard-optimizer", action="store_true",
+                        help="with --fastddp: Accelerator(shard_optimizer=True)")
+    parser.add_argument("--schedule", action="store_true",
+                        help="a StepLR built on the optimizer before prepare()")
+    parser.add_argument("--clip", type=float, help="accelerator.clip_grad_norm_ before a step")
     args = parser.parse_args()
 
     # Enum members: Accelerate looks its hooks up by member, and a plain string finds none.
@@ -49,7 +54,8 @@ def main() -> None:
         if args.fastddp_hook:
             handlers = [FastDDPKwargs(hook=args.fastddp_hook, **options)]
         accelerator = FastDDPAccelerator(cpu=True, gradient_accumulation_steps=2,
-                                         kwargs_handlers=handlers)
+                                         kwargs_handlers=handlers,
+                                         shard_optimizer=args.shard_optimizer)
     else:
         accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2,
                                   kwargs_handlers=handlers)
@@ -62,15 +68,25 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loader = DataLoader(data, batch_size=4, shuffle=False)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    prepared = [model, optimizer, loader]
+    if args.schedule:  # built on the torch optimizer, before prepare(), as scripts do
+        prepared.append(torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5))
+    model, optimizer, loader, *scheduler = accelerator.prepare(*prepared)
     losses = []
+
+    def step() -> None:
+        if args.clip is not None and accelerator.sync_gradients:  # as Accelerate documents it
+            accelerator.clip_grad_norm_(model.parameters(), args.clip)
+        optimizer.step()
+        for s in scheduler:
+            s.step()
+        optimizer.zero_grad()
 
     for x, y in loader:  # 8 batches per rank: 4 optimizer steps
         with accelerator.accumulate(model):
             loss = nn.functional.mse_loss(model(x), y)
             accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
+            step()
         losses.append(loss.item())
 
     batches = list(loader)
@@ -81,8 +97,7 @@ def main() -> None:
         accelerator.backward(loss_a)  # local accumulation only
         with accelerator.trigger_sync_in_backward(model):
             accelerator.backward(loss_b)  # reduces the sum of both
-        optimizer.step()
-        optimizer.zero_grad()
+        step()
         losses += [loss_a.item(), loss_b.item()]
 
     wrapper = describe_wrapper(model)
@@ -91,6 +106,17 @@ def main() -> None:
                              for h, _ in getattr(model, "_comm_hooks", [])]
     native = getattr(model, "_native_hook", None)
     wrapper["native_hook"] = native.name if native is not None else None
+    if args.shard_optimizer:  # what a sharded optimizer refuses, each naming the cause
+        wrapper["refused"] = []
+        for refused in (lambda: accelerator.clip_grad_value_(model.parameters(), 0.1),
+                        lambda: accelerator.clip_grad_norm_(list(model.parameters())[:1], 1.0),
+                        lambda: accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))):
+            try:
+                refused()
+            except (NotImplementedError, RuntimeError) as e:
+                wrapper["refused"].append(f"{type(e).__name__}: {e}")
+    wrapper["optimizer"] = type(getattr(optimizer, "optimizer", optimizer)).__qualname__
+    wrapper["lr"] = optimizer.param_groups[0]["lr"]
     write_result(args.out, wrapper, losses, accelerator.unwrap_model(model))
 
 

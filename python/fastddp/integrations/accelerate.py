@@ -29,11 +29,24 @@ precision (FP16 on FP16, BF16 on BF16) changes no value (the bucket is already i
 precision when the hook casts it) and runs as the hook alone; any other ``comm_wrapper`` raises
 NotImplementedError (fastddp has no native PowerSGD in half precision, nor a cast to one half
 format before a hook in the other). fastddp's other hooks: ``FastDDPKwargs(hook=...)``.
+
+``Accelerator(shard_optimizer=True)`` (or a dict of ShardedOptimizer's options:
+``overlap_all_gather``, ``zero_stage``, ``gradient_wire``): ``prepare()`` makes an SGD, Adam or
+AdamW over exactly a prepared model's parameters a ``fastddp.optim.ShardedOptimizer`` of the
+same class, param groups and hyperparameters (docs/sharded.md); the model must be prepared
+first or in the same call, as Accelerate prepares models before optimizers. A scheduler built
+on the torch optimizer is pointed at the sharded one when prepared. ``clip_grad_norm_`` over
+the model's parameters clips the shards. Refused, naming the cause: an optimizer with state
+already, a scaler's unscale (fp16; ShardedOptimizer unscales inside its step), and
+``clip_grad_value_`` (no rank holds a whole gradient). ``save_state`` needs the consolidated
+state (ShardedOptimizer.state_dict() says so); sharded checkpoints: docs/sharded.md (DCP).
 """
 
 import copy
 import dataclasses
+import inspect
 import types
+import weakref
 from typing import Any
 
 import accelerate
@@ -41,7 +54,9 @@ import torch
 from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
 
 from fastddp.ddp import DistributedDataParallel
+from fastddp.ddp import surface
 from fastddp.launch.hook_spec import fastddp_hook, parse_hook_spec
+from fastddp.optim import ShardedOptimizer
 
 @dataclasses.dataclass
 class FastDDPKwargs(DistributedDataParallelKwargs):
@@ -141,7 +156,16 @@ class Accelerator(accelerate.Accelerator):
     fastddp.DistributedDataParallel; takes Accelerate's arguments, and in ``kwargs_handlers``
     a ``DistributedDataParallelKwargs`` or a ``FastDDPKwargs`` (one of them)."""
 
-    def __init__(self, *args: Any, kwargs_handlers: list | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, kwargs_handlers: list | None = None,
+                 shard_optimizer: bool | dict = False, **kwargs: Any) -> None:
+        if not isinstance(shard_optimizer, (bool, dict)):
+            raise TypeError("fastddp Accelerator: shard_optimizer is True, False or a dict of "
+                            "fastddp.optim.ShardedOptimizer's options, got "
+                            f"{type(shard_optimizer).__name__}")
+        self._shard_options = ({} if shard_optimizer is True else shard_optimizer or None)
+        # id(torch optimizer) -> the ShardedOptimizer that replaced it (for its schedulers)
+        self._sharded_for: dict[int, ShardedOptimizer] = {}
+        self._wrapped: list[DistributedDataParallel] = []  # the models prepare() wrapped
         handlers = list(kwargs_handlers or [])
         ddp = [h for h in handlers if isinstance(h, DistributedDataParallelKwargs)]
         if len(ddp) > 1:
@@ -165,5 +189,128 @@ class Accelerator(accelerate.Accelerator):
         ddp_class = current if issubclass(current, DistributedDataParallel) \
             else DistributedDataParallel
         prepare = _with_fastddp(accelerate.Accelerator.prepare_model, ddp_class)
-        return prepare(self, model, device_placement, evaluation_mode)
+        model = prepare(self, model, device_placement, evaluation_mode)
+        if isinstance(model, DistributedDataParallel):
+            # Accelerate's _models holds the module it was given, not the CPU wrapper.
+            self._wrapped.append(model)
+        return model
 
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
+                          device_placement: bool | None = None) -> Any:
+        if (self._shard_options is not None
+                and not getattr(optimizer, "_is_accelerate_prepared", False)):
+            optimizer = self._sharded(optimizer)
+        if isinstance(optimizer, ShardedOptimizer):
+            # Its state is made where the model's buckets are; Accelerate's placement is a
+            # state_dict() round trip, which a sharded state makes only consolidated.
+            device_placement = False
+        return super().prepare_optimizer(optimizer, device_placement)
+
+    def _sharded(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
+        """``optimizer`` as a ShardedOptimizer over the prepared model whose parameters are
+        exactly its own (module docstring)."""
+        if isinstance(optimizer, ShardedOptimizer):
+            return optimizer
+        mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        model = None
+        for candidate in self._wrapped:
+            theirs = {id(p) for _, p in surface.averaged_parameters(candidate)}
+            if theirs == mine:
+                model = candidate
+            elif theirs & mine:
+                raise NotImplementedError(
+                    f"fastddp Accelerator(shard_optimizer=...): the {type(optimizer).__name__} "
+                    "holds part of a prepared model's parameters; one sharded optimizer holds "
+                    "all of them (model.parameters())")
+        if model is None:
+            raise ValueError(
+                f"fastddp Accelerator(shard_optimizer=...): no prepared model owns the "
+                f"{type(optimizer).__name__}'s parameters; prepare the model before the "
+                "optimizer or in the same prepare() call")
+        if optimizer.state:
+            raise NotImplementedError(
+                f"fastddp Accelerator(shard_optimizer=...): the {type(optimizer).__name__} "
+                "has state already (it stepped, or loaded a state dict); prepare it before it "
+                "steps, then load a checkpoint into the prepared optimizer")
+        cls = type(optimizer)
+        accepted = set(inspect.signature(cls.__init__).parameters)
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        groups = [dict(group) for group in optimizer.param_groups]
+        sharded = ShardedOptimizer(model, cls, groups, **self._shard_options, **defaults)
+        self._sharded_for[id(optimizer)] = sharded
+        return sharded
+
+    def prepare_scheduler(self, scheduler: Any) -> Any:
+        _point_at_sharded(scheduler, self._sharded_for)
+        return super().prepare_scheduler(scheduler)
+
+    def _sharded_holding(self, parameters: Any, what: str) -> ShardedOptimizer | None:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        ids = {id(p) for p in params}
+        for accelerated in self._optimizers:
+            inner = accelerated.optimizer
+            if not isinstance(inner, ShardedOptimizer):
+                continue
+            held = {id(p) for group in inner.param_groups for p in group["params"]}
+            if ids == held:
+                return inner
+            if ids & held:
+                raise NotImplementedError(
+                    f"fastddp Accelerator.{what}: the gradients of a sharded optimizer's "
+                    "parameters are sharded; only all of its parameters (model.parameters()) "
+                    "can be clipped together")
+        return None
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        sharded = self._sharded_holding(params, "clip_grad_norm_")
+        if sharded is None:
+            return super().clip_grad_norm_(params, max_norm, norm_type)
+        if self.scaler is not None:
+            raise NotImplementedError(
+                "fastddp Accelerator.clip_grad_norm_ with a sharded optimizer and a gradient "
+                "scaler (fp16): the shards are unscaled inside the optimizer's step, not by "
+                "scaler.unscale_(); use bf16 (no scaler) or no clipping")
+        return sharded.clip_grad_norm_(max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if self._sharded_holding(params, "clip_grad_value_") is not None:
+            raise NotImplementedError(
+                "fastddp Accelerator.clip_grad_value_ with a sharded optimizer: no rank holds "
+                "a whole gradient (.grad is None); clip_grad_norm_ clips the shards")
+        return super().clip_grad_value_(params, clip_value)
+
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        chosen = (self._optimizers if optimizer is None
+                  else optimizer if isinstance(optimizer, list) else [optimizer])
+        if self.scaler is not None and any(
+                isinstance(getattr(o, "optimizer", o), ShardedOptimizer) for o in chosen):
+            raise NotImplementedError(
+                "fastddp Accelerator.unscale_gradients: a sharded optimizer's shards are "
+                "unscaled inside its step (GradScaler's unscale_ sees no .grad)")
+        return super().unscale_gradients(optimizer)
+
+
+def _point_at_sharded(scheduler: Any, sharded_for: dict[int, ShardedOptimizer]) -> None:
+    """A scheduler built on a torch optimizer that prepare() replaced now schedules the
+    ShardedOptimizer's param groups (which start as copies of the torch optimizer's, with
+    the scheduler's initial_lr). The step counter torch's LRScheduler wraps around
+    ``optimizer.step`` (its warning of a scheduler stepped first) is wrapped again around the
+    sharded optimizer's. Chained schedulers (SequentialLR, ChainedScheduler) are followed."""
+    for child in getattr(scheduler, "_schedulers", []):
+        _point_at_sharded(child, sharded_for)
+    sharded = sharded_for.get(id(getattr(scheduler, "optimizer", None)))
+    if sharded is None:
+        return
+    scheduler.optimizer = sharded
+    if not hasattr(sharded.step, "_wrapped_by_lr_sched"):
+        step, ref = type(sharded).step, weakref.ref(sharded)
+
+        def counted_step(*args: Any, **kwargs: Any) -> Any:
+            optimizer = ref()
+            optimizer._opt_called = True
+            return step(optimizer, *args, **kwargs)
+
+        counted_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        sharded.step = counted_step

@@ -102,6 +102,37 @@ def test_comm_hook_matches_torch_ddp(name: str, tmp_path_factory) -> None:
     assert_ranks_agree(fast, {k for k in fast[0]["state"] if "running_" in k})
 
 
+# Accelerator(shard_optimizer=True): the script's SGD with momentum becomes fastddp's
+# ShardedOptimizer, the StepLR it built on the SGD before prepare() schedules the sharded one,
+# and the run is Accelerate's own with torch DDP and the unsharded SGD: bit for bit without
+# clipping (2 ranks: the same reduction order, Note [sharded optimizer]). With
+# accelerator.clip_grad_norm_ the norm is summed over shards, not per parameter: another
+# order, measured 1.5e-8 on the weights and 4.8e-7 on the losses (about 1 ulp of each).
+CLIP_TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+@pytest.mark.parametrize("clip", [[], ["--clip", "0.5"]], ids=["plain", "clip"])
+def test_shard_optimizer_matches_accelerate_with_torch_ddp(clip, tmp_path_factory) -> None:
+    arguments = ["--schedule", *clip]
+    fast_run = start(tmp_path_factory.mktemp("sharded"), "accelerate_train.py",
+                     ["--fastddp", "--shard-optimizer", *arguments])
+    stock = train(tmp_path_factory, arguments)
+    fast = finish(*fast_run)
+    for ours, theirs in zip(fast, stock, strict=True):
+        assert ours["wrapper"]["classes"][0] == FASTDDP_CLASS, ours["wrapper"]
+        assert (ours["wrapper"]["optimizer"], theirs["wrapper"]["optimizer"]) == (
+            "ShardedOptimizer", "SGD")
+        assert ours["wrapper"]["lr"] == theirs["wrapper"]["lr"] < 0.05  # StepLR stepped it
+        refused = ours["wrapper"]["refused"]
+        assert len(refused) == 3, refused
+        assert refused[0].startswith("NotImplementedError") and "clip_grad_value_" in refused[0]
+        assert refused[1].startswith("NotImplementedError") and "all of its parameters" in \
+            refused[1]
+        # A second optimizer over the model: the first holds all of its shards.
+        assert refused[2].startswith("RuntimeError") and "sharded already" in refused[2]
+    assert_same_training(fast, stock, CLIP_TOL if clip else EXACT)
+
+
 def test_handler_checks() -> None:
     from accelerate.utils import DDPCommunicationHookType as Hook
     from accelerate.utils import DistributedDataParallelKwargs
@@ -117,6 +148,8 @@ def test_handler_checks() -> None:
         FastDDPKwargs(hook="bf16", comm_hook=Hook.BF16)
     with pytest.raises(ValueError, match="unknown hook 'nope'"):
         FastDDPKwargs(hook="nope")
+    with pytest.raises(TypeError, match="shard_optimizer is True, False or a dict"):
+        Accelerator(shard_optimizer="yes")
     with pytest.raises(ValueError, match="one DistributedDataParallelKwargs or FastDDPKwargs"):
         Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(), FastDDPKwargs()])
     # The wrapper's keyword arguments, as Accelerate reads them: no hook fields.
