@@ -179,6 +179,29 @@ void bind_hooks(py::module& m) {
       py::call_guard<py::gil_scoped_release>(),
       "dist.all_reduce of a contiguous tensor, in place, waited for; the Work holds an alias "
       "made in C++ (Note [no Python tensor in a Work], collectives.h).");
+  m.def(
+      "gather_in_place",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& group, const at::Tensor& tensor,
+         const std::vector<at::Tensor>& outputs, int64_t root) {
+        auto alias = [](const at::Tensor& t) {
+          FASTDDP_CHECK(t.is_contiguous(), "fastddp: gather_in_place takes contiguous tensors");
+          return storage_alias(t, 0, t.numel());
+        };
+        std::vector<at::Tensor> input{alias(tensor)};
+        std::vector<std::vector<at::Tensor>> output;
+        if (!outputs.empty()) {
+          output.emplace_back();
+          for (const at::Tensor& t : outputs) output.back().push_back(alias(t));
+        }
+        c10d::GatherOptions opts;
+        opts.rootRank = root;
+        group->gather(output, input, opts)->wait();
+      },
+      py::arg("process_group"), py::arg("tensor"), py::arg("outputs"), py::arg("root"),
+      py::call_guard<py::gil_scoped_release>(),
+      "dist.gather to group rank `root` (`outputs`: one tensor per rank there, none "
+      "elsewhere), waited for; the Work holds aliases made in C++ (Note [no Python tensor "
+      "in a Work], collectives.h).");
   m.def("half_compress", &half_compress, py::arg("src"), py::arg("scale"), py::arg("dtype"),
         py::arg("residual") = py::none(), py::arg("out") = py::none(),
         "half(src * scale [+ residual]) as a 1-D bf16/fp16 tensor; residual updated in place.");

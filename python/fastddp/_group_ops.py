@@ -70,6 +70,14 @@ def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int) -> None:
     wait(group.broadcast([tensor], opts))
 
 
+def gather(group: dist.ProcessGroup, tensor: torch.Tensor, outputs: list[torch.Tensor],
+           root: int) -> None:
+    """``dist.gather`` to group rank ``root``: ``outputs`` (one tensor per rank there, an
+    empty list elsewhere) gets every rank's ``tensor``, waited for, through aliases made in
+    C++ (Note [no Python tensor in a Work], as all_reduce)."""
+    _C.gather_in_place(group, tensor, outputs, root)
+
+
 def registered(group: dist.ProcessGroup) -> bool:
     """Whether c10d's group map knows ``group`` (made by init_process_group, new_group or a
     registered backend), so that ``dist.get_process_group_ranks`` can name its ranks."""

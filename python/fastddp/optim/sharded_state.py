@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fastddp import _group_ops
+
 
 def _run_start(run: torch.Tensor, bucket: Any) -> int:
     return run.storage_offset() - bucket.flat.storage_offset()
@@ -64,7 +66,6 @@ def consolidate(opt: Any, to: int) -> dict | None:
     """The whole state dict on rank ``to`` (None elsewhere); every rank must call it."""
     elementwise, scalars = _keys(opt)
     rank, world = opt._group.rank(), opt._group.size()
-    root = dist.get_global_rank(opt._group, to) if opt._group is not None else to
     index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
     state: dict[int, dict] = {}
     for b, bucket in enumerate(opt._buckets):
@@ -75,8 +76,9 @@ def consolidate(opt: Any, to: int) -> dict | None:
                 value = opt._inners[b].state.get(run, {}).get(key)
                 if value is not None:
                     mine.narrow(0, _run_start(run, bucket) - lo, run.numel()).copy_(value)
-            whole = [torch.empty_like(mine) for _ in range(world)] if rank == to else None
-            dist.gather(mine, whole, dst=root, group=opt._group)
+            whole = [torch.empty_like(mine) for _ in range(world)] if rank == to else []
+            # Consolidating is often the last thing before exit: C++ aliases (_group_ops).
+            _group_ops.gather(opt._group, mine, whole, to)
             if rank != to:
                 continue
             flat = torch.cat(whole)
