@@ -32,6 +32,7 @@ class Regressor(L.LightningModule):
         self.losses: list[float] = []
         self.wrapper: dict = {}
         self.torch_hook: str | None = None  # --torch-hook
+        self.schedule = False  # --schedule
 
     def on_train_start(self) -> None:
         if self.torch_hook:
@@ -59,7 +60,12 @@ class Regressor(L.LightningModule):
         return None
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        if not self.schedule:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": {
+            "scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5),
+            "interval": "step"}}
 
 
 def main() -> None:
@@ -71,6 +77,12 @@ def main() -> None:
     parser.add_argument("--strategy", help="a registered strategy name (default: ddp)")
     parser.add_argument("--torch-hook", help="a --hook spelling: torch's closest hook, "
                         "registered on torch's wrapper (Lightning's ddp does so on CUDA only)")
+    parser.add_argument("--shard-optimizer", action="store_true",
+                        help="FastDDPStrategy(shard_optimizer=True) instead of a name")
+    parser.add_argument("--schedule", action="store_true", help="a StepLR stepped per step")
+    parser.add_argument("--clip", type=float, help="the Trainer's gradient_clip_val")
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="trainer.save_checkpoint after fit; its optimizer state recorded")
     args = parser.parse_args()
     if args.strategy and args.strategy.startswith("fastddp"):
         import fastddp.integrations.lightning  # noqa: F401  (registers the fastddp strategies)
@@ -85,11 +97,34 @@ def main() -> None:
                                  else "ddp")
     if args.torch_hook:
         model.torch_hook = args.torch_hook
+    model.schedule = args.schedule
+    if args.shard_optimizer:
+        from fastddp.integrations.lightning import FastDDPStrategy
+
+        strategy = FastDDPStrategy(shard_optimizer=True)
     with tempfile.TemporaryDirectory() as root:
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps,
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, default_root_dir=root)
+                            enable_model_summary=False, default_root_dir=root,
+                            gradient_clip_val=args.clip)
         trainer.fit(model, DataLoader(data, batch_size=8, shuffle=False))
+        if args.shard_optimizer:  # refused, naming why: no rank holds a whole gradient
+            try:
+                trainer.strategy.precision_plugin.clip_grad_by_value(trainer.optimizers[0], 0.1)
+            except NotImplementedError as e:
+                model.wrapper["refused"] = str(e)
+        if args.checkpoint:  # Lightning's own save: every rank calls it, rank 0 writes
+            path = f"{root}/last.ckpt"
+            trainer.save_checkpoint(path)
+            trainer.strategy.barrier()
+        if args.checkpoint and trainer.global_rank == 0:  # each rank has a root of its own
+            saved = torch.load(path, weights_only=False)["optimizer_states"][0]
+            model.wrapper["saved_optimizer"] = {
+                "momentum": [saved["state"][i]["momentum_buffer"].flatten().tolist()
+                             for i in sorted(saved["state"])],
+                "lr": [g["lr"] for g in saved["param_groups"]]}
+        model.wrapper["optimizer"] = type(trainer.optimizers[0]).__qualname__
+        model.wrapper["lr"] = trainer.optimizers[0].param_groups[0]["lr"]
     write_result(args.out, model.wrapper, model.losses, model, rank=trainer.global_rank)
 
 

@@ -44,9 +44,7 @@ state (ShardedOptimizer.state_dict() says so); sharded checkpoints: docs/sharded
 
 import copy
 import dataclasses
-import inspect
 import types
-import weakref
 from typing import Any
 
 import accelerate
@@ -56,7 +54,7 @@ from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKw
 from fastddp.ddp import DistributedDataParallel
 from fastddp.ddp import surface
 from fastddp.launch.hook_spec import fastddp_hook, parse_hook_spec
-from fastddp.optim import ShardedOptimizer
+from fastddp.optim import ShardedOptimizer, point_scheduler_at, shard_torch_optimizer
 
 @dataclasses.dataclass
 class FastDDPKwargs(DistributedDataParallelKwargs):
@@ -208,40 +206,25 @@ class Accelerator(accelerate.Accelerator):
 
     def _sharded(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
         """``optimizer`` as a ShardedOptimizer over the prepared model whose parameters are
-        exactly its own (module docstring)."""
+        its own (module docstring)."""
         if isinstance(optimizer, ShardedOptimizer):
             return optimizer
         mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        model = None
-        for candidate in self._wrapped:
-            theirs = {id(p) for _, p in surface.averaged_parameters(candidate)}
-            if theirs == mine:
-                model = candidate
-            elif theirs & mine:
-                raise NotImplementedError(
-                    f"fastddp Accelerator(shard_optimizer=...): the {type(optimizer).__name__} "
-                    "holds part of a prepared model's parameters; one sharded optimizer holds "
-                    "all of them (model.parameters())")
-        if model is None:
+        owners = [m for m in self._wrapped
+                  if mine & {id(p) for _, p in surface.averaged_parameters(m)}]
+        if not owners:
             raise ValueError(
                 f"fastddp Accelerator(shard_optimizer=...): no prepared model owns the "
                 f"{type(optimizer).__name__}'s parameters; prepare the model before the "
                 "optimizer or in the same prepare() call")
-        if optimizer.state:
-            raise NotImplementedError(
-                f"fastddp Accelerator(shard_optimizer=...): the {type(optimizer).__name__} "
-                "has state already (it stepped, or loaded a state dict); prepare it before it "
-                "steps, then load a checkpoint into the prepared optimizer")
-        cls = type(optimizer)
-        accepted = set(inspect.signature(cls.__init__).parameters)
-        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-        groups = [dict(group) for group in optimizer.param_groups]
-        sharded = ShardedOptimizer(model, cls, groups, **self._shard_options, **defaults)
+        sharded = shard_torch_optimizer(optimizer, owners[0],
+                                        "fastddp Accelerator(shard_optimizer=...)",
+                                        **self._shard_options)
         self._sharded_for[id(optimizer)] = sharded
         return sharded
 
     def prepare_scheduler(self, scheduler: Any) -> Any:
-        _point_at_sharded(scheduler, self._sharded_for)
+        point_scheduler_at(scheduler, self._sharded_for)
         return super().prepare_scheduler(scheduler)
 
     def _sharded_holding(self, parameters: Any, what: str) -> ShardedOptimizer | None:
@@ -291,26 +274,3 @@ class Accelerator(accelerate.Accelerator):
                 "unscaled inside its step (GradScaler's unscale_ sees no .grad)")
         return super().unscale_gradients(optimizer)
 
-
-def _point_at_sharded(scheduler: Any, sharded_for: dict[int, ShardedOptimizer]) -> None:
-    """A scheduler built on a torch optimizer that prepare() replaced now schedules the
-    ShardedOptimizer's param groups (which start as copies of the torch optimizer's, with
-    the scheduler's initial_lr). The step counter torch's LRScheduler wraps around
-    ``optimizer.step`` (its warning of a scheduler stepped first) is wrapped again around the
-    sharded optimizer's. Chained schedulers (SequentialLR, ChainedScheduler) are followed."""
-    for child in getattr(scheduler, "_schedulers", []):
-        _point_at_sharded(child, sharded_for)
-    sharded = sharded_for.get(id(getattr(scheduler, "optimizer", None)))
-    if sharded is None:
-        return
-    scheduler.optimizer = sharded
-    if not hasattr(sharded.step, "_wrapped_by_lr_sched"):
-        step, ref = type(sharded).step, weakref.ref(sharded)
-
-        def counted_step(*args: Any, **kwargs: Any) -> Any:
-            optimizer = ref()
-            optimizer._opt_called = True
-            return step(optimizer, *args, **kwargs)
-
-        counted_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        sharded.step = counted_step

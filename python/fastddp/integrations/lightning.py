@@ -21,6 +21,16 @@ Registered names (each the matching ``--hook`` of the launcher, docs/frameworks.
 Any other hook or DDP argument: ``strategy=FastDDPStrategy(hook=..., static_graph=True)``,
 where ``hook`` is a ``--hook`` spelling (``"powersgd:4"``, ``"int8"``) or a hook object
 (``fastddp.hooks.powersgd(matrix_approximation_rank=4, start_powerSGD_iter=1000)``).
+
+``FastDDPStrategy(shard_optimizer=True)`` (or a dict of ShardedOptimizer's options:
+``overlap_all_gather``, ``zero_stage``, ``gradient_wire``): the SGD, Adam or AdamW that
+``configure_optimizers`` returns over the module's parameters becomes a
+``fastddp.optim.ShardedOptimizer`` of the same class, groups and hyperparameters
+(docs/sharded.md), and its schedulers schedule the sharded one. The Trainer's
+``gradient_clip_val`` (by norm) clips the shards; by value it is refused (no rank holds a
+whole gradient), as is another optimizer beside it. Checkpoints are Lightning's own: its
+``optimizer_state`` consolidates an optimizer that has ``consolidate_state_dict`` on rank 0,
+and every rank loads the whole state back.
 """
 
 from contextlib import nullcontext
@@ -33,6 +43,7 @@ from torch.nn import Module
 
 from fastddp.ddp import DistributedDataParallel
 from fastddp.launch.hook_spec import fastddp_hook, parse_hook_spec
+from fastddp.optim import ShardedOptimizer, point_scheduler_at, shard_torch_optimizer
 
 # name: (the --hook spelling of its hook, None for none; Lightning's description)
 STRATEGIES = {
@@ -54,7 +65,13 @@ class FastDDPStrategy(DDPStrategy):
     DDPStrategy's, the unknown ones going to the wrapper as with DDPStrategy.
     """
 
-    def __init__(self, *args: Any, hook: Any = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, hook: Any = None, shard_optimizer: bool | dict = False,
+                 **kwargs: Any) -> None:
+        if not isinstance(shard_optimizer, (bool, dict)):
+            raise TypeError("FastDDPStrategy: shard_optimizer is True, False or a dict of "
+                            "fastddp.optim.ShardedOptimizer's options, got "
+                            f"{type(shard_optimizer).__name__}")
+        self._shard_options = {} if shard_optimizer is True else shard_optimizer or None
         if hook is not None and kwargs.get("ddp_comm_hook") is not None:
             raise ValueError("FastDDPStrategy: give either hook or ddp_comm_hook, not both "
                              "(a model takes one communication hook)")
@@ -88,6 +105,23 @@ class FastDDPStrategy(DDPStrategy):
                                        "FastDDPStrategy(hook=...)")
         self.model.register_comm_hook(state, hook)
 
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)
+        if self._shard_options is None or not self.optimizers:
+            return
+        who = "FastDDPStrategy(shard_optimizer=...)"
+        if len(self.optimizers) > 1:
+            raise NotImplementedError(
+                f"{who}: configure_optimizers returned {len(self.optimizers)} optimizers; one "
+                "sharded optimizer holds all of the model's parameters")
+        sharded = shard_torch_optimizer(self.optimizers[0], self.model, who,
+                                        **self._shard_options)
+        replaced = {id(self.optimizers[0]): sharded}
+        for config in self.lr_scheduler_configs:
+            point_scheduler_at(config.scheduler, replaced)
+        self.optimizers = [sharded]
+        _clip_shards(self.precision_plugin)
+
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         for name, (hook, description) in STRATEGIES.items():
@@ -98,3 +132,28 @@ class FastDDPStrategy(DDPStrategy):
 
 
 FastDDPStrategy.register_strategies(StrategyRegistry)
+
+
+def _clip_shards(plugin: Any) -> None:
+    """The Trainer's gradient clipping on a ShardedOptimizer: by norm over the shards (its
+    clip_grad_norm_, the norm torch's gives over whole gradients); by value refused. Set on
+    this strategy's own precision plugin, whose methods clip ``.grad``, which the shards are
+    not; other optimizers keep the plugin's own."""
+    by_norm, by_value = plugin.clip_grad_by_norm, plugin.clip_grad_by_value
+
+    def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+        inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
+        if isinstance(inner, ShardedOptimizer):
+            inner.clip_grad_norm_(clip_val)
+        else:
+            by_norm(optimizer, clip_val)
+
+    def clip_grad_by_value(optimizer: Any, clip_val: float) -> None:
+        if isinstance(getattr(optimizer, "_optimizer", optimizer), ShardedOptimizer):
+            raise NotImplementedError(
+                "FastDDPStrategy(shard_optimizer=...): gradient_clip_algorithm='value' has no "
+                "whole gradient to clip on any rank; clip by norm")
+        by_value(optimizer, clip_val)
+
+    plugin.clip_grad_by_norm = clip_grad_by_norm
+    plugin.clip_grad_by_value = clip_grad_by_value
