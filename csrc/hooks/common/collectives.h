@@ -119,8 +119,17 @@ std::vector<c10::intrusive_ptr<c10d::Work>> all_gather_in_place(G& group, const 
 // reduce_scatter costs more than its alltoall and this sum together): `received` holds
 // `count` rows of out's length, row r rank r's copy of this rank's shard; out = their sum
 // in rank order, the same order on every rank.
+// A wider `out` than the rows (float32 from 16-bit rows: the sharded optimizer's float32
+// main weights) sums in its own precision: row 0 widened (exact), then each row added in
+// place, which computes in out's dtype (an out-of-place add of two 16-bit rows would round
+// in 16 bits).
 inline void sum_rows_in_rank_order(at::Tensor& out, const at::Tensor& received, int64_t count) {
   const at::Tensor rows = received.view({count, out.numel()});
+  if (out.scalar_type() != received.scalar_type()) {
+    out.copy_(rows[0]);
+    for (int64_t r = 1; r < count; ++r) out.add_(rows[r]);
+    return;
+  }
   if (count == 1) {
     out.copy_(rows[0]);
     return;

@@ -54,8 +54,11 @@ void ReduceScatterHook::on_new_buckets(const std::vector<Bucket>& buckets) {
   for (size_t b = 0; b < buckets.size(); ++b) {
     const at::Tensor& flat = buckets[b].flat;  // meta while released: sizes only
     const at::Tensor& shard = shards_[b];
+    // A float32 shard of a 16-bit bucket: the rows summed in float32 (main weights).
+    const bool widens = !wire_ && shard.scalar_type() == at::kFloat &&
+                        (flat.scalar_type() == at::kBFloat16 || flat.scalar_type() == at::kHalf);
     FASTDDP_CHECK(!buckets[b].sparse && flat.numel() == shard.numel() * world_size_ &&
-                      shard.scalar_type() == flat.scalar_type() &&
+                      (shard.scalar_type() == flat.scalar_type() || widens) &&
                       shard.device() == buckets[b].device && shard.is_contiguous(),
                   "fastddp: bucket ", b, " (", flat.numel(), " elements of ", flat.scalar_type(),
                   ") does not split into ", world_size_, " shards of the sharded optimizer's ",
@@ -80,6 +83,7 @@ ReduceScatterHook::Scratch ReduceScatterHook::scratch_for(const Bucket& bucket,
     // Fresh from the caching allocator: on a device bucket i's sum (side stream) may still
     // read its buffers when bucket i + 2's cast and alltoall (compute and NCCL streams)
     // would write a reused set; record_current_stream keeps these until their work is done.
+    if (!wire_) return {at::Tensor(), at::empty({numel}, options), at::Tensor()};
     return {at::empty({numel}, options), at::empty({numel}, options),
             at::empty({numel / world_size_}, options)};
   }
@@ -120,7 +124,9 @@ std::shared_ptr<PipelinedHook::Stage> ReduceScatterHook::start(
     cost::add(cost::kHook,
               static_cast<int64_t>(bucket.flat.nbytes() + stage->scratch.send.nbytes()));
     stage->work = all_to_all_even(*group_, stage->scratch.recv, stage->scratch.send);
-  } else if (bucket.device.is_cpu()) {
+  } else if (bucket.device.is_cpu() || stage->shard.scalar_type() != bucket.flat.scalar_type()) {
+    // The CPU's reduce-scatter, and a device's into a wider shard (NCCL's reduce_scatter
+    // writes the bucket's dtype): an alltoall, the sum in finish().
     stage->scratch = scratch_for(bucket, index);
     stage->work = all_to_all_even(*group_, stage->scratch.recv, bucket.flat);
   } else {

@@ -28,6 +28,11 @@
 // half, a sum of two rounded once), bit for bit; on more ranks a sum of n
 // rounded once rather than n - 1 times.
 //
+// A float32 shard of a bf16 or fp16 bucket (the optimizer's float32 main weights, no
+// wire): the bucket's own rows are alltoall'ed, on every device, and summed in float32
+// in rank order straight into the shard, never rounded to 16 bits (Megatron's float32
+// gradient accumulation for 16-bit parameters).
+//
 // The alltoall receives (and a 16-bit wire sends) in scratch buffers: on the
 // CPU two sets of the largest bucket's length, alternating (at most two
 // buckets are in flight, and a finish() has ended its work when it returns),

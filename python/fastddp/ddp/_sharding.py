@@ -92,14 +92,16 @@ def _refuse(ddp: Any) -> None:
         no("sparse gradients", "a sparse gradient has no contiguous shard")
 
 
-def shard_gradients(ddp: Any, release_buckets: bool = False,
-                    wire: str = "fp32") -> list[BucketShard]:
+def shard_gradients(ddp: Any, release_buckets: bool = False, wire: str = "fp32",
+                    grad_dtype: torch.dtype | None = None) -> list[BucketShard]:
     """Cuts ``ddp``'s buckets into one shard per rank, reduce-scatters their gradients from
     the next backward on (``.grad`` stays None; the shards hold the average), and makes each
     bucket's parameters views of one flat buffer. ``release_buckets`` (ZeRO-2): the
     buckets' buffers exist only while a backward reduces. ``wire``: the reduce-scatter's
-    ("fp32", or "bf16" / "fp16" for float32 gradients). Raises NotImplementedError, before
-    anything changes, for what it cannot shard."""
+    ("fp32", or "bf16" / "fp16" for float32 gradients). ``grad_dtype``: the averaged
+    shards' dtype, float32 for 16-bit parameters (summed in float32, never rounded to 16
+    bits); default the parameters'. Raises NotImplementedError, before anything changes,
+    for what it cannot shard."""
     _refuse(ddp)
     if not ddp._reducer_params:
         raise ValueError(f"{_WHO}: the model has no parameter that requires grad")
@@ -126,8 +128,8 @@ def shard_gradients(ddp: Any, release_buckets: bool = False,
             shard = length // world
             buckets.append(BucketShard(
                 params=params, offsets=list(offsets),
-                numels=list(numels), flat=flat, grad=torch.zeros(shard, dtype=like.dtype,
-                                                                  device=like.device),
+                numels=list(numels), flat=flat,
+                grad=torch.zeros(shard, dtype=grad_dtype or like.dtype, device=like.device),
                 start=rank * shard))
     hook = _C.create_reduce_scatter_comm_hook(group, [b.grad for b in buckets], wire,
                                               release_buckets)

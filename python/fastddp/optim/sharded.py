@@ -75,13 +75,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``gradient_wire``: what the reduce-scatter sends: ``"fp32"`` (the gradients' dtype) or
     ``"bf16"`` / ``"fp16"`` (float32 gradients at half the bytes, each rank's divided
     gradient rounded once, the sum over ranks in float32 rounded once; the shard stays
-    float32). The other keywords are ``optimizer_class``'s (``foreach=True`` and
-    ``fused=True`` included).
+    float32). ``main_weights="fp32"``, for bf16 or fp16 parameters (Megatron's mixed
+    precision): each rank keeps a float32 copy of its shard of the parameters, which torch's
+    optimizer steps with float32 state, from a float32 shard of the gradient (the ranks'
+    16-bit gradients summed in float32); after the step the shard is rounded once into the
+    16-bit parameters, which are all-gathered. The other keywords are ``optimizer_class``'s
+    (``foreach=True`` and ``fused=True`` included).
     """
 
     def __init__(self, model: Any, optimizer_class: type, params: Iterable | None = None, *,
                  overlap_all_gather: bool = False, zero_stage: int = 1,
-                 gradient_wire: str = "fp32", **defaults: Any):
+                 gradient_wire: str = "fp32", main_weights: str | None = None,
+                 **defaults: Any):
+        if main_weights not in (None, "fp32"):
+            raise NotImplementedError(f"{_WHO}: main_weights={main_weights!r}: None (the "
+                                      "parameters themselves) or 'fp32'")
+        if main_weights is not None and gradient_wire != "fp32":
+            raise NotImplementedError(
+                f"{_WHO}: main_weights with gradient_wire={gradient_wire!r}: the 16-bit "
+                "parameters' gradients already travel in their own format")
         if gradient_wire not in _WIRES:
             raise NotImplementedError(
                 f"{_WHO}: gradient_wire={gradient_wire!r}: one of {', '.join(_WIRES)} (the 8-bit "
@@ -120,9 +132,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise NotImplementedError(f"{_WHO}: zero_stage={zero_stage!r}: 1 (the optimizer's "
                                       "state sharded) or 2 (and the gradient buffers freed "
                                       "between backwards); 3 shards the parameters: FSDP")
+        if main_weights is not None:
+            other = sorted({str(p.dtype) for _, p in averaged}
+                           - {"torch.bfloat16", "torch.float16"})
+            if other:
+                raise ValueError(f"{_WHO}: main_weights='fp32' keeps float32 copies of bf16 "
+                                 f"or fp16 parameters; the model has {', '.join(other)} ones")
         self._model = model
-        self._buckets = surface.shard_gradients(model, release_buckets=zero_stage == 2,
-                                                wire=gradient_wire)
+        self._buckets = surface.shard_gradients(
+            model, release_buckets=zero_stage == 2, wire=gradient_wire,
+            grad_dtype=torch.float32 if main_weights is not None else None)
+        # Per bucket, main_weights: the float32 copy of this rank's shard the optimizer steps.
+        self._mains = [bucket.shard.float() if main_weights is not None else None
+                       for bucket in self._buckets]
         self._group = model.process_group
         group_of = {id(p): g for g, group in enumerate(groups) for p in group["params"]}
         # torch's optimizer per bucket over its runs, a param group per user group (maybe
@@ -131,7 +153,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             optimizer_class([{**{k: v for k, v in group.items() if k != "params"},
                               "params": runs[g]} for g, group in enumerate(groups)],
                             **defaults)
-            for runs in (_runs(bucket, group_of, len(groups)) for bucket in self._buckets)]
+            for runs in (_runs(bucket, group_of, len(groups), main)
+                         for bucket, main in zip(self._buckets, self._mains))]
         super().__init__(groups, self._inners[0].defaults)
         self._synced = surface.synchronized_backwards(model)
         self._gathers: list = [None] * len(self._buckets)  # pending all-gathers, by bucket
@@ -175,9 +198,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._check_gradients()
         if grad_scaler is not None and self._unscale(grad_scaler):
             return loss  # an overflow on some rank: no rank steps, as GradScaler skips
-        for b, (bucket, inner) in enumerate(zip(self._buckets, self._inners)):
+        for b, (bucket, inner, main) in enumerate(zip(self._buckets, self._inners,
+                                                      self._mains)):
             self._sync_groups(inner)
             inner.step()
+            if main is not None:
+                bucket.shard.copy_(main)  # rounded once into the 16-bit parameters
             self._gathers[b] = bucket.all_gather(self._group)
         if not self._overlap:
             self.wait()
@@ -247,10 +273,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
             torch._foreach_mul_(grads, coef)
         return total
 
+    def _no_main_weights(self, what: str) -> None:
+        if any(main is not None for main in self._mains):
+            raise NotImplementedError(
+                f"{_WHO}.{what}() with main_weights: torch's format has no place for the "
+                "float32 main weights, and a checkpoint without them would resume from the "
+                "16-bit parameters (a silently different number)")
+
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gathers the shards' state onto rank ``to`` of the model's group, in torch's format
         (Note [sharded optimizer state]); every rank must call it. Then ``state_dict()`` on
         that rank returns it, as torch's ZeroRedundancyOptimizer does."""
+        self._no_main_weights("consolidate_state_dict")
         self.wait()
         self._consolidated = sharded_state.consolidate(self, to)
 
@@ -269,6 +303,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Loads a whole state dict in torch's format (a consolidated one, or a plain torch
         optimizer's over the same parameters and groups) on every rank: each keeps its
         shards' part."""
+        self._no_main_weights("load_state_dict")
         sharded_state.load(self, state_dict)
 
     def sharded_state_dict(self) -> dict:
@@ -277,6 +312,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ...})``; to resume, ``sd = opt.sharded_state_dict()``, ``dcp.load({"optimizer": sd,
         ...})`` (it fills the optimizer's tensors in place), then
         ``opt.load_sharded_state_dict(sd)``. Same world size and layout only."""
+        self._no_main_weights("sharded_state_dict")
         self.wait()
         return {"state": sharded_state.sharded(self),
                 "param_groups": [{k: v for k, v in g.items() if k != "params"}
@@ -285,6 +321,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def load_sharded_state_dict(self, state_dict: dict) -> None:
         """After DCP filled ``state_dict`` (from ``sharded_state_dict()``): checks the layout
         and takes the param groups' hyperparameters."""
+        self._no_main_weights("load_sharded_state_dict")
         sharded_state.check_layout(self, state_dict["state"]["layout"])
         for mine, theirs in zip(self.param_groups, state_dict["param_groups"]):
             mine.update(theirs)
@@ -335,10 +372,12 @@ def _param_groups(params: Any) -> list[dict]:
     return groups
 
 
-def _runs(bucket: Any, group_of: dict[int, int], count: int) -> list[list[torch.Tensor]]:
+def _runs(bucket: Any, group_of: dict[int, int], count: int,
+          main: torch.Tensor | None) -> list[list[torch.Tensor]]:
     """Per param group, the runs of this rank's shard of ``bucket``: views of its flat
-    parameter buffer over consecutive slots of the group (with the zero padding between
-    them), each with its shard of the averaged gradient as ``.grad``."""
+    parameter buffer (or of ``main``, the shard's float32 main weights) over consecutive
+    slots of the group (with the zero padding between them), each with its shard of the
+    averaged gradient as ``.grad``."""
     runs: list[list[torch.Tensor]] = [[] for _ in range(count)]
     lo, hi = bucket.start, bucket.start + bucket.grad.numel()
     current: list = []  # [group, start, end] of the run being extended
@@ -351,10 +390,10 @@ def _runs(bucket: Any, group_of: dict[int, int], count: int) -> list[list[torch.
             current[2] = c
             continue
         if current:
-            runs[current[0]].append(_run(bucket, *current[1:], lo))
+            runs[current[0]].append(_run(bucket, *current[1:], lo, main))
         current = [g, a, c]
     if current:
-        runs[current[0]].append(_run(bucket, *current[1:], lo))
+        runs[current[0]].append(_run(bucket, *current[1:], lo, main))
     return runs
 
 
@@ -380,7 +419,9 @@ def _wait_before_use(module: torch.nn.Module, buckets: list, gathers: list) -> l
     return handles
 
 
-def _run(bucket: Any, start: int, end: int, lo: int) -> torch.Tensor:
-    run = bucket.flat.narrow(0, start, end - start)
+def _run(bucket: Any, start: int, end: int, lo: int,
+         main: torch.Tensor | None) -> torch.Tensor:
+    run = (bucket.flat.narrow(0, start, end - start) if main is None
+           else main.narrow(0, start - lo, end - start))
     run.grad = bucket.grad.narrow(0, start - lo, end - start)
     return run
