@@ -20,22 +20,24 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def train(optimizer: str = "adamw", dtype: str = "bf16", steps: int = 8,
-          clip: bool = False) -> dict:
+          clip: bool = False, device: str = "cpu") -> dict:
     """``steps`` steps of fastddp + ShardedOptimizer(main_weights="fp32") and of the
-    written-out reference from the same 16-bit weights on the same batches."""
+    written-out reference from the same 16-bit weights on the same batches. ``device``:
+    "cuda" on a GPU world (NCCL)."""
     half = DTYPES[dtype]
     world = dist.get_world_size()
     torch.manual_seed(0)
-    module = mlp().to(half)
+    module = mlp().to(device=device, dtype=half)
     initial = [p.detach().clone() for p in module.parameters()]
     reference = copy.deepcopy(module)
-    model = fastddp.DistributedDataParallel(module, bucket_cap_mb=CAP_MB)
+    model = fastddp.DistributedDataParallel(
+        module, bucket_cap_mb=CAP_MB, device_ids=[0] if device == "cuda" else None)
     cls, options = OPTIMIZERS[optimizer]
     opt = ShardedOptimizer(model, cls, main_weights="fp32", **options)
     mains = [p.detach().float() for p in reference.parameters()]
     reference_opt = cls(mains, **options)
     for step in range(steps):
-        inputs, target = vector_batch(step)
+        inputs, target = vector_batch(step, device=device)
         opt.zero_grad()
         F.mse_loss(model(inputs.to(half)), target.to(half)).backward()
         if clip:

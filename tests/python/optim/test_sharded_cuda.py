@@ -4,6 +4,7 @@
 import pytest
 
 from tests.python.harness import World
+from tests.python.optim import main_weights_scenarios
 from tests.python.optim import sharded_cuda_scenarios as s
 
 pytestmark = pytest.mark.gpu
@@ -53,3 +54,13 @@ def test_zero_stage_2_on_cuda_holds_no_bucket_between_backwards(nccl1):
 def test_backward_never_waits_for_a_reduce_scatter(nccl1):
     (gaps,) = nccl1.check(s.backward_does_not_wait_for_the_reduce_scatter)
     assert all(gap > 0 for gap in gaps), gaps
+
+
+# main_weights="fp32" on NCCL: the widening reduce-scatter is an alltoall and a float32 sum
+# on the side stream, as the CPU's. Against the computation written out with torch's ops on
+# the GPU: a float32 main weight that a CUDA kernel rounds an ulp apart from the reference's
+# may round to the neighbouring 16-bit weight, so up to 1 bf16 ulp (2^-7 relative).
+def test_main_weights_on_cuda_are_the_written_out_mixed_precision(nccl1):
+    (r,) = nccl1.check(main_weights_scenarios.train, optimizer="adamw_foreach", device="cuda")
+    assert r["ulps"] <= 2 ** -7 and r["moved"] and r["grads_none"], r
+    assert r["state_dtypes"] == ["torch.float32"], r
