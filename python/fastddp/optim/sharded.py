@@ -30,7 +30,8 @@ next synchronized backward reduces the sum. ``param_groups`` are the user's, so 
 schedulers work; their hyperparameters reach the shards' optimizer at every step.
 
 Not yet, and refused rather than silently different: optimizers other than SGD, Adam and
-AdamW (a whole-tensor optimizer needs shards cut on whole parameters),
+AdamW (a whole-tensor optimizer needs shards cut on whole parameters:
+ParameterShardedOptimizer, by_parameter.py),
 ``scaler.unscale_(optimizer)`` before ``scaler.step`` (GradScaler unscales ``.grad``, which
 the shards are not; ``scaler.step(optimizer)`` itself unscales the shards and skips the step
 on every rank when any rank finds an inf), and the 8-bit wires (``gradient_wire`` takes
@@ -102,31 +103,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise NotImplementedError(
                 f"{_WHO}: {getattr(optimizer_class, '__name__', optimizer_class)!s} is not "
                 "supported; the shards of a bucket cut parameters in pieces, which only an "
-                "elementwise update (torch.optim.SGD, Adam, AdamW) steps as whole parameters")
-        averaged = surface.averaged_parameters(model)  # raises for another model
-        owned = {id(p): name for name, p in averaged}
-        groups = _param_groups(model if params is None else params)
-        seen: dict[int, str] = {}
-        for group in groups:
-            for p in group["params"]:
-                if id(p) not in owned:
-                    raise ValueError(
-                        f"{_WHO}: a parameter of shape {tuple(p.shape)} is not one the model "
-                        "averages (another module's, one DistributedDataParallel ignores, or "
-                        "one that does not require grad); every parameter must be the "
-                        "model's")
-                name = owned[id(p)]
-                if id(p) in seen:
-                    raise ValueError(f"{_WHO}: parameter '{name}' is in more than one param "
-                                     "group")
-                seen[id(p)] = name
-        missing = [name for name, p in averaged if id(p) not in seen]
-        if missing:
-            raise NotImplementedError(
-                f"{_WHO}: the model averages parameter(s) {', '.join(missing[:5])}"
-                f"{' ...' if len(missing) > 5 else ''} that the optimizer does not hold; "
-                "their gradients would be reduce-scattered into shards nobody steps (a "
-                "second optimizer over part of one model is not supported)")
+                "elementwise update (torch.optim.SGD, Adam, AdamW) steps as whole parameters; "
+                "fastddp.optim.ParameterShardedOptimizer shards by whole parameters")
+        averaged, groups = _checked_groups(model, params, _WHO)
 
         if zero_stage not in (1, 2):
             raise NotImplementedError(f"{_WHO}: zero_stage={zero_stage!r}: 1 (the optimizer's "
@@ -350,6 +329,38 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return sum(t.numel() * t.element_size() for inner in self._inners
                    for state in inner.state.values()
                    for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+
+def _checked_groups(model: Any, params: Iterable | None,
+                    who: str) -> tuple[list, list[dict]]:
+    """The model's averaged (name, parameter) pairs and the optimizer's param groups
+    (default: all of the model's), checked to hold exactly the parameters the model
+    averages, each once; ``who`` names the optimizer in errors."""
+    averaged = surface.averaged_parameters(model)  # raises for another model
+    owned = {id(p): name for name, p in averaged}
+    groups = _param_groups(model if params is None else params)
+    seen: dict[int, str] = {}
+    for group in groups:
+        for p in group["params"]:
+            if id(p) not in owned:
+                raise ValueError(
+                    f"{who}: a parameter of shape {tuple(p.shape)} is not one the model "
+                    "averages (another module's, one DistributedDataParallel ignores, or "
+                    "one that does not require grad); every parameter must be the "
+                    "model's")
+            name = owned[id(p)]
+            if id(p) in seen:
+                raise ValueError(f"{who}: parameter '{name}' is in more than one param "
+                                 "group")
+            seen[id(p)] = name
+    missing = [name for name, p in averaged if id(p) not in seen]
+    if missing:
+        raise NotImplementedError(
+            f"{who}: the model averages parameter(s) {', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''} that the optimizer does not hold; "
+            "their gradients would be averaged for no optimizer to step (a second "
+            "optimizer over part of one model is not supported)")
+    return averaged, groups
 
 
 def _param_groups(params: Any) -> list[dict]:
