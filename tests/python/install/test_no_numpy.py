@@ -23,8 +23,11 @@ def python_without_numpy(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("no-numpy")
     links = root / "links"
     links.mkdir()
-    folders = {_site_packages_of_torch(), *site.getsitepackages()}
-    for folder in sorted(folders):
+    # In this interpreter's own order (its venv first), so that where two folders hold an
+    # entry of one name the one this interpreter imports wins: a system site-packages may
+    # hold another checkout's editable fastddp (.pth of the same name, its path long gone).
+    folders = dict.fromkeys([*site.getsitepackages(), _site_packages_of_torch()])
+    for folder in folders:
         for name in sorted(os.listdir(folder)):
             if name.split("-")[0].split(".")[0].lower() == "numpy" or (links / name).exists():
                 continue
