@@ -141,15 +141,22 @@ void bind_hooks(py::module& m) {
       [](c10::intrusive_ptr<c10d::ProcessGroup> group, std::vector<at::Tensor> shards,
          const std::string& wire, bool release_scratch) -> std::shared_ptr<CommHook> {
         std::optional<HalfKind> kind;
-        if (wire != "fp32") kind = kind_from_name(wire);
+        std::optional<Quant8Format> kind8;
+        if (wire == "int8" || wire == "e4m3" || wire == "e5m2") {
+          kind8 = quant8_format_from_name(wire, "wire");
+        } else if (wire != "fp32") {
+          kind = kind_from_name(wire);
+        }
         return std::make_shared<ReduceScatterHook>(std::move(group), std::move(shards), kind,
-                                                   release_scratch);
+                                                   release_scratch, kind8);
       },
       py::arg("process_group"), py::arg("shards"), py::arg("wire") = "fp32",
       py::arg("release_scratch") = false,
       "The sharded optimizer's reduction (Note [sharded buckets]): torch DDP's copy-in, then a "
       "reduce-scatter of bucket b into shards[b]; .grad is left None. wire: 'fp32' (the "
-      "bucket's dtype), 'bf16' or 'fp16' (float32 buckets, summed in float32). "
+      "bucket's dtype), 'bf16' or 'fp16' (float32 buckets, summed in float32), 'int8', "
+      "'e4m3' or 'e5m2' (8-bit block-scaled, float32 buckets, dequantized and summed in "
+      "float32). "
       "release_scratch: the CPU path's receive buffers freed after each backward (ZeRO-2).");
   // The launched all-gather, waited for from Python as a Work is (wait() with the
   // backend's own timeout, the GIL released); its Works are only ever dropped here or on

@@ -8,8 +8,14 @@
 #include "../common/collectives.h"
 #include "../common/side_stream.h"
 #include "../half/half_ops.h"
+#include "../quant8/quant8_ops.h"
 
 namespace fastddp {
+
+namespace {
+// The 8-bit wire's block: the "int8" / "fp8" hooks' (Quant8Hook::kBlock).
+constexpr int64_t kQuant8Block = 256;
+}  // namespace
 
 namespace {
 constexpr const char* kWhat = "reduce-scatter of the bucket";
@@ -25,11 +31,15 @@ struct ReduceScatterHook::ScatterStage : Stage {
 
 ReduceScatterHook::ReduceScatterHook(c10::intrusive_ptr<c10d::ProcessGroup> group,
                                      std::vector<at::Tensor> shards,
-                                     std::optional<HalfKind> wire, bool release_scratch)
+                                     std::optional<HalfKind> wire, bool release_scratch,
+                                     std::optional<Quant8Format> wire8)
     : group_(group),
       copy_(group),
       wire_(wire),
+      wire8_(wire8),
       release_scratch_(release_scratch) {
+  FASTDDP_CHECK(!(wire && wire8), "fastddp: the sharded optimizer's reduce-scatter takes one "
+                "wire, a 16-bit or an 8-bit one");
   world_size_ = group_->getSize();
   // The optimizer's shards, held as aliases of their memory: a device's reduce-scatter
   // writes into them, and its Work must not hold a tensor Python has seen (Note [no
@@ -43,6 +53,7 @@ ReduceScatterHook::ReduceScatterHook(c10::intrusive_ptr<c10d::ProcessGroup> grou
 }
 
 std::string ReduceScatterHook::name() const {
+  if (wire8_) return "reduce_scatter_" + quant8_format_name(*wire8_);
   if (!wire_) return "reduce_scatter";
   return *wire_ == HalfKind::kBFloat16 ? "reduce_scatter_bf16" : "reduce_scatter_fp16";
 }
@@ -55,7 +66,7 @@ void ReduceScatterHook::on_new_buckets(const std::vector<Bucket>& buckets) {
     const at::Tensor& flat = buckets[b].flat;  // meta while released: sizes only
     const at::Tensor& shard = shards_[b];
     // A float32 shard of a 16-bit bucket: the rows summed in float32 (main weights).
-    const bool widens = !wire_ && shard.scalar_type() == at::kFloat &&
+    const bool widens = !wire_ && !wire8_ && shard.scalar_type() == at::kFloat &&
                         (flat.scalar_type() == at::kBFloat16 || flat.scalar_type() == at::kHalf);
     FASTDDP_CHECK(!buckets[b].sparse && flat.numel() == shard.numel() * world_size_ &&
                       (shard.scalar_type() == flat.scalar_type() || widens) &&
@@ -63,7 +74,8 @@ void ReduceScatterHook::on_new_buckets(const std::vector<Bucket>& buckets) {
                   "fastddp: bucket ", b, " (", flat.numel(), " elements of ", flat.scalar_type(),
                   ") does not split into ", world_size_, " shards of the sharded optimizer's ",
                   shard.numel(), " elements of ", shard.scalar_type(), " on ", shard.device());
-    FASTDDP_CHECK_NOT_IMPLEMENTED(!wire_ || flat.scalar_type() == at::kFloat, "fastddp: the ",
+    FASTDDP_CHECK_NOT_IMPLEMENTED((!wire_ && !wire8_) || flat.scalar_type() == at::kFloat,
+                                  "fastddp: the ",
                                   name(), " wire carries float32 gradients; bucket ", b,
                                   " holds ", flat.scalar_type());
   }
@@ -76,6 +88,15 @@ void ReduceScatterHook::copy_in(Bucket& bucket, size_t slot, const at::Tensor& g
 
 ReduceScatterHook::Scratch ReduceScatterHook::scratch_for(const Bucket& bucket,
                                                            size_t index) {
+  if (wire8_) {
+    // Rows of codes and scales, sent and received, and one float32 row to dequantize into.
+    // Per bucket (not kept in sets): their length is not the bucket's.
+    const int64_t shard = bucket.flat.numel() / world_size_;
+    const auto bytes = bucket.flat.options().dtype(at::kByte);
+    return {at::empty({world_size_ * row8_bytes(shard)}, bytes),
+            at::empty({world_size_ * row8_bytes(shard)}, bytes),
+            world_size_ > 1 ? at::empty({shard}, bucket.flat.options()) : at::Tensor()};
+  }
   const int64_t numel = bucket.flat.numel();
   const auto dtype = wire_ ? scalar_type_of(*wire_) : bucket.flat.scalar_type();
   const auto options = bucket.flat.options().dtype(dtype).device(bucket.device);
@@ -111,13 +132,39 @@ ReduceScatterHook::Scratch ReduceScatterHook::scratch_for(const Bucket& bucket,
   return views;
 }
 
+int64_t ReduceScatterHook::row8_bytes(int64_t shard) const {
+  return (shard + 3) / 4 * 4 + 4 * quant8_num_blocks(shard, kQuant8Block);
+}
+
+at::Tensor ReduceScatterHook::codes8_of(const at::Tensor& rows, int64_t r, int64_t shard) const {
+  return rows.narrow(0, r * row8_bytes(shard), shard);
+}
+
+at::Tensor ReduceScatterHook::scales8_of(const at::Tensor& rows, int64_t r, int64_t shard) const {
+  const int64_t codes = (shard + 3) / 4 * 4;  // a 4-byte boundary: the scales' float32
+  return rows.narrow(0, r * row8_bytes(shard) + codes, row8_bytes(shard) - codes)
+      .view(at::kFloat);
+}
+
 std::shared_ptr<PipelinedHook::Stage> ReduceScatterHook::start(
     Bucket& bucket, size_t index, bool is_last, c10::intrusive_ptr<c10::ivalue::Future>& done) {
   note_launch(index, kWhat);
   auto stage = std::make_shared<ScatterStage>();
   stage->shard = shards_[index];
   stage->last = is_last;
-  if (wire_) {
+  if (wire8_) {
+    // On the compute stream, after the copy-ins: each destination's row quantized once.
+    stage->scratch = scratch_for(bucket, index);
+    const int64_t shard = bucket.flat.numel() / world_size_;
+    for (int64_t r = 0; r < world_size_; ++r) {
+      quantize8_into(*wire8_, bucket.flat.narrow(0, r * shard, shard), kQuant8Block,
+                     codes8_of(stage->scratch.send, r, shard),
+                     scales8_of(stage->scratch.send, r, shard), nullptr);
+    }
+    // The bucket read, a byte a value written (the scales: a float per 256 values).
+    cost::add(cost::kHook, static_cast<int64_t>(bucket.flat.nbytes()) + bucket.flat.numel());
+    stage->work = all_to_all_even(*group_, stage->scratch.recv, stage->scratch.send);
+  } else if (wire_) {
     // On the compute stream, after the copy-ins: one pass, float32 to the wire.
     stage->scratch = scratch_for(bucket, index);
     half_compress_into(*wire_, bucket.flat, 1.0, nullptr, nullptr, stage->scratch.send);
@@ -152,7 +199,18 @@ void ReduceScatterHook::finish(Stage& stage) {
   // Off the compute stream (Note [hook streams]): the wait is a stream wait on a device.
   const SideStreamScope side(shard.device());
   scatter.wait_first();
-  if (wire_) {
+  if (wire8_) {
+    // Each rank's row dequantized and added in float32, in rank order, into the shard.
+    const int64_t n = shard.numel();
+    for (int64_t r = 0; r < world_size_; ++r) {
+      const at::Tensor& into = r == 0 ? shard : s.reduced;
+      dequantize8_into(*wire8_, codes8_of(s.recv, r, n), scales8_of(s.recv, r, n),
+                       kQuant8Block, into);
+      if (r > 0) shard.add_(s.reduced);
+    }
+    // A byte a value read, a float a value written per row, and the adds.
+    cost::add(cost::kHook, world_size_ * (n + 4 * n) + 2 * (world_size_ - 1) * 4 * n);
+  } else if (wire_) {
     // Rows in rank order summed in float32, rounded once to the wire, widened: the shard.
     half_sum_shards_into(*wire_, s.recv, world_size_, s.reduced);
     half_decompress_many(*wire_, {s.reduced}, {shard});
@@ -176,6 +234,9 @@ void ReduceScatterHook::finish(Stage& stage) {
 }
 
 int64_t ReduceScatterHook::wire_bytes(const Bucket& bucket) const {
+  if (wire8_) {
+    return row8_bytes(bucket.flat.numel() / world_size_) * (world_size_ - 1);
+  }
   const int64_t bytes = wire_ ? bucket.flat.numel() * 2 : bucket.bytes();
   return bytes / world_size_ * (world_size_ - 1);
 }

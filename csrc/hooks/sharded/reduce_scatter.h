@@ -28,6 +28,14 @@
 // half, a sum of two rounded once), bit for bit; on more ranks a sum of n
 // rounded once rather than n - 1 times.
 //
+// An 8-bit wire (`wire8`: int8, fp8 e4m3 or e5m2, block-scaled as the "int8" / "fp8"
+// hooks' wire, Note [8-bit wire formats] in quant8/quant8_hook.h; float32 buckets only):
+// each rank quantizes, per destination, its divided bucket's shard-long row once (codes and
+// block scales, about a quarter of the bytes), alltoall's them, and the receiver
+// dequantizes the world rows and sums them in float32 in rank order into its shard. Each
+// rank's contribution is rounded once and the sum not at all: nothing is re-quantized, as
+// the allreducing 8-bit hooks must before their all-gather.
+//
 // A float32 shard of a bf16 or fp16 bucket (the optimizer's float32 main weights, no
 // wire): the bucket's own rows are alltoall'ed, on every device, and summed in float32
 // in rank order straight into the shard, never rounded to 16 bits (Megatron's float32
@@ -49,6 +57,7 @@
 #include <vector>
 
 #include "../../core/half_rounding.h"
+#include "../../core/quant8_codes.h"
 #include "../common/allreduce.h"
 #include "../common/pipelined_hook.h"
 
@@ -59,8 +68,10 @@ class ReduceScatterHook final : public PipelinedHook {
   // shards[b]: bucket b's shard, 1/world of its length, of its dtype and device.
   // wire: a 16-bit format for the float32 buckets, or none (the bucket's dtype).
   // release_scratch (ZeRO-2): the CPU's scratch freed at the end of each backward.
+  // wire8: an 8-bit block-scaled format for the float32 buckets instead (not with wire).
   ReduceScatterHook(c10::intrusive_ptr<c10d::ProcessGroup> group, std::vector<at::Tensor> shards,
-                    std::optional<HalfKind> wire = std::nullopt, bool release_scratch = false);
+                    std::optional<HalfKind> wire = std::nullopt, bool release_scratch = false,
+                    std::optional<Quant8Format> wire8 = std::nullopt);
 
   std::string name() const override;
   // Raises unless every bucket is `shards`' bucket, in the same order and size.
@@ -87,12 +98,18 @@ class ReduceScatterHook final : public PipelinedHook {
   };
   // Bucket `index`'s scratch, views of the set of its parity.
   Scratch scratch_for(const Bucket& bucket, size_t index);
+  // The 8-bit wire's row for one destination rank: a shard's codes, padded to 4 bytes,
+  // then its block scales (float32).
+  int64_t row8_bytes(int64_t shard) const;
+  at::Tensor codes8_of(const at::Tensor& rows, int64_t r, int64_t shard) const;
+  at::Tensor scales8_of(const at::Tensor& rows, int64_t r, int64_t shard) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   AllreduceHook copy_;  // its copy-in and divisor
   std::vector<at::Tensor> shards_;
   int world_size_;
   std::optional<HalfKind> wire_;
+  std::optional<Quant8Format> wire8_;
   Scratch scratch_[2];  // the CPU's, by bucket index parity
   bool release_scratch_;
   std::optional<bool> work_has_future_;  // a device's reduce-scatter: learnt from the first

@@ -34,8 +34,7 @@ AdamW (a whole-tensor optimizer needs shards cut on whole parameters:
 ParameterShardedOptimizer, by_parameter.py),
 ``scaler.unscale_(optimizer)`` before ``scaler.step`` (GradScaler unscales ``.grad``, which
 the shards are not; ``scaler.step(optimizer)`` itself unscales the shards and skips the step
-on every rank when any rank finds an inf), and the 8-bit wires (``gradient_wire`` takes
-fp32, bf16 and fp16).
+on every rank when any rank finds an inf).
 ``state_dict()`` is torch's format, gathered onto one rank; ``sharded_state_dict()`` is each
 rank's share for torch.distributed.checkpoint (sharded_state.py).
 """
@@ -57,7 +56,9 @@ _WHO = "fastddp.optim.ShardedOptimizer"
 # scalars only, so a run of a flat buffer steps as the whole parameters would.
 _ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 # The reduce-scatter's wires (csrc/hooks/sharded/reduce_scatter.h).
-_WIRES = ("fp32", "bf16", "fp16")
+# "fp8" is the fp8 hook's default format, e4m3.
+_WIRES = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "int8": "int8", "fp8": "e4m3",
+          "e4m3": "e4m3", "e5m2": "e5m2"}
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -73,10 +74,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     next forward waits for its own buckets (call ``wait()`` before reading them elsewhere).
     ``zero_stage=2``: the full gradient buffers exist only while a backward reduces; between
     steps a rank holds its shard of the averaged gradient alone.
-    ``gradient_wire``: what the reduce-scatter sends: ``"fp32"`` (the gradients' dtype) or
+    ``gradient_wire``: what the reduce-scatter sends: ``"fp32"`` (the gradients' dtype),
     ``"bf16"`` / ``"fp16"`` (float32 gradients at half the bytes, each rank's divided
     gradient rounded once, the sum over ranks in float32 rounded once; the shard stays
-    float32). ``main_weights="fp32"``, for bf16 or fp16 parameters (Megatron's mixed
+    float32), or ``"int8"`` / ``"fp8"`` (``"e4m3"``) / ``"e5m2"`` (about a quarter of the
+    bytes: each rank's divided gradient block-quantized once as the int8 / fp8 hooks' wire,
+    the ranks' rows dequantized and summed in float32, never re-quantized). ``main_weights="fp32"``, for bf16 or fp16 parameters (Megatron's mixed
     precision): each rank keeps a float32 copy of its shard of the parameters, which torch's
     optimizer steps with float32 state, from a float32 shard of the gradient (the ranks'
     16-bit gradients summed in float32); after the step the shard is rounded once into the
@@ -97,8 +100,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "parameters' gradients already travel in their own format")
         if gradient_wire not in _WIRES:
             raise NotImplementedError(
-                f"{_WHO}: gradient_wire={gradient_wire!r}: one of {', '.join(_WIRES)} (the 8-bit "
-                "wires' block scales are not summed shard-wise yet)")
+                f"{_WHO}: gradient_wire={gradient_wire!r}: one of {', '.join(_WIRES)}")
         if optimizer_class not in _ELEMENTWISE:  # a subclass may step otherwise
             raise NotImplementedError(
                 f"{_WHO}: {getattr(optimizer_class, '__name__', optimizer_class)!s} is not "
@@ -119,7 +121,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                  f"or fp16 parameters; the model has {', '.join(other)} ones")
         self._model = model
         self._buckets = surface.shard_gradients(
-            model, release_buckets=zero_stage == 2, wire=gradient_wire,
+            model, release_buckets=zero_stage == 2, wire=_WIRES[gradient_wire],
             grad_dtype=torch.float32 if main_weights is not None else None)
         # Per bucket, main_weights: the float32 copy of this rank's shard the optimizer steps.
         self._mains = [bucket.shard.float() if main_weights is not None else None

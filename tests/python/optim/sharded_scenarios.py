@@ -298,8 +298,8 @@ def refusals() -> dict:
     def lbfgs():
         ShardedOptimizer(model(), torch.optim.LBFGS, lr=0.1)
 
-    def int8_wire():
-        ShardedOptimizer(model(), cls, gradient_wire="int8", **kwargs)
+    def int4_wire():  # a wire the reduce-scatter has none of
+        ShardedOptimizer(model(), cls, gradient_wire="int4", **kwargs)
 
     def bf16_wire_of_float64():  # the wire casts float32 gradients only; refused, unchanged
         torch.manual_seed(0)
@@ -362,7 +362,7 @@ def refusals() -> dict:
                      ("step_without_backward", step_without_backward),
                      ("unscale_first", unscale_first), ("checkpoint", checkpoint),
                      ("wrong_groups", wrong_groups), ("join", join), ("pickled", pickled),
-                     ("int8_wire", int8_wire), ("bf16_wire_of_float64", bf16_wire_of_float64)]:
+                     ("int4_wire", int4_wire), ("bf16_wire_of_float64", bf16_wire_of_float64)]:
         attempt(name, fn)
     dist.barrier()  # every rank refused alike: no collective is left half issued
     return out

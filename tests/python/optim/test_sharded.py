@@ -114,7 +114,7 @@ def test_refusals_name_the_culprit(world):
             "wrong_groups": ("ValueError", "do not match"),
             "join": ("NotImplementedError", "join()"),
             "pickled": ("NotImplementedError", "ShardedOptimizer"),
-            "int8_wire": ("NotImplementedError", "gradient_wire='int8'"),
+            "int4_wire": ("NotImplementedError", "gradient_wire='int4'"),
             "bf16_wire_of_float64": ("NotImplementedError", "torch.float64"),
         }
         assert set(r) == set(expected), r

@@ -4,7 +4,7 @@
 import pytest
 
 from tests.python.harness import World
-from tests.python.optim import main_weights_scenarios
+from tests.python.optim import main_weights_scenarios, wire8_scenarios
 from tests.python.optim import sharded_cuda_scenarios as s
 
 pytestmark = pytest.mark.gpu
@@ -64,3 +64,13 @@ def test_main_weights_on_cuda_are_the_written_out_mixed_precision(nccl1):
     (r,) = nccl1.check(main_weights_scenarios.train, optimizer="adamw_foreach", device="cuda")
     assert r["ulps"] <= 2 ** -7 and r["moved"] and r["grads_none"], r
     assert r["state_dtypes"] == ["torch.float32"], r
+
+
+# The 8-bit wire on NCCL: the CUDA quantize / dequantize kernels, an alltoall, the float32
+# sum on the side stream. Against the reference quantizer written with torch's ops on the
+# GPU, bit for bit as on the CPU (the kernels quantize as the reference does).
+@pytest.mark.parametrize("wire", sorted(wire8_scenarios.FORMATS))
+def test_an_8_bit_reduce_scatter_on_cuda_is_the_written_out_sum(nccl1, wire):
+    (r,) = nccl1.check(wire8_scenarios.shards_are_the_written_out_sum, wire=wire,
+                       device="cuda")
+    assert r["diff"] == 0.0, r
