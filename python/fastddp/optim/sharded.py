@@ -79,8 +79,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     gradient rounded once, the sum over ranks in float32 rounded once; the shard stays
     float32), or ``"int8"`` / ``"fp8"`` (``"e4m3"``) / ``"e5m2"`` (about a quarter of the
     bytes: each rank's divided gradient block-quantized once as the int8 / fp8 hooks' wire,
-    the ranks' rows dequantized and summed in float32, never re-quantized). ``main_weights="fp32"``, for bf16 or fp16 parameters (Megatron's mixed
-    precision): each rank keeps a float32 copy of its shard of the parameters, which torch's
+    the ranks' rows dequantized and summed in float32, never re-quantized).
+    ``main_weights="fp32"``, for bf16 or fp16 parameters (Megatron's mixed precision): each
+    rank keeps a float32 copy of its shard of the parameters, which torch's
     optimizer steps with float32 state, from a float32 shard of the gradient (the ranks'
     16-bit gradients summed in float32); after the step the shard is rounded once into the
     16-bit parameters, which are all-gathered. The other keywords are ``optimizer_class``'s

@@ -62,7 +62,8 @@ def train(optimizer: str = "adafactor", steps: int = 10, clip: bool = False) -> 
     zero_mine = sum(t.numel() * t.element_size() for s in zero_opt.optim.state.values()
                     for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
     return {
-        "diff_ref": max((a - b).abs().max().item() for a, b in zip(fast_p, ref.module.parameters())),
+        "diff_ref": max((a - b).abs().max().item()
+                        for a, b in zip(fast_p, ref.module.parameters())),
         "diff_zero": max((a - b).abs().max().item()
                          for a, b in zip(fast_p, zero.module.parameters())),
         "moved": all(not torch.equal(a, b) for a, b in zip(fast_p, first.parameters())),
