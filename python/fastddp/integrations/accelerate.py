@@ -227,8 +227,7 @@ class Accelerator(accelerate.Accelerator):
         point_scheduler_at(scheduler, self._sharded_for)
         return super().prepare_scheduler(scheduler)
 
-    def _sharded_holding(self, parameters: Any, what: str) -> ShardedOptimizer | None:
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    def _sharded_holding(self, params: list, what: str) -> ShardedOptimizer | None:
         ids = {id(p) for p in params}
         for accelerated in self._optimizers:
             inner = accelerated.optimizer
@@ -245,7 +244,7 @@ class Accelerator(accelerate.Accelerator):
         return None
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        params = _as_list(parameters)
         sharded = self._sharded_holding(params, "clip_grad_norm_")
         if sharded is None:
             return super().clip_grad_norm_(params, max_norm, norm_type)
@@ -257,7 +256,7 @@ class Accelerator(accelerate.Accelerator):
         return sharded.clip_grad_norm_(max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        params = _as_list(parameters)
         if self._sharded_holding(params, "clip_grad_value_") is not None:
             raise NotImplementedError(
                 "fastddp Accelerator.clip_grad_value_ with a sharded optimizer: no rank holds "
@@ -274,3 +273,8 @@ class Accelerator(accelerate.Accelerator):
                 "unscaled inside its step (GradScaler's unscale_ sees no .grad)")
         return super().unscale_gradients(optimizer)
 
+
+def _as_list(parameters: Any) -> list:
+    """A tensor or an iterable of them (torch's clipping functions take either) as a list,
+    read once (a generator such as model.parameters() is used up)."""
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)

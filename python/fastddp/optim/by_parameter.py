@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from fastddp import _group_ops
+from fastddp.optim import sharded_state
 from fastddp.optim.sharded import _checked_groups
 
 _WHO = "fastddp.optim.ParameterShardedOptimizer"
@@ -102,9 +103,6 @@ class ParameterShardedOptimizer(torch.optim.Optimizer):
             _group_ops.broadcast_tensors(self._group, params, root)
         return loss
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)  # every parameter's (this rank's inner ones included)
-
     def shard_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (its own parameters' only)."""
         return sum(t.numel() * t.element_size() for state in self._inner.state.values()
@@ -127,28 +125,16 @@ class ParameterShardedOptimizer(torch.optim.Optimizer):
         state = {}
         for theirs in everyone:
             state.update(theirs)
-        groups, start = [], 0
-        for group in self.param_groups:
-            count = len(group["params"])
-            groups.append({**{k: v for k, v in group.items() if k != "params"},
-                           "params": list(range(start, start + count))})
-            start += count
         params = [p for g in self.param_groups for p in g["params"]]
         self._consolidated = {
             "state": {i: {k: v.to(params[i].device) if torch.is_tensor(v) and v.dim() else v
                           for k, v in state[i].items()} for i in sorted(state)},
-            "param_groups": groups}
+            "param_groups": sharded_state.indexed_groups(self.param_groups)}
 
     def state_dict(self) -> dict:
         """The state ``consolidate_state_dict()`` gathered: what torch's optimizer over the
         same parameters and groups would return."""
-        if getattr(self, "_consolidated", None) is None:
-            raise RuntimeError(
-                f"{_WHO}.state_dict(): each rank holds its own parameters' state; call "
-                "consolidate_state_dict(to=rank) on every rank first, then state_dict() on "
-                "that rank (as with torch's ZeroRedundancyOptimizer)")
-        state, self._consolidated = self._consolidated, None
-        return state
+        return sharded_state.take_consolidated(self, _WHO, "its own parameters' state")
 
     def load_state_dict(self, state_dict: dict) -> None:
         """A whole state dict in torch's format, on every rank: each keeps its parameters'."""
@@ -160,11 +146,7 @@ class ParameterShardedOptimizer(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         position = {id(p): i for i, p in enumerate(params)}
         inner_ids = [position[id(p)] for g in self._inner.param_groups for p in g["params"]]
-        local, start = [], 0
-        for group in self._inner.param_groups:
-            local.append({**{k: v for k, v in group.items() if k != "params"},
-                          "params": list(range(start, start + len(group["params"])))})
-            start += len(group["params"])
+        local = sharded_state.indexed_groups(self._inner.param_groups)
         for mine, theirs in zip(self.param_groups, saved):
             mine.update({k: v for k, v in theirs.items() if k != "params"})
         for mine, theirs in zip(local, saved):

@@ -273,13 +273,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """The state consolidated by ``consolidate_state_dict()``: what torch's optimizer over
         the same parameters and param groups would return, loadable into one."""
-        if getattr(self, "_consolidated", None) is None:
-            raise RuntimeError(
-                f"{_WHO}.state_dict(): each rank holds 1/world of the state; call "
-                "consolidate_state_dict(to=rank) on every rank first, then state_dict() on "
-                "that rank (as with torch's ZeroRedundancyOptimizer)")
-        state, self._consolidated = self._consolidated, None
-        return state
+        return sharded_state.take_consolidated(self, _WHO, "1/world of the state")
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a whole state dict in torch's format (a consolidated one, or a plain torch

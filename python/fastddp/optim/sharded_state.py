@@ -92,14 +92,33 @@ def consolidate(opt: Any, to: int) -> dict | None:
                     entry[key] = value.clone().to(p.device) if torch.is_tensor(value) else value
     if rank != to:
         return None
+    # torch's order: the state by parameter position
+    return {"state": {i: state[i] for i in sorted(state)},
+            "param_groups": indexed_groups(opt.param_groups)}
+
+
+def indexed_groups(param_groups: list[dict]) -> list[dict]:
+    """``param_groups`` as torch's ``state_dict()`` writes them: every hyperparameter, and
+    in place of the parameters their positions, counted across the groups."""
     groups, start = [], 0
-    for group in opt.param_groups:
+    for group in param_groups:
         count = len(group["params"])
         groups.append({**{k: v for k, v in group.items() if k != "params"},
                        "params": list(range(start, start + count))})
         start += count
-    # torch's order: the state by parameter position
-    return {"state": {i: state[i] for i in sorted(state)}, "param_groups": groups}
+    return groups
+
+
+def take_consolidated(opt: Any, who: str, each_rank_holds: str) -> dict:
+    """``state_dict()`` of a sharded optimizer: what its ``consolidate_state_dict()`` left
+    on this rank, handed out once; a RuntimeError naming the call where there is none."""
+    if getattr(opt, "_consolidated", None) is None:
+        raise RuntimeError(
+            f"{who}.state_dict(): each rank holds {each_rank_holds}; call "
+            "consolidate_state_dict(to=rank) on every rank first, then state_dict() on "
+            "that rank (as with torch's ZeroRedundancyOptimizer)")
+    state, opt._consolidated = opt._consolidated, None
+    return state
 
 
 def load(opt: Any, state_dict: dict) -> None:
