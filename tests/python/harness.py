@@ -41,9 +41,11 @@ COLLECTIVE_TIMEOUT_S = 60.0
 _STOP = None
 # The error_type of a rank that died (see World.run's allow_deaths).
 DIED = "Died"
-# torch._dynamo: the first optimizer a process builds imports it (2 s and more).
+# torch._dynamo: the first optimizer a process builds imports it (2 s and more). torchft:
+# its replica groups fork from the same server (forked_process); the server skips a module
+# that is not installed.
 _FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "fastddp",
-                       "tests.python.harness"]
+                       "tests.python.harness", "torchft"]
 _live_worlds: "set[World]" = set()
 
 
@@ -100,11 +102,7 @@ class World:
             self._spawn()
 
     def _spawn(self) -> None:
-        ctx = mp.get_context(self.start_method)
-        if self.start_method == "forkserver":
-            # Takes effect when the server starts (once per test process); forking from a
-            # process that only imported torch is safe (no threads run yet).
-            ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
+        ctx = _forkserver() if self.start_method == "forkserver" else mp.get_context("spawn")
         port = _free_port()
         for rank in range(self.size):
             parent_end, child_end = ctx.Pipe()
@@ -249,6 +247,30 @@ def _name(scenario: Callable[..., Any] | str) -> str:
 def _describe(results: list[RankResult]) -> str:
     return "\n".join(
         f"--- rank {r.rank}: {r.error_type}: {r.error}\n{r.traceback}" for r in results)
+
+
+def _forkserver() -> Any:
+    """The forkserver context, its server preloading _FORKSERVER_PRELOAD. The preload takes
+    effect when the server starts (once per test process); forking from a process that only
+    imported torch is safe (no threads run yet)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    return ctx
+
+
+def forked_process(target: Callable[..., None], args: tuple, name: str) -> mp.process.BaseProcess:
+    """A process (not started) that runs target(*args), forked from the server that has
+    imported torch and fastddp, with the test process's environment as it is now, as a spawned
+    one would have: for tests that start processes of their own (torchft's replica groups).
+    CPU only: CUDA is not fork-safe once the server's parent has touched it."""
+    return _forkserver().Process(target=_run_in_environ, args=(dict(os.environ), target, args),
+                                 name=name)
+
+
+def _run_in_environ(environ: dict[str, str], target: Callable[..., None], args: tuple) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    target(*args)
 
 
 def _free_port() -> int:
