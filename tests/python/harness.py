@@ -261,8 +261,8 @@ def _forkserver() -> Any:
 def forked_process(target: Callable[..., None], args: tuple, name: str) -> mp.process.BaseProcess:
     """A process (not started) that runs target(*args), forked from the server that has
     imported torch and fastddp, with the test process's environment as it is now, as a spawned
-    one would have: for tests that start processes of their own (torchft's replica groups).
-    CPU only: CUDA is not fork-safe once the server's parent has touched it."""
+    one would have: for tests that start processes of their own (torchft's replica groups,
+    gloo on the CPU; NCCL worlds keep spawning, see World)."""
     return _forkserver().Process(target=_run_in_environ, args=(dict(os.environ), target, args),
                                  name=name)
 
