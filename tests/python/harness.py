@@ -268,9 +268,15 @@ def forked_process(target: Callable[..., None], args: tuple, name: str) -> mp.pr
 
 
 def _run_in_environ(environ: dict[str, str], target: Callable[..., None], args: tuple) -> None:
+    _take_environ(environ)
+    target(*args)
+
+
+def _take_environ(environ: dict[str, str]) -> None:
+    """A forked process has its server's environment (the one of the server's start): the
+    test process's, as it was when the process was made, replaces it."""
     os.environ.clear()
     os.environ.update(environ)
-    target(*args)
 
 
 def _free_port() -> int:
@@ -297,9 +303,7 @@ def _exit_with_parent(parent_pid: int) -> None:
 def _worker_main(rank: int, size: int, port: int, backend: str,
                  conn: multiprocessing.connection.Connection, environ: dict[str, str]) -> None:
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    # A forked rank has its server's environment: the test process's now replaces it.
-    os.environ.clear()
-    os.environ.update(environ)
+    _take_environ(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(size), LOCAL_RANK=str(rank))
     try:
