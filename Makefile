@@ -43,9 +43,9 @@ deps:
 	  2>/dev/null || { $(PYTHON) -m pip install -q "$(TORCH_SPEC)" && $(PYTHON) -c "import torch; \
 	  print('[make] torch', torch.__version__, 'CUDA', torch.version.cuda)"; }
 	@# -I: not the checkout's build/ folder as the `build` package
-	@$(PYTHON) -I -c "import setuptools as s, wheel, pytest, build.__main__, sys; \
+	@$(PYTHON) -I -c "import setuptools as s, wheel, pytest, xdist, build.__main__, sys; \
 	  sys.exit(int(s.__version__.split('.')[0]) < 77)" 2>/dev/null \
-	  || $(PYTHON) -m pip install -q "setuptools>=77" wheel pytest build
+	  || $(PYTHON) -m pip install -q "setuptools>=77" wheel pytest pytest-xdist build
 	@$(PYTHON) -c "import matplotlib" 2>/dev/null || $(PYTHON) -m pip install -q matplotlib
 	@# torch's own test modules (tests/torch_ddp) import these; the torch wheel does not
 	@$(PYTHON) -c "import expecttest, numpy" 2>/dev/null \
@@ -147,8 +147,14 @@ test-cpp:
 	cmake --build build/cpp
 	cd build/cpp && ctest --output-on-failure
 
+# Two test files at a time (pytest-xdist, whole files per worker: a file's module worlds and
+# fixtures stay in one process). Run serially, the suite left the 2 cores about 30% idle: a
+# multi-rank scenario mostly waits on gloo's loopback collectives, a tuning test on its
+# sleeps. With two workers the cores stay busy and the suite takes 15.5 min instead of 19
+# (benchmarks/results/suite.md). TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test-python:
-	$(PYTHON) -m pytest tests/python -q -p no:cacheprovider
+	$(PYTHON) -m pytest tests/python -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 # The fastddp column of PyTorch's DDP tests; known_failures.txt are strict xfails.
 test-torch-ddp:

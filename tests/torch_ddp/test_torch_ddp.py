@@ -9,9 +9,10 @@ torch's names, as fastddp's own code.
 
 Column: fastddp by default; ``FASTDDP_DISABLE=1`` runs the same tests on stock torch DDP.
 fastddp must replace torch's class before torch's test modules are imported (they do
-``from torch.nn.parallel import DistributedDataParallel``). Every rank is a spawned process
-that re-imports this module (in the Python-group cases, as in torch's, a thread of this
-process), so patching here at the top covers the test process and all ranks. Each rank
+``from torch.nn.parallel import DistributedDataParallel``). Every rank is forked from a fork
+server that imported this module, or a spawned process that re-imports it (in the
+Python-group cases, as in torch's, a thread of this process), so patching here at the top
+covers the test process and all ranks. Each rank
 also checks, before the test body runs, that the names it will use are the column's class,
 and in the fastddp column constructing torch's own class raises: a run that silently tested
 torch's DDP cannot pass.
@@ -20,7 +21,7 @@ Selection, xfail marks for known failures and deselection of stock failures: con
 Both columns side by side: compare_columns.py (make test-torch-ddp-suite).
 
 Environment: FASTDDP_DISABLE=1 (stock column), FASTDDP_TORCH_DDP_TIMEOUT (seconds before a
-hung test is killed, 120), FASTDDP_TORCH_DDP_START (spawn, as pytorch; or forkserver),
+hung test is killed, 120), FASTDDP_TORCH_DDP_START (forkserver; or spawn, as pytorch),
 FASTDDP_TORCH_DDP_ALL=1 (also the tests stock torch skips here), FASTDDP_TORCH_DDP_RAW=1 (no
 xfail marks), FASTDDP_TORCH_DDP_RECORD (a file that gets one JSON line per test: DDP
 constructor calls).
@@ -135,9 +136,12 @@ def check_ddp_names() -> None:
 check_ddp_names()
 
 
-# How ranks start: "spawn" (pytorch's runners: every rank imports torch and this module,
-# ~5 s of CPU each) or "forkserver" (ranks fork from a server that imported this module once).
-START_METHOD = os.environ.get("FASTDDP_TORCH_DDP_START", "spawn")
+# How ranks start: "forkserver" (ranks fork from a server that imported this module once) or
+# "spawn" (pytorch's runners: every rank imports torch and this module, ~5 s of CPU each).
+# The ranks run the same code either way (the patch is made at import, and each rank checks
+# its DDP class); forked, the 26 tests took 100 s instead of 131 quiet and 178 s instead of
+# 227 with both cores busy (benchmarks/results/suite.md).
+START_METHOD = os.environ.get("FASTDDP_TORCH_DDP_START", "forkserver")
 if START_METHOD not in ("spawn", "forkserver"):
     raise ValueError(f"FASTDDP_TORCH_DDP_START={START_METHOD!r}: use spawn or forkserver")
 
