@@ -142,12 +142,12 @@ test-compat-newest: install deps-compat-newest
 
 test: install deps-stacks deps-compat test-cpp test-python test-torch-ddp
 
-# Through ccache as _C is (paths under the checkout made relative): a fresh clone of sources
-# built before compiles nothing, where Catch2's main alone took 22 s.
+# Through ccache with _C's settings (CCACHE_ENV: paths under the checkout made relative): a
+# fresh clone of sources built before compiles nothing, where Catch2's main alone took 22 s.
 test-cpp:
 	cmake -S . -B build/cpp -G Ninja -DCMAKE_BUILD_TYPE=Release \
 	  -DCMAKE_CXX_COMPILER_LAUNCHER=ccache >/dev/null
-	CCACHE_BASEDIR=$(CURDIR) CCACHE_NOHASHDIR=1 cmake --build build/cpp
+	$(CCACHE_ENV) cmake --build build/cpp
 	cd build/cpp && ctest --output-on-failure
 
 # Two test files at a time (pytest-xdist, whole files per worker: a file's module worlds and
