@@ -9,6 +9,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 
 import pytest
 
@@ -158,3 +159,24 @@ def test_the_checkouts_units_use_the_precompiled_torch_headers(setup_py):
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"! {gch}" in done.stderr.splitlines(), [
         line for line in done.stderr.splitlines() if "gch" in line or "pch" in line][:10]
+
+
+def test_an_empty_venv_include_folder_stays_out_of_the_compile(setup_py, tmp_path, monkeypatch):
+    # setuptools adds <venv>/include to every compile line; its absolute path outside the
+    # checkout entered ccache's key of the precompiled header, so each new venv rebuilt it.
+    from setuptools import Distribution
+
+    def include_dirs() -> list[str]:
+        command = setup_py.BuildExtension(Distribution({"name": "fastddp"}))
+        command.finalize_options()
+        return command.include_dirs
+
+    venv_include = tmp_path / "include"
+    venv_include.mkdir()
+    monkeypatch.setattr(sys, "exec_prefix", str(tmp_path))
+    monkeypatch.setattr(sys, "base_exec_prefix", str(tmp_path / "base"))
+    assert str(venv_include) not in include_dirs()
+    # A folder that holds a header (a package installed one there) stays: it may be used.
+    (venv_include / "site").mkdir()
+    (venv_include / "site" / "greenlet.h").write_text("")
+    assert str(venv_include) in include_dirs()
