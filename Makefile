@@ -81,7 +81,8 @@ $(BUILD_STAMP): FORCE
 endif
 .PHONY: FORCE
 FORCE:
-$(BUILD_STAMP): $(SOURCES)
+# deps order-only: under make -j the build must not start while deps's pip installs setuptools.
+$(BUILD_STAMP): $(SOURCES) | deps
 	@mkdir -p build
 	@if [ -f $@ ] && [ -z "$(filter-out csrc/%,$?)" ] && $(EDITABLE_HERE); then \
 	  echo "[make] csrc changed: rebuilding fastddp._C in place"; \
@@ -106,19 +107,21 @@ $(BUILD_STAMP): $(SOURCES)
 # torch's: in a venv made with --system-site-packages the CUDA libraries may sit in the
 # system's while torch sits in the venv), so only torch's own wheel (530 MB) is downloaded,
 # plus, where torch does not import with the outer NVSHMEM (2.15), the one it pins.
-# $(call compat-venv,VENV,TORCH SPEC): makes VENV unless it imports torch already.
+# $(call compat-venv,VENV,TORCH SPEC[,PIP'S ENVIRONMENT]): makes VENV unless it imports torch
+# already. Each venv has its own pip and folder, so `make -j` may make them beside `install`;
+# they read this environment's torch (below), hence their prerequisite `deps`.
 define compat-venv
 @[ -x $(1)/bin/python ] && $(1)/bin/python -c "import torch, sys, \
   setuptools as s; sys.exit(int(s.__version__.split('.')[0]) < 77)" 2>/dev/null \
   || { rm -rf $(1) && $(PYTHON) -m venv $(1) \
-       && $(1)/bin/pip install -q --no-deps "$(2)" \
-       && $(1)/bin/pip install -q typing-extensions sympy networkx jinja2 fsspec filelock \
+       && $(3) $(1)/bin/pip install -q --no-deps "$(2)" \
+       && $(3) $(1)/bin/pip install -q typing-extensions sympy networkx jinja2 fsspec filelock \
           "setuptools>=77" wheel \
        && $(PYTHON) -c "import os, site, torch; \
           print(*dict.fromkeys([os.path.dirname(os.path.dirname(torch.__file__))] + site.getsitepackages()), sep='\n')" \
           > $$($(1)/bin/python -c "import site; print(site.getsitepackages()[0])")/zz_outer.pth \
        && { $(1)/bin/python -c "import torch" 2>/dev/null \
-            || $(1)/bin/pip install -q --no-deps $$($(1)/bin/python -c "from importlib.metadata \
+            || $(3) $(1)/bin/pip install -q --no-deps $$($(1)/bin/python -c "from importlib.metadata \
                import requires; print(*(r.split(';')[0].replace(' ', '') for r in \
                requires('torch') if r.startswith('nvidia-nvshmem')))"); } ; }
 @$(1)/bin/python -c "import torch; print('[make] compat venv: torch', torch.__version__)"
@@ -126,13 +129,13 @@ endef
 
 COMPAT_VENV := build/torch-2.11-venv
 NEWEST_VENV := build/torch-2.15-venv
-deps-compat:
+deps-compat: deps
 	$(call compat-venv,$(COMPAT_VENV),torch==2.11.0)
 
-# This machine's pip constraints cap torch at its local wheels' version (2.14.1): lifted here.
-deps-compat-newest: export PIP_CONSTRAINT = /dev/null
-deps-compat-newest:
-	$(call compat-venv,$(NEWEST_VENV),torch==2.15.0)
+# This machine's pip constraints cap torch at its local wheels' version (2.14.1): lifted for
+# this venv's pip only (a target's exported variable would reach `deps` too).
+deps-compat-newest: deps
+	$(call compat-venv,$(NEWEST_VENV),torch==2.15.0,PIP_CONSTRAINT=/dev/null)
 
 # CI's second stage (.ci/run, after `make test`, which must stay under 30 minutes): fastddp
 # built against torch 2.15 (a CPU build) and its self-check there.
@@ -140,7 +143,12 @@ test-compat-newest: install deps-compat-newest
 	FASTDDP_COMPAT_NEWEST=$(CURDIR)/$(NEWEST_VENV)/bin/python $(PYTHON) -m pytest -q \
 	  -p no:cacheprovider tests/python/install/test_compat.py -k newest
 
-test: install deps-stacks deps-compat test-cpp test-python test-torch-ddp
+# fastddp's install here and the 2.11 venv side by side (make -j2): each is mostly one core's
+# work (from ccache and pip's cache, ~15 and ~30 s on a fresh clone) and they share no
+# environment. deps-stacks uses this environment's pip, so it waits for the install's.
+test:
+	@$(MAKE) --no-print-directory -j2 --output-sync=line install deps-compat
+	@$(MAKE) --no-print-directory deps-stacks test-cpp test-python test-torch-ddp
 
 # Through ccache with _C's settings (CCACHE_ENV: paths under the checkout made relative): a
 # fresh clone of sources built before compiles nothing, where Catch2's main alone took 22 s.
