@@ -390,9 +390,10 @@ class BuildExtension(cpp_extension.BuildExtension):
         self.build_temp = os.path.join(HERE, "build", "temp")
         # setuptools adds a venv's include/ folder to every compile. It is usually empty, and
         # its absolute path (outside the checkout, so CCACHE_BASEDIR cannot make it relative)
-        # enters ccache's key of the precompiled torch headers: each new venv recompiled them
-        # (~25 s of a fresh clone's 49 s `make install`). An empty folder adds no header, so
-        # dropping it compiles the same code.
+        # enters ccache's key of the precompiled torch headers, whose include paths ccache
+        # hashes even in its preprocessor mode: each new venv recompiled them (~25 s of a
+        # fresh clone's 49 s `make install`). An empty folder adds no header, so dropping it
+        # compiles the same code (the same _C, byte for byte, as a build outside any venv).
         venv_include = os.path.join(sys.exec_prefix, "include")
         if venv_include in self.include_dirs and not any(
                 files for _, _, files in os.walk(venv_include)):

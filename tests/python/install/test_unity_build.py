@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from setuptools import Distribution
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
@@ -164,8 +165,6 @@ def test_the_checkouts_units_use_the_precompiled_torch_headers(setup_py):
 def test_an_empty_venv_include_folder_stays_out_of_the_compile(setup_py, tmp_path, monkeypatch):
     # setuptools adds <venv>/include to every compile line; its absolute path outside the
     # checkout entered ccache's key of the precompiled header, so each new venv rebuilt it.
-    from setuptools import Distribution
-
     def include_dirs() -> list[str]:
         command = setup_py.BuildExtension(Distribution({"name": "fastddp"}))
         command.finalize_options()
